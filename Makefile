@@ -1,0 +1,33 @@
+# Two entry points: `make run` (the pipeline) and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export DVC_NO_ANALYTICS := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: run test test-quick install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Re-install only when the dependency list changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/dvc repro
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,288 @@
+"""Typed, validated configuration: `params.yaml` plus `-S key=value` overrides.
+
+Every knob lives in `params.yaml` (DVC tracks it); this module is its schema. Loading rejects
+unknown keys (naming the dotted path and the closest valid key) and wrong types (naming the
+key, the value and the expected type) before any work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gptforge.errors import BadInput
+
+DEFAULT_PARAMS = "params.yaml"
+
+SMS_SPAM_URL = "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip"
+ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_source(value: str) -> str:
+    """A source is `hf://OWNER/NAME`, an `https://` URL or a local path (checked when used)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("must be hf://OWNER/NAME, an https:// URL or a local path")
+    if "://" in value:
+        scheme = value.split("://", 1)[0].lower()
+        if scheme == "hf":
+            repo = value[len("hf://") :]
+            if repo.count("/") != 1 or not all(repo.split("/")):
+                raise ValueError(f"hf:// sources are hf://OWNER/NAME, got {value!r}")
+        elif scheme != "https":
+            raise ValueError(f"only https://, hf:// and local sources are accepted, got {value!r}")
+    return value
+
+
+def _check_splits(value: list[float]) -> list[float]:
+    if len(value) != 3:
+        raise ValueError(f"needs 3 fractions (train, val, test), got {len(value)}")
+    if any(f < 0 for f in value):
+        raise ValueError(f"fractions must be >= 0, got {value}")
+    if not math.isclose(sum(value), 1.0, abs_tol=1e-6):
+        raise ValueError(f"fractions must sum to 1, got {sum(value):g} ({value})")
+    if value[0] <= 0:
+        raise ValueError(f"the train fraction must be > 0, got {value}")
+    return value
+
+
+class TokenizerConfig(Section):
+    # None: tiktoken's `gpt2` encoding (downloads its BPE files on first use, then cached).
+    # A folder with encoder.json + vocab.bpe (OpenAI's GPT-2 files), or a `.tiktoken` file.
+    path: Optional[str] = None
+
+
+class DownloadConfig(Section):
+    retries: int = Field(3, ge=0, description="extra attempts after the first")
+    backoff: float = Field(2.0, ge=0, description="seconds before the first retry; doubles each time")
+    timeout: float = Field(30.0, gt=0, description="socket timeout in seconds")
+
+
+class PretrainData(Section):
+    source: str = "hf://HuggingFaceFW/fineweb-edu"
+    name: Optional[str] = "sample-10BT"  # hub dataset configuration
+    split: str = "train"  # hub dataset split
+    text_field: str = "text"
+    sha256: Optional[str] = None  # for https:// sources
+    max_tokens: int = Field(20_000_000, gt=0)
+    shard_tokens: int = Field(10_000_000, gt=0)
+    val_tokens: int = Field(1_000_000, ge=0)
+    workers: int = Field(0, ge=0, description="tokenizer processes; 0 = one per CPU core")
+
+    _source = field_validator("source")(_check_source)
+
+
+class ClassifyData(Section):
+    source: str = SMS_SPAM_URL
+    sha256: Optional[str] = None
+    splits: list[float] = [0.7, 0.1, 0.2]
+    max_bad_fraction: float = Field(0.01, ge=0, le=1)
+    balance: bool = True  # undersample the majority class
+    seed: int = 123
+
+    _source = field_validator("source")(_check_source)
+    _splits = field_validator("splits")(_check_splits)
+
+
+class InstructData(Section):
+    source: str = ALPACA_URL
+    sha256: Optional[str] = None
+    split: str = "train"  # for hf:// sources
+    splits: list[float] = [0.85, 0.05, 0.10]
+    seed: int = 123
+
+    _source = field_validator("source")(_check_source)
+    _splits = field_validator("splits")(_check_splits)
+
+
+class DataConfig(Section):
+    download: DownloadConfig = DownloadConfig()
+    pretrain: PretrainData = PretrainData()
+    classify: ClassifyData = ClassifyData()
+    instruct: InstructData = InstructData()
+
+
+class TrackingConfig(Section):
+    enabled: bool = True
+    experiment: str = "gptforge"
+
+
+class Config(Section):
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def flat(self, *sections: str) -> dict[str, Any]:
+        """Flattened `a.b.c -> value` view, restricted to the named top-level sections."""
+        tree = self.model_dump(mode="json")
+        if sections:
+            tree = {k: _get(tree, k) for k in sections}
+        return flatten(tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=VALUE` with VALUE parsed as YAML (`-S data.classify.splits=[0.8,0.1,0.1]`)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise BadInput(f"override {text!r} is not KEY=VALUE with a dotted KEY (e.g. -S data.pretrain.max_tokens=1000)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise BadInput(f"override {key}: value {raw!r} is not valid YAML ({_one_line(e)})") from None
+    return key, value
+
+
+def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    tree = copy.deepcopy(tree)
+    for text in overrides:
+        key, value = parse_override(text)
+        node = tree
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise BadInput(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def read_params(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"params file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not valid YAML ({_one_line(e)})") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise BadInput(f"{path}: expected a mapping of sections at the top level, got {type(tree).__name__}")
+    return tree
+
+
+def load_config(
+    params: str | os.PathLike | None = DEFAULT_PARAMS, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Read `params` (None: defaults only), apply overrides, validate. Raises BadInput."""
+    tree = read_params(params) if params is not None else {}
+    tree = apply_overrides(tree, list(overrides))
+    origin = str(params) if params is not None else "config"
+    return validate(tree, origin)
+
+
+def validate(tree: dict, origin: str = "config") -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        err = e.errors()[0]
+        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise BadInput(f"{origin}: {_describe(err)}{more}") from None
+
+
+def _describe(err: dict) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        parent_model = _model_at(loc[:-1])
+        hint = ""
+        if parent_model is not None:
+            valid = list(parent_model.model_fields)
+            close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+            prefix = ".".join(loc[:-1] + [""])
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(valid)})"
+        return f"unknown key '{key}'{hint}"
+    expected = _expected_type(loc)
+    value = err.get("input")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    got = f"{value!r} ({type(value).__name__})"
+    if expected and err["type"] not in ("value_error", "missing"):
+        return f"{key}: expected {expected}, got {got}: {msg}"
+    return f"{key}: {msg} (got {got})"
+
+
+def _model_at(loc: list[str]):
+    model: Any = Config
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _unwrap(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(annotation):
+    """Optional[Model] -> Model, so nested look-ups see through optional sections."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _expected_type(loc: list[str]) -> str | None:
+    parent = _model_at(loc[:-1]) if loc else None
+    if parent is None or loc[-1] not in parent.model_fields:
+        return None
+    return _type_name(parent.model_fields[loc[-1]].annotation)
+
+
+def _type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a section (mapping)"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=None)

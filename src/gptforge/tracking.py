@@ -1,0 +1,179 @@
+"""MLflow tracking: one MLflow run per stage run. The only module that imports mlflow.
+
+With no `MLFLOW_TRACKING_URI` the store is embedded: `sqlite:///mlflow.db` in the working
+directory, artifacts under `mlartifacts/`. `tracking.enabled: false` (or mlflow not being
+installed, as on a bare GPU box) gives a `NullRun` whose methods do nothing, so recipes call
+`run.log_metrics(...)` unconditionally.
+
+Nesting: when `GPTFORGE_PARENT_RUN_ID` is set (the pipeline sets it for its stages), the stage
+run is created as a child of that run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import gptforge
+
+log = logging.getLogger("gptforge")
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+DEFAULT_ARTIFACTS = "mlartifacts"
+PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"
+_SECRET = re.compile(r"token|key|secret|password", re.IGNORECASE)
+_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-./: ]")
+
+
+class NullRun:
+    """Tracking switched off: same interface, no effect."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+
+    def log_text(self, text: str, name: str) -> None: ...
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+
+
+class MlflowRun(NullRun):
+    def __init__(self, mlflow, run) -> None:
+        self._mlflow = mlflow
+        self.run_id = run.info.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        clean = {k: ("***" if _SECRET.search(k.rsplit(".", 1)[-1]) else _param_value(v)) for k, v in params.items()}
+        self._mlflow.log_params(clean)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        clean = {metric_name(k): float(v) for k, v in metrics.items() if _is_number(v)}
+        if clean:
+            self._mlflow.log_metrics(clean, step=step)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._mlflow.log_artifacts(str(path), artifact_path=artifact_path or path.name)
+        elif path.is_file():
+            self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_text(self, text: str, name: str) -> None:
+        self._mlflow.log_text(text, name)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self._mlflow.set_tags({k: str(v) for k, v in tags.items() if v is not None})
+
+
+def metric_name(name: str) -> str:
+    """MLflow allows letters, digits, `_ - . / :` and spaces: lm-eval's `acc,none` -> `acc_none`."""
+    return _METRIC_NAME.sub("_", name)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _param_value(v: Any) -> str:
+    s = "null" if v is None else str(v)
+    return s if len(s) <= 6000 else s[:5997] + "..."
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{torch.cuda.get_device_name(0)}"
+    except Exception:  # torch missing or broken CUDA: tags are best effort
+        pass
+    return "cpu"
+
+
+def _import_mlflow():
+    # Alembic prints its migrations at INFO on every fresh database; they are noise on a CLI.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    import mlflow
+
+    return mlflow
+
+
+@contextlib.contextmanager
+def start_run(
+    *,
+    enabled: bool,
+    experiment: str,
+    stage: str,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, Any] | None = None,
+) -> Iterator[NullRun]:
+    """One MLflow run for one stage run; FAILED if the body raises, KILLED on Ctrl-C."""
+    if not enabled:
+        yield NullRun()
+        return
+    try:
+        mlflow = _import_mlflow()
+    except ImportError:
+        log.warning("mlflow is not installed: this run is not tracked")
+        yield NullRun()
+        return
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        # The embedded store keeps artifacts beside the database, in ./mlartifacts.
+        location = Path(DEFAULT_ARTIFACTS).resolve().as_uri() if uri == DEFAULT_URI else None
+        with contextlib.suppress(Exception):  # another process may create it at the same moment
+            mlflow.create_experiment(experiment, artifact_location=location)
+    mlflow.set_experiment(experiment)
+
+    commit = git_commit()
+    all_tags = {
+        "gptforge.version": gptforge.__version__,
+        "gptforge.stage": stage,
+        "dvc.stage": os.environ.get("DVC_STAGE"),
+        "git.commit": commit,
+        "mlflow.source.git.commit": commit,
+        "device": device_name(),
+        **(tags or {}),
+    }
+    parent = os.environ.get(PARENT_ENV) or None
+    active = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None)
+    run = MlflowRun(mlflow, active)
+    status = "FINISHED"
+    try:
+        run.set_tags(all_tags)
+        if params:
+            run.log_params(params)
+        yield run
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        mlflow.end_run(status=status)
