@@ -30,8 +30,10 @@ class Retry:
 
 
 def retryable(exc: BaseException) -> bool:
-    """Bad input does not get better by trying again; everything else may (network, disk)."""
-    return isinstance(exc, Exception) and not isinstance(exc, BadInput)
+    """Bad input does not get better by trying again, nor does an error that says so
+    (`retryable = False`, e.g. an HTTP 404); everything else may (network, disk)."""
+    return (isinstance(exc, Exception) and not isinstance(exc, BadInput)
+            and getattr(exc, "retryable", True))
 
 
 class Steps:

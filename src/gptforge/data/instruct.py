@@ -1,0 +1,139 @@
+"""`prepare instruct`: Alpaca-style records -> `{train,val,test}.jsonl` (`instruction`, `input`, `output`).
+
+Sources (`data.instruct.source`): Stanford Alpaca's `alpaca_data.json` URL, `hf://tatsu-lab/alpaca`
+(split `data.instruct.split`), or a local `.json` list / `.jsonl` / `.csv` / `.parquet` file.
+
+A record needs string `instruction` and `output`; a missing or null `input` means "" (Alpaca
+leaves it empty for most records). Records that break this are skipped and counted as
+`invalid`, those with a blank instruction or output as `dropped_empty`; extra keys (the hub
+copy has a pre-formatted `text`) are dropped. When a required field is missing from most
+records the file is some other dataset, and the stage refuses it instead of writing a tiny
+remainder. The rest is shuffled (seeded) and cut by `data.instruct.splits`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from gptforge.config import Config
+from gptforge.errors import BadInput
+from gptforge.io import write_json
+from gptforge.steps import DIRECT, Steps
+from gptforge.tracking import NullRun
+
+from gptforge.data.sources import is_hf, load_hf, materialize, read_records, shuffle_split, write_splits
+
+log = logging.getLogger("gptforge")
+
+PARAM = "data.instruct.source"
+FIELDS = ("instruction", "input", "output")
+REQUIRED = ("instruction", "output")
+
+
+@dataclass
+class Validated:
+    records: list[dict] = field(default_factory=list)
+    total: int = 0
+    invalid: int = 0
+    dropped_empty: int = 0
+
+
+def prepare_instruct(
+    cfg: Config,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    out_dir: str | os.PathLike = "data/instruct",
+    metrics_path: str | os.PathLike = "metrics/prepare_instruct.json",
+    raw_dir: str | os.PathLike = "data/raw",
+) -> dict:
+    d = cfg.data.instruct
+    if is_hf(d.source):
+        records = steps(load_hf_records, d.source, split=d.split)
+    else:
+        path = materialize(d.source, param=PARAM, sha256=d.sha256, download=cfg.data.download, steps=steps,
+                           raw_dir=raw_dir)
+        if path.is_dir():
+            raise BadInput(f"{PARAM}: {path} is a folder; expected a .json, .jsonl, .csv or .parquet file")
+        records = steps(read_records, path, param=PARAM)
+    validated = steps(validate_records, records, where=f"{PARAM} {d.source}")
+    splits = steps(shuffle_split, validated.records, d.splits, d.seed)
+    steps(write_splits, splits, out_dir)
+
+    metrics = {"records": validated.total, "invalid": validated.invalid, "dropped_empty": validated.dropped_empty,
+               **{name: len(items) for name, items in splits.items()}}
+    write_json(metrics_path, metrics)
+    run.log_metrics(metrics)
+    run.log_artifact(metrics_path)
+    log.info("instruct data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
+             out_dir)
+    return metrics
+
+
+def load_hf_records(source: str, *, split: str = "train") -> list[Any]:
+    return [dict(r) for r in load_hf(source, split=split, param=PARAM)]
+
+
+def validate_records(records: Sequence[Any], *, where: str) -> Validated:
+    """Keep well-formed, non-blank records with exactly `instruction`, `input`, `output`.
+
+    Messages count records from 1, as lines are counted (in a .jsonl file they are the same).
+    """
+    out = Validated(total=len(records))
+    if not records:
+        raise BadInput(f"{where}: no records")
+    missing: Counter[str] = Counter()
+    first_missing: dict[str, int] = {}
+    first_invalid: tuple[int, str] | None = None
+    for number, record in enumerate(records, 1):
+        problem = _problem(record)
+        if problem is not None:
+            out.invalid += 1
+            first_invalid = first_invalid or (number, problem)
+            for key in REQUIRED:
+                if not isinstance(record, dict) or key not in record:
+                    missing[key] += 1
+                    first_missing.setdefault(key, number)
+            continue
+        instruction, output = record["instruction"], record["output"]
+        if not instruction.strip() or not output.strip():
+            out.dropped_empty += 1
+            continue
+        out.records.append({"instruction": instruction, "input": record.get("input") or "", "output": output})
+
+    for key in REQUIRED:
+        if missing[key] * 2 > out.total:
+            raise BadInput(f"{where}: field '{key}' is missing in {missing[key]} of {out.total} records "
+                           f"(first: record {first_missing[key]}); expected objects with {', '.join(FIELDS)}")
+    if out.invalid == out.total:
+        number, problem = first_invalid
+        raise BadInput(f"{where}: all {out.total} records are invalid (first: record {number}: {problem})")
+    if out.invalid:
+        number, problem = first_invalid
+        log.warning("%s: skipped %d invalid records of %d (first: record %d: %s)", where, out.invalid, out.total,
+                    number, problem)
+    if out.dropped_empty:
+        log.warning("%s: dropped %d records with an empty instruction or output", where, out.dropped_empty)
+    if not out.records:
+        raise BadInput(f"{where}: no records left after dropping {out.dropped_empty} with an empty instruction "
+                       f"or output and {out.invalid} invalid ones")
+    return out
+
+
+def _problem(record: Any) -> str | None:
+    """Why a record is unusable, or None."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, expected an object"
+    for key in REQUIRED:
+        if key not in record:
+            return f"no '{key}'"
+        if not isinstance(record[key], str):
+            return f"'{key}' is {type(record[key]).__name__}, expected a string"
+    value = record.get("input")
+    if value is not None and not isinstance(value, str):
+        return f"'input' is {type(value).__name__}, expected a string"
+    return None
