@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# dvc runs each stage's `gptforge ...` cmd through a shell: it must find the venv's scripts.
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: run test test-quick install clean
 

@@ -205,6 +205,8 @@ def load_config(
     tree = read_params(params) if params is not None else {}
     tree = apply_overrides(tree, list(overrides))
     origin = str(params) if params is not None else "config"
+    if overrides:
+        origin += " with -S overrides"
     return validate(tree, origin)
 
 
@@ -235,9 +237,11 @@ def _describe(err: dict) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     got = f"{value!r} ({type(value).__name__})"
-    if expected and err["type"] not in ("value_error", "missing"):
+    if err["type"] == "value_error":
+        return f"{key}: {msg}"
+    if expected and err["type"] != "missing":
         return f"{key}: expected {expected}, got {got}: {msg}"
-    return f"{key}: {msg} (got {got})"
+    return f"{key}: {msg}"
 
 
 def _model_at(loc: list[str]):
@@ -285,4 +289,4 @@ def _one_line(e: Exception) -> str:
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

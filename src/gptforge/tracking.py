@@ -116,7 +116,8 @@ def device_name() -> str:
 
 def _import_mlflow():
     # Alembic prints its migrations at INFO on every fresh database; they are noise on a CLI.
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    for name in ("alembic", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     import mlflow
 
     return mlflow

@@ -1,0 +1,26 @@
+"""Prefect flows, one per DVC stage. `stage_flow` makes the flow for a stage of the stage table."""
+
+from __future__ import annotations
+
+from prefect import Flow, flow, runtime
+
+from gptforge.config import DEFAULT_PARAMS, load_config
+from gptforge.stages import STAGES, run_stage
+from tasks import PrefectSteps
+
+
+def flow_run_tags() -> dict[str, str]:
+    return {"prefect.flow_run_id": str(runtime.flow_run.id), "prefect.flow_run_name": runtime.flow_run.name}
+
+
+def stage_flow(stage: str) -> Flow:
+    """A flow that loads the params and runs the stage's recipe with its steps as tasks."""
+    summary = STAGES[stage].summary
+
+    def run(params: str = DEFAULT_PARAMS, overrides: list[str] | None = None) -> dict:
+        cfg = load_config(params, overrides or [])
+        return run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
+
+    run.__name__ = stage
+    run.__doc__ = f"Stage `{stage}`: {summary}."
+    return flow(run, name=stage.replace("_", "-"), description=summary, validate_parameters=True)

@@ -1,0 +1,7 @@
+"""The three data-preparation stages as Prefect flows (deployment entry points)."""
+
+from flows import stage_flow
+
+prepare_pretrain = stage_flow("prepare_pretrain")
+prepare_classify = stage_flow("prepare_classify")
+prepare_instruct = stage_flow("prepare_instruct")

@@ -1,0 +1,1 @@
+"""Triton kernels, each with a PyTorch autograd wrapper and its reference math."""

@@ -1,0 +1,154 @@
+"""`gptforge`: the command line. Every stage command runs its Prefect flow.
+
+Exit codes: 0 success, 2 bad input (params, files, arguments), 1 failure of the run itself.
+Errors are one line on stderr; `GPTFORGE_DEBUG=1` adds the traceback. `GPTFORGE_PREFECT=0`
+(or Prefect not being installed, as on a bare GPU box) runs the recipe without Prefect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import traceback
+from typing import Sequence
+
+import gptforge
+from gptforge.config import DEFAULT_PARAMS, dump_yaml, load_config
+from gptforge.errors import BadInput, GptforgeError
+
+log = logging.getLogger("gptforge")
+
+# Stage -> the module of its Prefect flow (the flow object has the stage's name).
+FLOW_MODULES = {
+    "prepare_pretrain": "flows.prepare",
+    "prepare_classify": "flows.prepare",
+    "prepare_instruct": "flows.prepare",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2 through BadInput."""
+
+    def error(self, message: str):
+        raise BadInput(f"{self.prog}: {message} (see --help)")
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default=DEFAULT_PARAMS, metavar="FILE", help="params file (default: %(default)s)")
+    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a param with DVC's dotted keys, value parsed as YAML; repeatable")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="gptforge", description="GPT-2 from raw text to an evaluated, registered model.")
+    parser.add_argument("--version", action="version", version=f"gptforge {gptforge.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    config = sub.add_parser("config", help="inspect the resolved configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=Parser)
+    config_sub.required = True
+    show = config_sub.add_parser("show", help="print the resolved config (params file + overrides) as YAML")
+    _config_args(show)
+    show.set_defaults(func=cmd_config_show)
+
+    prepare = sub.add_parser("prepare", help="data-preparation stages")
+    prepare_sub = prepare.add_subparsers(dest="what", metavar="DATASET", parser_class=Parser)
+    prepare_sub.required = True
+    from gptforge.stages import STAGES
+
+    for what in ("pretrain", "classify", "instruct"):
+        stage = STAGES[f"prepare_{what}"]
+        p = prepare_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
+        _config_args(p)
+        p.set_defaults(func=cmd_stage, stage=stage.name)
+    return parser
+
+
+def cmd_config_show(args) -> int:
+    cfg = load_config(args.params, args.set)
+    sys.stdout.write(dump_yaml(cfg))
+    return 0
+
+
+def use_prefect() -> bool:
+    if os.environ.get("GPTFORGE_PREFECT", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    return importlib.util.find_spec("prefect") is not None
+
+
+def cmd_stage(args) -> int:
+    from gptforge.stages import check_inputs, run_stage
+
+    cfg = load_config(args.params, args.set)
+    check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
+    if use_prefect():
+        flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
+        _hide_expected_tracebacks()
+        flow(params=str(args.params), overrides=list(args.set))
+    else:
+        log.info("running %s without Prefect", args.stage)
+        run_stage(args.stage, cfg)
+    return 0
+
+
+def _setup_logging() -> None:
+    # Prefect forwards these loggers to the flow run's logs in its UI.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "gptforge")
+    # Telemetry cannot reach its host offline and was seen to cause "database is locked".
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s gptforge: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("GPTFORGE_LOG_LEVEL", "INFO").upper())
+    log.propagate = False
+
+
+class _NoExpectedErrors(logging.Filter):
+    """Drops console records about a GptforgeError: the CLI states it once, as one line.
+    The Prefect API handler is left alone, so the UI keeps the full record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], GptforgeError))
+
+
+def _hide_expected_tracebacks() -> None:
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.addFilter(_NoExpectedErrors())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _setup_logging()
+    debug = bool(os.environ.get("GPTFORGE_DEBUG"))
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except GptforgeError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"gptforge: error: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("gptforge: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected failure: still one line unless debugging
+        if debug:
+            traceback.print_exc()
+        print(f"gptforge: error: {type(e).__name__}: {_one_line(e)} (GPTFORGE_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

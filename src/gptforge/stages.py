@@ -1,0 +1,81 @@
+"""The stage table: each DVC stage's recipe and the params it depends on.
+
+`run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
+through here, so a stage behaves the same with or without Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from gptforge import tracking
+from gptforge.config import Config
+from gptforge.steps import DIRECT, Steps
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    recipe: str  # "module:function", imported when the stage runs
+    params: tuple[str, ...]  # config sections it reads (logged to MLflow; DVC params in dvc.yaml)
+    summary: str
+
+    def load(self) -> Callable[..., dict]:
+        module, func = self.recipe.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage("prepare_pretrain", "gptforge.data.pretrain:prepare_pretrain",
+              ("tokenizer", "data.download", "data.pretrain"),
+              "tokenize a text corpus into uint16 shards (data/pretrain/)"),
+        Stage("prepare_classify", "gptforge.data.classify:prepare_classify",
+              ("data.download", "data.classify"),
+              "SMS Spam Collection -> balanced train/val/test jsonl (data/classify/)"),
+        Stage("prepare_instruct", "gptforge.data.instruct:prepare_instruct",
+              ("data.download", "data.instruct"),
+              "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
+    )
+}
+
+
+def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[str, Any] | None = None) -> dict:
+    stage = STAGES[name]
+    recipe = stage.load()
+    with tracking.start_run(
+        enabled=cfg.tracking.enabled,
+        experiment=cfg.tracking.experiment,
+        stage=name,
+        params=cfg.flat(*stage.params),
+        tags=tags,
+    ) as run:
+        return recipe(cfg, steps=steps, run=run)
+
+
+# The param that names each stage's input, for checks before any work starts.
+SOURCE_PARAMS = {
+    "prepare_pretrain": "data.pretrain.source",
+    "prepare_classify": "data.classify.source",
+    "prepare_instruct": "data.instruct.source",
+}
+
+
+def check_inputs(name: str, cfg: Config) -> None:
+    """Fail fast, with one line, on inputs that can be checked without doing the work."""
+    from pathlib import Path
+
+    from gptforge.errors import BadInput
+
+    param = SOURCE_PARAMS.get(name)
+    if param:
+        source = cfg.flat()[param]
+        if "://" not in source and not Path(source).exists():
+            raise BadInput(f"{param}: local source not found: {source}")
+    if name == "prepare_pretrain":
+        from gptforge.tokenizer import check_fits_uint16, load_tokenizer
+
+        check_fits_uint16(load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
