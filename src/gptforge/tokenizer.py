@@ -34,8 +34,8 @@ def load_tokenizer(path: str | None = None) -> tiktoken.Encoding:
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # tiktoken raises requests/urllib errors of several kinds
             raise SourceUnreachable(
-                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); "
-                "set tokenizer.path to a folder with encoder.json and vocab.bpe"
+                f"cannot download tiktoken's gpt2 tokenizer files ({type(e).__name__}); "
+                "set tokenizer.path to a local folder with encoder.json and vocab.bpe"
             ) from None
     p = Path(path)
     if p.is_dir():
