@@ -162,7 +162,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise BadInput(f"override {key}: value {raw!r} is not valid YAML ({_one_line(e)})") from None
+        raise BadInput(f"override {_printable(key)}: value {raw!r} is not valid YAML ({_one_line(e)})") from None
     return key, value
 
 
@@ -177,7 +177,8 @@ def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                raise BadInput(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+                section = _printable(".".join(parts[: i + 1]))
+                raise BadInput(f"override {_printable(key)}: {section} is a value, not a section")
             node = child
         node[parts[-1]] = value
     return tree
@@ -221,7 +222,7 @@ def validate(tree: dict, origin: str = "config") -> Config:
 
 def _describe(err: dict) -> str:
     loc = [str(p) for p in err["loc"]]
-    key = ".".join(loc)
+    key = _printable(".".join(loc))
     if err["type"] == "extra_forbidden":
         parent_model = _model_at(loc[:-1])
         hint = ""
@@ -282,6 +283,11 @@ def _type_name(annotation) -> str:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "a section (mapping)"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _printable(text: str) -> str:
+    """A user's key may hold newlines or other control characters: escape them, keep one line."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _one_line(e: Exception) -> str:

@@ -1,7 +1,8 @@
 """MLflow tracking: one MLflow run per stage run. The only module that imports mlflow.
 
 With no `MLFLOW_TRACKING_URI` the store is embedded: `sqlite:///mlflow.db` in the working
-directory, artifacts under `mlartifacts/`. `tracking.enabled: false` (or mlflow not being
+directory, artifacts under `mlartifacts/` (any `sqlite:///PATH` store: `mlartifacts/` beside the
+database file). `tracking.enabled: false` (or mlflow not being
 installed, as on a bare GPU box) gives a `NullRun` whose methods do nothing, so recipes call
 `run.log_metrics(...)` unconditionally.
 
@@ -93,6 +94,21 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: `mlartifacts/` beside a SQLite database.
+
+    Any `sqlite:///PATH` store (relative paths resolve against the working directory, as
+    SQLAlchemy resolves them) gets an absolute `file://` URI; for other stores (an MLflow
+    server) None, so the server's own artifact root applies.
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri[len("sqlite:///") :].split("?", 1)[0]
+    if not db or db == ":memory:":
+        return None
+    return (Path(db).resolve().parent / DEFAULT_ARTIFACTS).as_uri()
+
+
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
     try:
         out = subprocess.run(
@@ -145,8 +161,7 @@ def start_run(
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
-        # The embedded store keeps artifacts beside the database, in ./mlartifacts.
-        location = Path(DEFAULT_ARTIFACTS).resolve().as_uri() if uri == DEFAULT_URI else None
+        location = artifact_location(uri)
         with contextlib.suppress(Exception):  # another process may create it at the same moment
             mlflow.create_experiment(experiment, artifact_location=location)
     mlflow.set_experiment(experiment)

@@ -1,6 +1,6 @@
 """`prepare pretrain`: a text corpus -> uint16 GPT-2 token shards + manifest.json.
 
-Each document is preceded by `<|endoftext|>` (as in build-nanogpt's fineweb.py), so the token
+Each (non-empty) document is preceded by `<|endoftext|>` (as in build-nanogpt's fineweb.py), so the token
 stream reads `EOT doc0 EOT doc1 ...`. The first `val_tokens` tokens form the validation split,
 the rest the training split, both cut into `.npy` shards of `shard_tokens` tokens
 (`val_000000.npy`, `train_000000.npy`, ...). Tokenization runs in worker processes.
@@ -194,8 +194,9 @@ def iter_work(documents: Iterable[Iterator[str]], piece_chars: int = PIECE_CHARS
                 yield item
                 item, size = [], 0
             carry = text[prev:]
-        item.append((carry, starts))
-        size += len(carry)
+        if carry:  # an empty document adds nothing, not even its <|endoftext|>
+            item.append((carry, starts))
+            size += len(carry)
         if size >= piece_chars:
             yield item
             item, size = [], 0

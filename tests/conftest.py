@@ -1,0 +1,217 @@
+"""Shared fixtures. Nothing here touches the network: real servers run on 127.0.0.1 only.
+
+Expensive things are made once per session: a Prefect server (about 15-20 s to start) that
+every CLI subprocess talks to through PREFECT_API_URL, and a migrated MLflow database (about
+7 s of migrations) that CLI tests share.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+BIN = Path(sys.executable).parent
+
+# Before anything imports prefect, mlflow, datasets or transformers.
+os.environ.update(
+    DVC_NO_ANALYTICS="1",
+    PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    DO_NOT_TRACK="1",
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# Real data (skips when ../shared/data is absent)
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer_dir() -> Path:
+    path = SHARED_DATA / "gpt2_tokenizer"
+    if not (path / "encoder.json").is_file():
+        pytest.skip("../shared/data/gpt2_tokenizer is absent")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    path = SHARED_DATA / "tinyshakespeare" / "input.txt"
+    if not path.is_file():
+        pytest.skip("../shared/data/tinyshakespeare is absent")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Fixture data the tests make
+
+
+def write_tiktoken(path: Path, tokens: list[bytes]) -> Path:
+    """A `.tiktoken` rank file: the 256 single bytes, then `tokens` in rank order."""
+    ranks = [bytes([i]) for i in range(256)] + tokens
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    return path
+
+
+# Merges in rank order; each is the concatenation of two earlier tokens.
+SMALL_MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ", b"\n\n", b"er", b" a", b"an",
+                b"and", b" and", b"ou", b"is", b" is", b"re", b"on", b" o", b" of", b"e ", b".\n", b"\r\n"]
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory) -> Path:
+    """A small byte-level BPE (280 tokens) in tiktoken's format, for tests without shared data."""
+    tokens = []
+    for t in SMALL_MERGES:
+        if t == b" of":
+            t = b" o" + b"f"
+        tokens.append(t)
+    return write_tiktoken(tmp_path_factory.mktemp("tok") / "small.tiktoken", tokens)
+
+
+SMS_LINES = [
+    ("ham", "Hey, are we still on for lunch tomorrow?"),
+    ("spam", "WINNER!! You have won a 1000 cash prize. Call 09061701461 now"),
+    ("ham", "I'll be home by 7, see you then"),
+    ("spam", "Free entry in 2 a wkly comp to win FA Cup final tkts. Text FA to 87121"),
+    ("ham", "Can you pick up some milk on the way?"),
+    ("spam", "URGENT! Your mobile number has been awarded a 2000 prize. Call now"),
+    ("ham", "Ok lar... Joking wif u oni..."),
+    ("ham", "Sorry, I'll call later"),
+    ("spam", "Congratulations ur awarded 500 of CD vouchers. Text GO to 83600"),
+    ("ham", "Did you finish the report?"),
+]
+
+
+@pytest.fixture
+def sms_file(tmp_path) -> Path:
+    """A SMSSpamCollection-format file: label, TAB, message. 30 lines, 12 spam."""
+    path = tmp_path / "SMSSpamCollection"
+    lines = [f"{label}\t{text} #{i}" for i in range(3) for label, text in SMS_LINES]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    records = [
+        {"instruction": f"Give a synonym for word number {i}.", "input": "" if i % 3 else f"word {i}",
+         "output": f"synonym {i}"}
+        for i in range(40)
+    ]
+    path = tmp_path / "alpaca_data.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Servers and the CLI
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real `prefect server start` on a free loopback port, shared by the session."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_http(f"{url}/health", timeout=120, proc=proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """A migrated MLflow sqlite database for the session (migrations cost ~7 s once)."""
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()
+    return uri
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "gptforge"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("gptforge: error:")]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes, to show that a failed run changed nothing."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def repo_copy(tmp_path) -> Path:
+    """A fresh git + DVC repository with this project's dvc.yaml, params.yaml and code."""
+    dst = tmp_path / "repo"
+    dst.mkdir()
+    for name in ("dvc.yaml", "params.yaml", ".dvcignore"):
+        shutil.copy(REPO / name, dst / name)
+    shutil.copytree(REPO / ".dvc", dst / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
+    shutil.copytree(REPO / "src", dst / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(REPO / ".gitignore", dst / ".gitignore")
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
+    subprocess.run([*git, "commit", "-qm", "fixture"], cwd=dst, check=True)
+    return dst

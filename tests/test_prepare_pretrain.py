@@ -1,0 +1,233 @@
+"""`prepare pretrain`: exact GPT-2 ids, shard layout, manifest, and its bad inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gptforge.data.pretrain as P
+from conftest import snapshot, write_tiktoken
+from gptforge.config import load_config
+from gptforge.errors import BadInput
+from gptforge.tokenizer import load_tokenizer
+
+
+def config(source, tokenizer, **keys):
+    overrides = [f"data.pretrain.source={source}", f"tokenizer.path={tokenizer}", "tracking.enabled=false"]
+    overrides += [f"data.pretrain.{k}={v}" for k, v in keys.items()]
+    return load_config(None, overrides)
+
+
+def read_tokens(out: Path, split: str | None = None) -> np.ndarray:
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = [s["file"] for s in manifest["shards"] if split in (None, s["split"])]
+    return np.concatenate([np.load(out / f) for f in files]) if files else np.empty(0, np.uint16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cutting big documents never changes the ids
+
+TEXT_ALPHABET = st.sampled_from(list("the and of is ing  \n\n\r\n\t.,!?'s'll 0123 éü中文 \u00a0\u3000xyzTHE") + ["'re", " the"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(TEXT_ALPHABET, max_size=200), every=st.integers(1, 30))
+def test_cut_points_keep_the_ids(small_tokenizer, pieces, every):
+    enc = load_tokenizer(str(small_tokenizer))
+    text = "".join(pieces)
+    cuts = P.cut_points(text, every)
+    bounds = [0, *cuts, len(text)]
+    parts = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert "".join(parts) == text
+    assert all(0 < c < len(text) for c in cuts) and cuts == sorted(set(cuts))
+    assert sum((enc.encode_ordinary(p) for p in parts), []) == enc.encode_ordinary(text)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(TEXT_ALPHABET, max_size=300), every=st.integers(1, 40))
+def test_cut_points_keep_the_ids_of_real_gpt2(gpt2_tokenizer_dir, pieces, every):
+    enc = load_tokenizer(str(gpt2_tokenizer_dir))
+    text = "".join(pieces)
+    bounds = [0, *P.cut_points(text, every), len(text)]
+    assert sum((enc.encode_ordinary(text[a:b]) for a, b in zip(bounds, bounds[1:])), []) == enc.encode_ordinary(text)
+
+
+def test_work_items_reassemble_the_documents():
+    docs = ["short one", "a much longer document " * 50, "", "tail"]
+    items = list(P.iter_work((iter([d[:100], d[100:]]) for d in docs), piece_chars=64))
+    rebuilt: list[str] = []
+    for item in items:
+        for text, starts in item:
+            if starts:
+                rebuilt.append("")
+            rebuilt[-1] += text
+    assert rebuilt == [d for d in docs if d]  # an empty document is dropped
+    assert len(items) > 3  # the long document was cut
+
+
+# ---------------------------------------------------------------------------------------------
+# The real corpus: exactly tiktoken's gpt2 ids
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tinyshakespeare_gives_tiktokens_gpt2_ids(tmp_path, shakespeare, gpt2_tokenizer_dir, monkeypatch, workers):
+    monkeypatch.setattr(P, "PIECE_CHARS", 40_000)  # force many cuts and several work items
+    monkeypatch.setattr(P, "READ_CHARS", 100_000)
+    cfg = config(shakespeare, gpt2_tokenizer_dir, val_tokens=30_000, shard_tokens=100_000, workers=workers)
+    out = tmp_path / "data/pretrain"
+    metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    ids = read_tokens(out)
+    assert len(ids) == 338_026 == metrics["tokens"]
+    assert ids[0] == 50256 and np.count_nonzero(ids == 50256) == 1
+    # Independent reference: tiktoken's own gpt2 encoding rebuilt from the same BPE files.
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    ref_enc = tiktoken.Encoding(
+        name="gpt2-ref",
+        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+        mergeable_ranks=data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(gpt2_tokenizer_dir / "vocab.bpe"),
+            encoder_json_file=str(gpt2_tokenizer_dir / "encoder.json")),
+        special_tokens={"<|endoftext|>": 50256},
+    )
+    ref = ref_enc.encode_ordinary(shakespeare.read_text(encoding="utf-8"))
+    assert len(ref) == 338_025
+    np.testing.assert_array_equal(ids[1:], np.array(ref, dtype=np.uint16))
+    assert read_tokens(out, "val").size == 30_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards and manifest
+
+
+@pytest.fixture
+def jsonl_corpus(tmp_path) -> Path:
+    path = tmp_path / "docs.jsonl"
+    docs = [{"text": f"Document {i}: the cat and the dog ran off in the rain.\n" * (1 + i % 4)} for i in range(60)]
+    path.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    return path
+
+
+def test_shards_manifest_and_metrics(tmp_path, jsonl_corpus, small_tokenizer):
+    enc = load_tokenizer(str(small_tokenizer))
+    cfg = config(jsonl_corpus, small_tokenizer, val_tokens=500, shard_tokens=1000, workers=2)
+    out = tmp_path / "out"
+    metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "metrics/prepare_pretrain.json")
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = [s["file"] for s in manifest["shards"]]
+    assert names[0] == "val_000000.npy" and names[1] == "train_000000.npy"
+    assert sorted(p.name for p in out.glob("*.npy")) == sorted(names)
+
+    expected = []
+    for line in jsonl_corpus.read_text().splitlines():
+        expected += [enc.eot_token, *enc.encode_ordinary(json.loads(line)["text"])]
+    ids = read_tokens(out)
+    np.testing.assert_array_equal(ids, np.array(expected, dtype=np.uint16))
+    assert read_tokens(out, "val").size == 500
+    for shard in manifest["shards"]:
+        data = np.load(out / shard["file"])
+        assert data.dtype == np.uint16 and data.size == shard["tokens"] <= 1000
+        assert hashlib.sha256((out / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
+    assert manifest["tokens"] == {"val": 500, "train": len(expected) - 500}
+    assert manifest["documents"]["val"] + manifest["documents"]["train"] == 60
+    assert manifest["tokenizer"]["n_vocab"] == enc.n_vocab and manifest["dtype"] == "uint16"
+    assert manifest["tokens_per_sec"] > 0 and not manifest["truncated_at_max_tokens"]
+    saved = json.loads((tmp_path / "metrics/prepare_pretrain.json").read_text())
+    assert saved == metrics and metrics["tokens"] == len(expected) and metrics["documents"] == 60
+
+
+def test_max_tokens_stops_the_corpus(tmp_path, jsonl_corpus, small_tokenizer):
+    cfg = config(jsonl_corpus, small_tokenizer, val_tokens=100, shard_tokens=300, max_tokens=1234, workers=1)
+    P.prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert read_tokens(tmp_path / "out").size == 1234 and manifest["truncated_at_max_tokens"]
+
+
+def test_folder_of_txt_and_parquet(tmp_path, small_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    enc = load_tokenizer(str(small_tokenizer))
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "b.txt").write_text("the second file\n")
+    (folder / "a.txt").write_text("the first file\n")
+    pq.write_table(pa.table({"text": ["in parquet one", "in parquet two"]}), folder / "c.parquet")
+    (folder / "ignored.md").write_text("not a corpus file")
+    cfg = config(folder, small_tokenizer, val_tokens=3, shard_tokens=100, workers=1)
+    P.prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
+    expected = []
+    for text in ["the first file\n", "the second file\n", "in parquet one", "in parquet two"]:
+        expected += [enc.eot_token, *enc.encode_ordinary(text)]
+    np.testing.assert_array_equal(read_tokens(tmp_path / "out"), np.array(expected, dtype=np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: one-line BadInput, and the previous output left as it was
+
+
+@pytest.fixture
+def previous_output(tmp_path) -> Path:
+    out = tmp_path / "data/pretrain"
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text('{"old": true}')
+    return out
+
+
+def assert_fails(cfg, out: Path, match: str):
+    before = snapshot(out)
+    with pytest.raises(BadInput, match=match) as e:
+        P.prepare_pretrain(cfg, out_dir=out, metrics_path=out.parent / "m.json")
+    assert "\n" not in str(e.value)
+    assert snapshot(out) == before
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".pretrain.")]  # no temp folder left
+
+
+def test_empty_corpus(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "empty.txt").write_text("")
+    assert_fails(config(tmp_path / "empty.txt", small_tokenizer), previous_output, "empty corpus")
+
+
+def test_no_training_tokens_left(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "tiny.txt").write_text("the cat")
+    assert_fails(config(tmp_path / "tiny.txt", small_tokenizer, val_tokens=1000), previous_output,
+                 "no training tokens")
+
+
+def test_missing_local_file(tmp_path, small_tokenizer, previous_output):
+    assert_fails(config(tmp_path / "nope.txt", small_tokenizer), previous_output,
+                 r"data.pretrain.source: local source not found")
+
+
+def test_jsonl_without_text_field(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
+    assert_fails(config(tmp_path / "d.jsonl", small_tokenizer), previous_output, r"no 'text' field")
+
+
+def test_unsupported_file_type(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "d.csv").write_text("text\nx\n")
+    assert_fails(config(tmp_path / "d.csv", small_tokenizer), previous_output, r"not a \.txt, \.jsonl or \.parquet")
+
+
+def test_tokenizer_too_large_for_uint16(tmp_path, previous_output):
+    big = write_tiktoken(tmp_path / "big.tiktoken", [f"tok{i:05d}".encode() for i in range(66_000)])
+    (tmp_path / "a.txt").write_text("hello")
+    assert_fails(config(tmp_path / "a.txt", big), previous_output, r"66257 tokens, more than uint16")
+
+
+def test_tokenizer_folder_missing_files(tmp_path, previous_output):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "a.txt").write_text("hello")
+    assert_fails(config(tmp_path / "a.txt", tmp_path / "tok"), previous_output, "missing encoder.json, vocab.bpe")
+
+
+def test_non_utf8_text(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 latin-1")
+    assert_fails(config(tmp_path / "a.txt", small_tokenizer), previous_output, "not UTF-8")
