@@ -17,7 +17,7 @@ def stage_flow(stage: str) -> Flow:
     """A flow that loads the params and runs the stage's recipe with its steps as tasks."""
     summary = STAGES[stage].summary
 
-    def run(params: str = DEFAULT_PARAMS, overrides: list[str] | None = None) -> dict:
+    def run(params: str | None = DEFAULT_PARAMS, overrides: list[str] | None = None) -> dict:
         cfg = load_config(params, overrides or [])
         return run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
 

@@ -38,7 +38,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default=DEFAULT_PARAMS, metavar="FILE", help="params file (default: %(default)s)")
+    p.add_argument("--params", default=None, metavar="FILE",
+                   help=f"params file (default: {DEFAULT_PARAMS} if present, else the built-in defaults)")
     p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a param with DVC's dotted keys, value parsed as YAML; repeatable")
 
@@ -69,8 +70,15 @@ def build_parser() -> Parser:
     return parser
 
 
+def params_file(args) -> str | None:
+    """An explicit --params must exist; without one, ./params.yaml is used when present."""
+    if args.params is not None:
+        return args.params
+    return DEFAULT_PARAMS if os.path.exists(DEFAULT_PARAMS) else None
+
+
 def cmd_config_show(args) -> int:
-    cfg = load_config(args.params, args.set)
+    cfg = load_config(params_file(args), args.set)
     sys.stdout.write(dump_yaml(cfg))
     return 0
 
@@ -84,12 +92,13 @@ def use_prefect() -> bool:
 def cmd_stage(args) -> int:
     from gptforge.stages import check_inputs, run_stage
 
-    cfg = load_config(args.params, args.set)
+    params = params_file(args)
+    cfg = load_config(params, args.set)
     check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
     if use_prefect():
         flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
         _hide_expected_tracebacks()
-        flow(params=str(args.params), overrides=list(args.set))
+        flow(params=params, overrides=list(args.set))
     else:
         log.info("running %s without Prefect", args.stage)
         run_stage(args.stage, cfg)
@@ -102,7 +111,10 @@ def _setup_logging() -> None:
     # Telemetry cannot reach its host offline and was seen to cause "database is locked".
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    for old in [h for h in log.handlers if getattr(h, "gptforge_cli", False)]:
+        log.removeHandler(old)  # main() may run more than once in a process (tests, notebooks)
     handler = logging.StreamHandler(sys.stderr)
+    handler.gptforge_cli = True
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s gptforge: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.setLevel(os.environ.get("GPTFORGE_LOG_LEVEL", "INFO").upper())

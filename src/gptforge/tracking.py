@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import os
 import re
 import subprocess
@@ -28,7 +29,9 @@ log = logging.getLogger("gptforge")
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"
-_SECRET = re.compile(r"token|key|secret|password", re.IGNORECASE)
+# A secret-looking param name has a `_`/`-`-separated word ending in one of these (`hf_token`,
+# `data.api_key`, `apitoken`) but not counts like `max_tokens`.
+_SECRET = re.compile(r"(?:token|key|secret|password|passwd|credentials?)$", re.IGNORECASE)
 _METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-./: ]")
 
 
@@ -54,7 +57,7 @@ class MlflowRun(NullRun):
         self.run_id = run.info.run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        clean = {k: ("***" if _SECRET.search(k.rsplit(".", 1)[-1]) else _param_value(v)) for k, v in params.items()}
+        clean = {k: ("***" if is_secret(k) else _param_value(v)) for k, v in params.items()}
         self._mlflow.log_params(clean)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -81,8 +84,14 @@ def metric_name(name: str) -> str:
     return _METRIC_NAME.sub("_", name)
 
 
+def is_secret(name: str) -> bool:
+    """Whether a (dotted) param name looks like it holds a credential; its value is logged as `***`."""
+    return any(_SECRET.search(word) for word in re.split(r"[_\-]", name.rsplit(".", 1)[-1]))
+
+
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # numbers.Real also admits NumPy scalars (np.float32 is no float subclass); bools are not metrics.
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _param_value(v: Any) -> str:

@@ -1,0 +1,235 @@
+"""The `gptforge` command line: help, config show, exit codes, and bad inputs end to end.
+
+Bad inputs run in-process without Prefect (fast); the slow tests run the real console script
+against a real Prefect server and MLflow database and read the results back through both APIs.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, cli_env, error_lines, free_port, run_cli, snapshot, write_tiktoken
+from gptforge.cli import main
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPTFORGE_PREFECT", "0")
+    (tmp_path / "params.yaml").write_text("tracking:\n  enabled: false\n")
+    return tmp_path
+
+
+def call(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_help_lists_only_existing_stages(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "prepare" in out and "config" in out
+    for missing in ("pretrain ", "finetune", "benchmark", "evaluate"):
+        assert f"    {missing}" not in out
+    for args in (["prepare", "--help"], ["prepare", "classify", "--help"], ["config", "show", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 0
+        assert "--params" in capsys.readouterr().out or args == ["prepare", "--help"]
+
+
+def test_config_show_prints_resolved_yaml(workdir, capsys):
+    rc, out, err = call(capsys, "config", "show", "-S", "data.pretrain.max_tokens=1234",
+                        "-S", "data.classify.splits=[0.8, 0.1, 0.1]")
+    assert rc == 0, err
+    shown = yaml.safe_load(out)
+    assert shown["data"]["pretrain"]["max_tokens"] == 1234
+    assert shown["data"]["classify"]["splits"] == [0.8, 0.1, 0.1]
+    assert shown["tracking"]["enabled"] is False  # from the params file
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: exit 2 (1 for an unreachable source), one line, no traceback, outputs untouched
+
+
+def _zip(path: Path, members: dict[str, str]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in members.items():
+            z.writestr(name, text)
+    return path
+
+
+def closed_port_url() -> str:
+    port = free_port()  # nothing listens there: connection refused at once, on loopback only
+    return f"https://127.0.0.1:{port}/sms.zip"
+
+
+BAD_INPUTS = {
+    # name: (args, expected message fragment, exit code)
+    "unknown param": (["prepare", "classify", "-S", "data.classify.splts=[1,0,0]"],
+                      "unknown key 'data.classify.splts' (did you mean 'data.classify.splits'?)", 2),
+    "mistyped section": (["config", "show", "-S", "trackng.enabled=false"], "did you mean 'tracking'", 2),
+    "wrong type": (["prepare", "pretrain", "-S", "data.pretrain.max_tokens=lots"],
+                   "data.pretrain.max_tokens: expected int, got 'lots'", 2),
+    "splits not summing to 1": (["prepare", "classify", "-S", "data.classify.splits=[0.5,0.1,0.1]"],
+                                "fractions must sum to 1", 2),
+    "override without =": (["config", "show", "-S", "data.pretrain.max_tokens"], "is not KEY=VALUE", 2),
+    "missing params file": (["config", "show", "--params", "nope.yaml"], "params file not found: nope.yaml", 2),
+    "unknown command": (["frobnicate"], "invalid choice: 'frobnicate'", 2),
+    "http source": (["prepare", "instruct", "-S", "data.instruct.source=http://example.com/a.json"],
+                    "only https://, hf:// and local sources", 2),
+    "missing local file": (["prepare", "classify", "-S", "data.classify.source=missing.zip"],
+                           "data.classify.source: local source not found: missing.zip", 2),
+    "corrupt zip": (["prepare", "classify", "-S", "data.classify.source=corrupt.zip"],
+                    "corrupt.zip: not a valid zip archive", 2),
+    "path-escaping zip member": (["prepare", "classify", "-S", "data.classify.source=escape.zip"],
+                                 "../evil", 2),
+    "JSON that is not a list": (["prepare", "instruct", "-S", "data.instruct.source=dict.json"],
+                                "expected a JSON list of records", 2),
+    "records missing fields": (["prepare", "instruct", "-S", "data.instruct.source=nofields.json"], "output", 2),
+    "empty corpus": (["prepare", "pretrain", "-S", "data.pretrain.source=empty.txt",
+                      "-S", "tokenizer.path=small.tiktoken"], "empty corpus", 2),
+    "tokenizer too large for uint16": (["prepare", "pretrain", "-S", "data.pretrain.source=a.txt",
+                                        "-S", "tokenizer.path=big.tiktoken"], "more than uint16", 2),
+    "too many malformed lines": (["prepare", "classify", "-S", "data.classify.source=SMSSpamCollection"],
+                                 "above data.classify.max_bad_fraction", 2),
+}
+
+
+@pytest.fixture
+def bad_files(workdir, small_tokenizer):
+    _zip(workdir / "escape.zip", {"../evil": "x", "SMSSpamCollection": "ham\thi\n"})
+    (workdir / "corrupt.zip").write_bytes(b"PK\x03\x04 this is not really a zip")
+    (workdir / "dict.json").write_text('{"instruction": "a", "output": "b"}')
+    (workdir / "nofields.json").write_text(json.dumps([{"instruction": f"i{i}", "input": ""} for i in range(5)]))
+    (workdir / "empty.txt").write_text("")
+    (workdir / "a.txt").write_text("hello world")
+    (workdir / "small.tiktoken").write_bytes(small_tokenizer.read_bytes())
+    write_tiktoken(workdir / "big.tiktoken", [f"t{i:05d}".encode() for i in range(66_000)])
+    (workdir / "SMSSpamCollection").write_text("ham\thello\nno tab here\nspam\twin\nmaybe\tlabel\n")
+    for out in ("data/classify", "data/instruct", "data/pretrain"):
+        (workdir / out).mkdir(parents=True)
+        (workdir / out / "previous.jsonl").write_text("kept\n")
+    return workdir
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input(name, bad_files, capsys):
+    args, fragment, code = BAD_INPUTS[name]
+    before = snapshot(bad_files / "data")
+    rc, out, err = call(capsys, *args)
+    assert rc == code, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err
+    assert snapshot(bad_files / "data") == before
+    assert not list((bad_files / "metrics").glob("*")) if (bad_files / "metrics").exists() else True
+
+
+def test_unreachable_url_fails_after_retries_without_partial_file(workdir, capsys):
+    url = closed_port_url()
+    rc, out, err = call(capsys, "prepare", "classify", "-S", f"data.classify.source={url}",
+                        "-S", "data.download.retries=2", "-S", "data.download.backoff=0.01")
+    assert rc == 1
+    [line] = error_lines(err)
+    assert url in line and "after 3 attempts" in line and "set data.classify.source to a local copy" in line
+    assert "Traceback" not in err
+    raw = workdir / "data" / "raw"
+    assert not raw.exists() or not any(raw.iterdir())
+
+
+def test_process_exit_code_and_single_line(tmp_path):
+    """The installed console script itself: exit 2 and exactly one stderr line."""
+    r = run_cli(["config", "show", "-S", "data.pretrain.max_tokns=5"], cwd=tmp_path,
+                env=cli_env(GPTFORGE_PREFECT="0"), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "gptforge: error: config with -S overrides: unknown key 'data.pretrain.max_tokns' "
+        "(did you mean 'data.pretrain.max_tokens'?)"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Real servers: the stage as a Prefect flow run with task runs, and as an MLflow run
+
+
+def prefect_get(api: str, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{api}{path}", data=data, method="POST" if data else "GET",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def mlflow_runs(uri: str, stage: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("gptforge")
+    runs = client.search_runs([exp.experiment_id], f"tags.`gptforge.stage` = '{stage}'",
+                              order_by=["attributes.start_time DESC"])
+    return client, runs
+
+
+@pytest.mark.slow
+def test_stage_is_a_prefect_flow_and_an_mlflow_run(tmp_path, sms_file, prefect_api, mlflow_uri):
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    r = run_cli(["prepare", "classify", "-S", f"data.classify.source={sms_file}"], cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    for split in ("train", "val", "test"):
+        assert (tmp_path / f"data/classify/{split}.jsonl").is_file()
+    metrics = json.loads((tmp_path / "metrics/prepare_classify.json").read_text())
+    assert metrics["train"] + metrics["val"] + metrics["test"] == 24  # 12 spam + 12 ham kept
+
+    client, runs = mlflow_runs(mlflow_uri, "prepare_classify")
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "prepare_classify"
+    assert run.data.params["data.classify.splits"] == "[0.7, 0.1, 0.2]"
+    assert run.data.params["data.classify.source"] == str(sms_file)
+    assert run.data.metrics["train"] == metrics["train"]
+    tags = run.data.tags
+    assert tags["gptforge.version"] and tags["device"] == "cpu"
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "prepare_classify.json" in artifacts
+
+    flow_run = prefect_get(prefect_api, f"/flow_runs/{tags['prefect.flow_run_id']}")
+    assert flow_run["state"]["type"] == "COMPLETED"
+    flow = prefect_get(prefect_api, f"/flows/{flow_run['flow_id']}")
+    assert flow["name"] == "prepare-classify"
+    task_runs = prefect_get(prefect_api, "/task_runs/filter",
+                            {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    names = {t["name"].rsplit("-", 1)[0] for t in task_runs}
+    assert {"find-sms-file", "read-labelled", "balance-and-split", "write-splits"} <= names
+    assert all(t["state"]["type"] == "COMPLETED" for t in task_runs)
+
+
+@pytest.mark.slow
+def test_failed_stage_is_failed_everywhere_and_prints_one_line(tmp_path, prefect_api, mlflow_uri):
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
+    (tmp_path / "params.yaml").write_text("data:\n  classify:\n    source: broken.zip\n")
+    (tmp_path / "broken.zip").write_bytes(b"not a zip at all")
+    (tmp_path / "data/classify").mkdir(parents=True)
+    (tmp_path / "data/classify/train.jsonl").write_text('{"text": "old", "label": 0}\n')
+    before = snapshot(tmp_path / "data")
+    r = run_cli(["prepare", "classify"], cwd=tmp_path, env=env)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert error_lines(r.stderr) == ["gptforge: error: broken.zip: not a valid zip archive (File is not a zip file)"]
+    assert snapshot(tmp_path / "data") == before
+
+    _, runs = mlflow_runs(mlflow_uri, "prepare_classify")
+    failed = [run for run in runs if run.data.params.get("data.classify.source") == "broken.zip"]
+    assert failed and failed[0].info.status == "FAILED"
+    flow_run = prefect_get(prefect_api, f"/flow_runs/{failed[0].data.tags['prefect.flow_run_id']}")
+    assert flow_run["state"]["type"] == "FAILED"
