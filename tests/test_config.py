@@ -407,7 +407,14 @@ values = st.recursive(
     | st.dictionaries(st.sampled_from(SCHEMA_NAMES) | st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
-extra_keys = st.text(max_size=8) | st.sampled_from(SCHEMA_NAMES) | st.integers() | st.none() | st.booleans()
+extra_keys = (
+    st.text(max_size=8)
+    | st.sampled_from(SCHEMA_NAMES)
+    | st.sampled_from(["a\nb", "x\r", "\u2028", "tab\t"])  # keys that could break a one-line message
+    | st.integers()
+    | st.none()
+    | st.booleans()
+)
 
 
 def _set(tree: dict, path: tuple, value) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,7 +56,9 @@ def store(template_db, tmp_path, clean_env, monkeypatch):
     shutil.copy(template_db, db)
     uri = f"sqlite:///{db}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return SimpleNamespace(uri=uri, db=db, cwd=clean_env, client=MlflowClient(tracking_uri=uri), exp="gf-test")
+    # A fresh experiment name: the template may hold experiments of tests that ran before it was copied.
+    exp = f"gf-{uuid.uuid4().hex[:8]}"
+    return SimpleNamespace(uri=uri, db=db, cwd=clean_env, client=MlflowClient(tracking_uri=uri), exp=exp)
 
 
 def one_run(store, stage="prepare_pretrain", **kw):
@@ -267,10 +270,14 @@ def test_artifacts_land_beside_the_database(store):
     assert exp.artifact_location == beside.as_uri()
     run = store.client.get_run(run_id)
     assert run.info.artifact_uri.startswith(beside.as_uri() + "/")
-    files = {p.relative_to(beside).parts[2:] for p in beside.rglob("*") if p.is_file()}
-    assert ("artifacts", "final", "sub", "config.json") in files
-    assert ("artifacts", "notes", "hello.txt") in files
-    assert (beside / exp.experiment_id / run_id / "artifacts" / "notes" / "hello.txt").read_text() == "hello"
+    # Runs keep their artifacts under mlartifacts/<run id>/artifacts/.
+    root = beside / run_id / "artifacts"
+    assert run.info.artifact_uri == root.as_uri()
+    assert {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} == {
+        "report.md", "reports/report.md", "final/model.safetensors", "final/sub/config.json",
+        "checkpoints/final/model.safetensors", "checkpoints/final/sub/config.json", "notes/hello.txt"}
+    assert (root / "notes" / "hello.txt").read_text() == "hello"
+    assert (root / "final" / "model.safetensors").read_bytes() == b"\0" * 16
     # Nothing in the working directory: no ./mlruns, no ./mlartifacts.
     assert not (store.cwd / "mlruns").exists() and not (store.cwd / "mlartifacts").exists()
 
@@ -289,7 +296,8 @@ def test_default_uri_is_mlflow_db_in_cwd_with_mlartifacts(template_db, clean_env
 
     shutil.copy(template_db, clean_env / "mlflow.db")  # migrated already, to save ~7 s
     (clean_env / "x.txt").write_text("x")
-    with start_run(enabled=True, experiment="gptforge", stage="evaluate") as run:
+    name = f"gf-{uuid.uuid4().hex[:8]}"
+    with start_run(enabled=True, experiment=name, stage="evaluate") as run:
         run.log_artifact(clean_env / "x.txt")
         run_id = run.run_id
 
@@ -297,9 +305,10 @@ def test_default_uri_is_mlflow_db_in_cwd_with_mlartifacts(template_db, clean_env
     got = client.get_run(run_id)
     assert got.info.status == "FINISHED"
     exp = client.get_experiment(got.info.experiment_id)
-    assert exp.name == "gptforge"
+    assert exp.name == name
     assert exp.artifact_location == (clean_env / "mlartifacts").as_uri()
-    assert (clean_env / "mlartifacts" / exp.experiment_id / run_id / "artifacts" / "x.txt").read_text() == "x"
+    assert got.info.artifact_uri == (clean_env / "mlartifacts" / run_id / "artifacts").as_uri()
+    assert (clean_env / "mlartifacts" / run_id / "artifacts" / "x.txt").read_text() == "x"
     assert not (clean_env / "mlruns").exists()
 
 

@@ -1,0 +1,94 @@
+"""`dvc repro` over the three prepare stages, in a fresh git + DVC repository of this project.
+
+Acceptance of the foundation issue: with params pointing at local files, `dvc repro` runs the
+three stages; a second `dvc repro` runs nothing; changing `data.classify.splits` re-runs only
+`prepare_classify`. And with the default (remote) sources and no network, the pipeline fails
+fast with one line naming the source and the param to set.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, cli_env, error_lines
+
+pytestmark = pytest.mark.slow
+
+
+def dvc(repo: Path, *args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def set_params(repo: Path, **dotted) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for key, value in dotted.items():
+        node = params
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def ran_stages(output: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", output)
+
+
+def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file, small_tokenizer, prefect_api,
+                                      mlflow_uri):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat and the dog\n" * 400)
+    set_params(repo_copy, **{
+        "tokenizer.path": str(small_tokenizer),
+        "data.pretrain.source": str(corpus),
+        "data.pretrain.val_tokens": 500,
+        "data.pretrain.shard_tokens": 2000,
+        "data.pretrain.workers": 1,
+        "data.classify.source": str(sms_file),
+        "data.instruct.source": str(alpaca_file),
+    })
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
+
+    first = dvc(repo_copy, "repro", env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(ran_stages(first.stdout)) == ["prepare_classify", "prepare_instruct", "prepare_pretrain"]
+    assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
+    for folder in ("classify", "instruct"):
+        assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
+    lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct"}
+
+    second = dvc(repo_copy, "repro", env=env)
+    assert second.returncode == 0 and ran_stages(second.stdout) == [], second.stdout
+
+    set_params(repo_copy, **{"data.classify.splits": [0.6, 0.2, 0.2]})
+    third = dvc(repo_copy, "repro", env=env)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert ran_stages(third.stdout) == ["prepare_classify"]
+    metrics = json.loads((repo_copy / "metrics/prepare_classify.json").read_text())
+    assert metrics["val"] == int(24 * 0.2)
+
+    shown = dvc(repo_copy, "metrics", "show", "--json", env=env)
+    assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout
+
+
+def test_default_sources_offline_fail_fast_naming_the_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
+    # The tokenizer is local so that the first remote source met is the FineWeb-Edu dataset;
+    # HF_HUB_OFFLINE (set by conftest) makes `datasets` fail without any network call.
+    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer)})
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
+    start = time.monotonic()
+    r = dvc(repo_copy, "repro", env=env, timeout=120)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0 and elapsed < 60
+    [line] = error_lines(r.stdout + r.stderr)
+    assert "hf://HuggingFaceFW/fineweb-edu" in line and "set data.pretrain.source to a local copy" in line
+    assert "Traceback" not in r.stdout + r.stderr
