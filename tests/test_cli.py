@@ -233,3 +233,23 @@ def test_failed_stage_is_failed_everywhere_and_prints_one_line(tmp_path, prefect
     assert failed and failed[0].info.status == "FAILED"
     flow_run = prefect_get(prefect_api, f"/flow_runs/{failed[0].data.tags['prefect.flow_run_id']}")
     assert flow_run["state"]["type"] == "FAILED"
+
+
+@pytest.mark.slow
+def test_download_task_retries_with_backoff_in_prefect(tmp_path, prefect_api, mlflow_uri):
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
+    url = closed_port_url()
+    r = run_cli(["prepare", "classify", "-S", f"data.classify.source={url}", "-S", "data.download.retries=2",
+                 "-S", "data.download.backoff=0.2"], cwd=tmp_path, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    [line] = error_lines(r.stderr)
+    assert "after 3 attempts" in line and "set data.classify.source to a local copy" in line
+    assert not (tmp_path / "data/raw").exists() or not any((tmp_path / "data/raw").iterdir())
+
+    _, runs = mlflow_runs(mlflow_uri, "prepare_classify")
+    failed = [run for run in runs if run.data.params.get("data.classify.source") == url]
+    assert failed[0].info.status == "FAILED"
+    flow_run_id = failed[0].data.tags["prefect.flow_run_id"]
+    task_runs = prefect_get(prefect_api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    [download] = [t for t in task_runs if t["name"].startswith("download-url")]
+    assert download["run_count"] == 3 and download["state"]["type"] == "FAILED"

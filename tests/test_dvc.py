@@ -66,6 +66,19 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct"}
 
+    # Each stage run is an MLflow run tagged with its DVC stage and its Prefect flow run.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name("gptforge")
+    runs = client.search_runs([exp.experiment_id], "tags.`dvc.stage` != ''")
+    by_stage = {r.data.tags["dvc.stage"]: r for r in runs if r.data.params.get("data.download.retries")}
+    assert {"prepare_pretrain", "prepare_classify", "prepare_instruct"} <= set(by_stage)
+    pretrain = by_stage["prepare_pretrain"]
+    assert pretrain.info.status == "FINISHED" and pretrain.data.metrics["tokens_per_sec"] > 0
+    assert pretrain.data.tags["prefect.flow_run_id"] and pretrain.data.tags["git.commit"]
+    assert "manifest.json" in [a.path for a in client.list_artifacts(pretrain.info.run_id)]
+
     second = dvc(repo_copy, "repro", env=env)
     assert second.returncode == 0 and ran_stages(second.stdout) == [], second.stdout
 

@@ -97,7 +97,7 @@ def cmd_stage(args) -> int:
     check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
     if use_prefect():
         flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
-        _hide_expected_tracebacks()
+        _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
         flow(params=params, overrides=list(args.set))
     else:
         log.info("running %s without Prefect", args.stage)
@@ -122,18 +122,39 @@ def _setup_logging() -> None:
 
 
 class _NoExpectedErrors(logging.Filter):
-    """Drops console records about a GptforgeError: the CLI states it once, as one line.
-    The Prefect API handler is left alone, so the UI keeps the full record."""
+    """Drops console records about a GptforgeError: the CLI states it once, as one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], GptforgeError))
 
 
-def _hide_expected_tracebacks() -> None:
+class _NoTraceback(logging.Formatter):
+    """Formats a record without its traceback (Prefect logs one for every failed try)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _quiet_prefect_console(debug: bool) -> None:
+    """Keep Prefect's run and task lines on the terminal, but not its tracebacks: expected
+    errors end in one line from the CLI, unexpected ones too unless GPTFORGE_DEBUG is set.
+    Prefect's API handler is left alone, so the UI keeps the full record."""
+    if debug:
+        return
     for name in ("prefect", ""):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 handler.addFilter(_NoExpectedErrors())
+                handler.setFormatter(_NoTraceback(handler.formatter))
 
 
 def _one_line(text: str) -> str:
