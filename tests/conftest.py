@@ -34,6 +34,8 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 
+from gptforge.tracking import NullRun  # noqa: E402  (after the environment is set)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -78,6 +80,21 @@ def shakespeare() -> Path:
 
 # --------------------------------------------------------------------------------------------
 # Fixture data the tests make
+
+
+class FakeRun(NullRun):
+    """Records what a recipe logs, instead of MLflow."""
+
+    def __init__(self):
+        self.metrics: list[dict] = []
+        self.artifacts: list[Path] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append(dict(metrics))
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append(Path(path))
+
 
 
 def write_tiktoken(path: Path, tokens: list[bytes]) -> Path:

@@ -15,22 +15,10 @@ from gptforge.data import sources
 from gptforge.data.classify import prepare_classify
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.steps import Steps
-from gptforge.tracking import NullRun
+from conftest import FakeRun
 
 METRIC_KEYS = {"total_lines", "bad_lines", "train_ham", "train_spam", "val_ham", "val_spam", "test_ham",
                "test_spam", "train", "val", "test"}
-
-
-class FakeRun(NullRun):
-    def __init__(self):
-        self.metrics: list[dict] = []
-        self.artifacts: list[Path] = []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append(dict(metrics))
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append(Path(path))
 
 
 class RecordingSteps(Steps):

@@ -12,19 +12,7 @@ from gptforge.config import load_config
 from gptforge.data import sources
 from gptforge.data.instruct import prepare_instruct
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.tracking import NullRun
-
-
-class FakeRun(NullRun):
-    def __init__(self):
-        self.metrics: list[dict] = []
-        self.artifacts: list[Path] = []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append(dict(metrics))
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append(Path(path))
+from conftest import FakeRun
 
 
 def alpaca(n: int) -> list[dict]:

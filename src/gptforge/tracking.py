@@ -202,3 +202,12 @@ def start_run(
         raise
     finally:
         mlflow.end_run(status=status)
+
+
+def publish_metrics(run: NullRun, metrics: Mapping[str, float], path: str | os.PathLike) -> None:
+    """A stage's final metrics: the DVC metrics file (flat JSON) and the same in its MLflow run."""
+    from gptforge.io import write_json
+
+    write_json(path, dict(metrics))
+    run.log_metrics(metrics)
+    run.log_artifact(path)

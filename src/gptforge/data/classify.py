@@ -22,9 +22,8 @@ from typing import Any, Sequence
 
 from gptforge.config import Config
 from gptforge.errors import BadInput
-from gptforge.io import write_json
 from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun
+from gptforge.tracking import NullRun, publish_metrics
 
 from gptforge.data.sources import is_hf, materialize, read_records, safe_extract_zip, shuffle_split, write_splits
 
@@ -81,9 +80,7 @@ def prepare_classify(
         metrics[f"{name}_ham"] = counts[0]
         metrics[f"{name}_spam"] = counts[1]
     metrics.update({name: len(examples) for name, examples in splits.items()})
-    write_json(metrics_path, metrics)
-    run.log_metrics(metrics)
-    run.log_artifact(metrics_path)
+    publish_metrics(run, metrics, metrics_path)
     log.info("classify data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
              out_dir)
     return metrics

@@ -21,9 +21,8 @@ from typing import Any, Sequence
 
 from gptforge.config import Config
 from gptforge.errors import BadInput
-from gptforge.io import write_json
 from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun
+from gptforge.tracking import NullRun, publish_metrics
 
 from gptforge.data.sources import is_hf, load_hf, materialize, read_records, shuffle_split, write_splits
 
@@ -66,9 +65,7 @@ def prepare_instruct(
 
     metrics = {"records": validated.total, "invalid": validated.invalid, "dropped_empty": validated.dropped_empty,
                **{name: len(items) for name, items in splits.items()}}
-    write_json(metrics_path, metrics)
-    run.log_metrics(metrics)
-    run.log_artifact(metrics_path)
+    publish_metrics(run, metrics, metrics_path)
     log.info("instruct data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
              out_dir)
     return metrics

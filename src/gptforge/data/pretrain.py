@@ -34,7 +34,7 @@ from gptforge.errors import BadInput
 from gptforge.io import atomic_dir, sha256_file, write_json
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import check_fits_uint16, describe, load_tokenizer
-from gptforge.tracking import NullRun
+from gptforge.tracking import NullRun, publish_metrics
 
 log = logging.getLogger("gptforge")
 
@@ -401,10 +401,8 @@ def prepare_pretrain(
         "documents": stats.documents["train"] + stats.documents["val"],
         "tokens_per_sec": manifest["tokens_per_sec"],
     }
-    write_json(metrics_path, metrics)
     log.info("wrote %d shards, %d tokens (%.2fM tokens/s) to %s", len(stats.shards), stats.total_tokens,
              manifest["tokens_per_sec"] / 1e6, out_dir)
-    run.log_metrics(metrics)
+    publish_metrics(run, metrics, metrics_path)
     run.log_artifact(Path(out_dir) / "manifest.json")
-    run.log_artifact(metrics_path)
     return metrics
