@@ -212,6 +212,13 @@ def test_stage_is_a_prefect_flow_and_an_mlflow_run(tmp_path, sms_file, prefect_a
     names = {t["name"].rsplit("-", 1)[0] for t in task_runs}
     assert {"find-sms-file", "read-labelled", "balance-and-split", "write-splits"} <= names
     assert all(t["state"]["type"] == "COMPLETED" for t in task_runs)
+    # The library's own log lines reach the flow run's logs, and the metrics are an artifact.
+    logs = prefect_get(prefect_api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    assert any("classify data:" in entry["message"] for entry in logs)
+    artifacts = prefect_get(prefect_api, "/artifacts/filter",
+                            {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    [artifact] = [a for a in artifacts if a["key"] == "prepare-classify-metrics"]
+    assert f"| `train` | {metrics['train']} |" in artifact["data"]
 
 
 @pytest.mark.slow
