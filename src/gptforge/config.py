@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gptforge.errors import BadInput
 
@@ -114,6 +114,87 @@ class DataConfig(Section):
     instruct: InstructData = InstructData()
 
 
+# GPT-2 sizes (n_layer, n_head, n_embd); all have 1024 positions.
+MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+
+class ModelConfig(Section):
+    # A named GPT-2 size sets n_layer, n_head, n_embd and block_size (1024), replacing the
+    # values below; null: the values below (the tiny CPU default).
+    preset: Optional[Literal["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]] = None
+    n_layer: int = Field(4, gt=0)
+    n_head: int = Field(4, gt=0)
+    n_embd: int = Field(128, gt=0)
+    block_size: int = Field(64, gt=0)
+    # Embedding/head rows: the tokenizer's 50257 padded to a multiple of 64 for fast matmuls;
+    # loss and sampling only ever see the tokenizer's real vocabulary.
+    vocab_size: int = Field(50304, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    bias: bool = True
+    attention: Literal["math", "sdpa", "triton"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.preset is not None:
+            n_layer, n_head, n_embd = MODEL_PRESETS[self.preset]
+            for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", 1024)):
+                object.__setattr__(self, key, value)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd ({self.n_embd}) is not divisible by model.n_head ({self.n_head})")
+        return self
+
+
+class HellaswagSource(Section):
+    # A local HellaSwag jsonl in the rowanz format (ctx, endings, label); null: off.
+    source: Optional[str] = None
+    limit: Optional[int] = Field(None, gt=0, description="first N examples only")
+
+
+class PretrainConfig(Section):
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: Union[bool, Literal["auto"]] = "auto"
+    seed: int = 1337
+    # Where the weights start: scratch, a GPT-2 size from the hub (gpt2, gpt2-medium, ...),
+    # or a checkpoint folder.
+    init_from: str = "scratch"
+    batch_size: int = Field(12, gt=0, description="micro-batch, sequences per process")
+    batch_tokens: int = Field(768, gt=0, description="tokens per optimizer step, all processes together")
+    max_steps: int = Field(1000, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(1e-4, ge=0)
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: list[float] = [0.9, 0.95]
+    grad_clip: float = Field(1.0, ge=0, description="0 = off")
+    eval_interval: int = Field(100, gt=0)
+    eval_steps: int = Field(20, gt=0)
+    log_interval: int = Field(10, gt=0)
+    ckpt_interval: int = Field(250, gt=0)
+    keep_last: int = Field(2, gt=0)
+    resume: str = "auto"  # auto | never | a checkpoint folder
+    hellaswag_interval: int = Field(0, ge=0, description="0 = only at the end, when a source is set")
+    hellaswag: HellaswagSource = HellaswagSource()
+    sample_interval: int = Field(0, ge=0, description="0 = only at the end")
+    sample_prompt: str = "Once upon a time"
+    sample_tokens: int = Field(32, gt=0)
+    peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
+    nproc_per_node: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"pretrain.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"pretrain.min_lr ({self.min_lr}) is above pretrain.lr ({self.lr})")
+        return self
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -122,6 +203,8 @@ class TrackingConfig(Section):
 class Config(Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    pretrain: PretrainConfig = PretrainConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:
@@ -239,7 +322,7 @@ def _describe(err: dict) -> str:
         msg = msg[len("Value error, ") :]
     got = f"{value!r} ({type(value).__name__})"
     if err["type"] == "value_error":
-        return f"{key}: {msg}"
+        return msg if msg.startswith(f"{key}.") else f"{key}: {msg}"
     if expected and err["type"] != "missing":
         return f"{key}: expected {expected}, got {got}: {msg}"
     return f"{key}: {msg}"
