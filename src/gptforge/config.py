@@ -136,7 +136,7 @@ class ModelConfig(Section):
     vocab_size: int = Field(50304, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     bias: bool = True
-    attention: Literal["math", "sdpa", "triton"] = "sdpa"
+    attention: Literal["math", "sdpa"] = "sdpa"  # "triton" arrives with kernels/
 
     @model_validator(mode="after")
     def _shape(self):
