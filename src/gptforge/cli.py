@@ -27,6 +27,7 @@ FLOW_MODULES = {
     "prepare_pretrain": "flows.prepare",
     "prepare_classify": "flows.prepare",
     "prepare_instruct": "flows.prepare",
+    "pretrain": "flows.pretrain",
 }
 
 
@@ -67,6 +68,13 @@ def build_parser() -> Parser:
         p = prepare_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
         _config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    stage = STAGES["pretrain"]
+    p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
+                       "Under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it trains "
+                       "with DDP.")
+    _config_args(p)
+    p.set_defaults(func=cmd_stage, stage="pretrain")
     return parser
 
 
@@ -86,6 +94,8 @@ def cmd_config_show(args) -> int:
 def use_prefect() -> bool:
     if os.environ.get("GPTFORGE_PREFECT", "1").lower() in ("0", "false", "no", "off"):
         return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False  # a torchrun worker: the launching flow (or shell) owns the Prefect run
     return importlib.util.find_spec("prefect") is not None
 
 

@@ -7,6 +7,7 @@ through here, so a stage behaves the same with or without Prefect.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -39,6 +40,8 @@ STAGES: dict[str, Stage] = {
         Stage("prepare_instruct", "gptforge.data.instruct:prepare_instruct",
               ("data.download", "data.instruct"),
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
+        Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
+              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)"),
     )
 }
 
@@ -46,8 +49,9 @@ STAGES: dict[str, Stage] = {
 def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[str, Any] | None = None) -> dict:
     stage = STAGES[name]
     recipe = stage.load()
+    # Under torchrun every process runs the recipe; only rank 0 records the run.
     with tracking.start_run(
-        enabled=cfg.tracking.enabled,
+        enabled=cfg.tracking.enabled and int(os.environ.get("RANK", "0")) == 0,
         experiment=cfg.tracking.experiment,
         stage=name,
         params=cfg.flat(*stage.params),
@@ -79,3 +83,9 @@ def check_inputs(name: str, cfg: Config) -> None:
         from gptforge.tokenizer import check_fits_uint16, load_tokenizer
 
         check_fits_uint16(load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
+    if name == "pretrain":
+        from gptforge.train import grad_accum_steps
+
+        grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.pretrain.nproc_per_node)))
+        if not Path("data/pretrain/manifest.json").is_file():
+            raise BadInput("data/pretrain/manifest.json not found: run `gptforge prepare pretrain` first")

@@ -1,0 +1,619 @@
+"""GPT-2 in one file: config, model, KV-cached generation, weights I/O, Hugging Face conversion.
+
+The architecture and parameter names follow nanoGPT (karpathy/nanoGPT), so its checkpoints and
+its reading order carry over: token + position embeddings, pre-LayerNorm blocks
+(ln_1 -> attn -> ln_2 -> mlp, tanh-GELU), final ln_f, and an lm_head tied to the token embedding.
+
+Vocabulary: the embedding/head has `vocab_size` rows (50304 = GPT-2's 50257 padded to a multiple
+of 64, which keeps the head matmul on fast kernel paths); only ids below `n_vocab` are real. The
+padded logit columns are set to -inf, so the loss is exactly the cross-entropy over the real
+vocabulary and the padded ids can never be sampled.
+
+Only torch, numpy, safetensors and tiktoken are imported here at module level: training and
+generation run on a bare GPU machine. `transformers` is imported inside the conversion functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file as _load_safetensors
+from safetensors.torch import save as _safetensors_bytes
+
+from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.io import atomic_file, write_json
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FORMAT = "gptforge-gpt2"
+FORMAT_VERSION = 1
+HF_PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+EOT_ID = 50256  # GPT-2's <|endoftext|>; also its bos/eos in Hugging Face configs
+
+
+def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
+    return -(-n_vocab // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    vocab_size: int = 50304  # rows of wte / lm_head (padded)
+    n_vocab: int = 50257  # the tokenizer's real vocabulary: ids >= n_vocab never occur
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them)
+    attention: str = "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA)
+
+    def __post_init__(self):
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_vocab"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadInput(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise BadInput(f"model config: n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+        if self.vocab_size < self.n_vocab:
+            raise BadInput(f"model config: vocab_size ({self.vocab_size}) is smaller than the tokenizer's "
+                           f"vocabulary n_vocab ({self.n_vocab})")
+        if self.attention not in ("math", "sdpa"):
+            raise BadInput(f"model config: attention must be 'math' or 'sdpa', got {self.attention!r}")
+        if not 0 <= self.dropout < 1:
+            raise BadInput(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        missing = [n for n in names if n not in d]
+        if unknown or missing:
+            parts = ([f"unknown keys {', '.join(unknown)}"] if unknown else []) + (
+                [f"missing keys {', '.join(missing)}"] if missing else [])
+            raise BadInput(f"model config: {'; '.join(parts)}")
+        return cls(**d)
+
+    @classmethod
+    def from_model_config(cls, m, n_vocab: int) -> "GPTConfig":
+        """From params.yaml's `model` section (config.ModelConfig) and the tokenizer's size."""
+        if m.vocab_size < n_vocab:
+            raise BadInput(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary ({n_vocab})")
+        return cls(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
+                   vocab_size=m.vocab_size, n_vocab=n_vocab, dropout=m.dropout, bias=m.bias,
+                   attention=m.attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated as (B, n_head, max_len, head_dim).
+
+    `pos` counts the positions already written. A forward pass writes its T new positions at
+    [pos, pos+T) in every layer, attends over [0, pos+T), and then advances `pos` once. Writing
+    into a preallocated buffer (rather than torch.cat per step) keeps decoding free of
+    allocations that grow with the sequence.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int | None = None, *,
+                 device=None, dtype=torch.float32):
+        max_len = config.block_size if max_len is None else max_len
+        if max_len > config.block_size:
+            raise BadInput(f"KV cache of {max_len} positions is longer than model.block_size={config.block_size}")
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this layer's new keys/values at [pos, pos+T); return the views over [0, pos+T)."""
+        end = self.pos + k.size(2)
+        self.k[layer][:, :, self.pos:end].copy_(k)
+        self.v[layer][:, :, self.pos:end].copy_(v)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.backend = config.attention
+
+    def forward(self, x, mask=None, kv_cache: KVCache | None = None, layer: int = 0):
+        """`mask` (T, S) bool, True = may attend; None means plain causal (T == S) or, for a
+        single query after a cache prefix, no mask at all (it may see every key)."""
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (B, nh, S, hd) with S = pos + T
+        S = k.size(2)
+        if self.backend == "sdpa":
+            # is_causal aligns its mask top-left, which is only right when T == S; a chunk after
+            # a cache prefix brings its own right-aligned mask, a single query needs none.
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None and T == S and T > 1)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            if mask is not None:
+                att = att.masked_fill(~mask, float("-inf"))
+            elif T == S and T > 1:
+                att = att.masked_fill(~_causal_mask(T, S, x.device), float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, mask=None, kv_cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), mask, kv_cache, layer)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+def _causal_mask(T: int, S: int, device) -> torch.Tensor:
+    """(T, S) bool: query i (absolute position S-T+i) sees keys 0..S-T+i (right-aligned)."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (GPT-2): one matrix is both the input embedding and the output head.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # The residual projections add into the stream once per block (twice per layer): scale
+        # their init by 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth
+        # (GPT-2 paper, section 2.3).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; `non_embedding` subtracts the position embeddings only (nanoGPT's
+        convention): the token embedding stays in because, tied to lm_head, its weights do
+        matmul work in every forward pass."""
+        n = sum(p.numel() for p in self.parameters())  # the tied matrix is counted once
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token, from the PaLM paper's appendix B as in
+        nanoGPT's estimate_mfu: 6N for the weight matmuls (N = num_params(non_embedding=True),
+        lm_head included through the tied wte) plus 12·L·H·Q·T for attention scores and values."""
+        cfg = self.config
+        T = cfg.block_size if seq_len is None else seq_len
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def hidden_states(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The final-LayerNorm output (B, T, n_embd); advances `kv_cache` by T positions."""
+        B, T = idx.size()
+        pos = kv_cache.pos if kv_cache is not None else 0
+        if pos + T > self.config.block_size:
+            if kv_cache is None:
+                raise BadInput(f"sequence of {T} tokens is longer than model.block_size={self.config.block_size}")
+            raise BadInput(f"sequence of {pos + T} tokens (cache {pos} + {T} new) is longer than "
+                           f"model.block_size={self.config.block_size}")
+        if kv_cache is not None and pos + T > kv_cache.max_len:
+            raise BadInput(f"KV cache holds {kv_cache.max_len} positions, {pos + T} needed")
+        # A chunk of several queries after a cache prefix needs an explicit right-aligned mask;
+        # the math backend needs one for any T > 1. Made once here, shared by every layer.
+        mask = None
+        if T > 1 and (pos > 0 or self.config.attention == "math"):
+            mask = _causal_mask(T, pos + T, idx.device)
+        # wpe rows by slicing, not an index tensor: a view, nothing allocated per decode step.
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos:pos + T])
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.pos = pos + T
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                kv_cache: KVCache | None = None, last_only: bool = False):
+        """idx (B, T) int64 -> (logits (B, T or 1, vocab_size), loss or None).
+
+        Columns >= n_vocab of the logits are -inf: softmax gives them 0, so cross-entropy over all
+        columns equals cross-entropy over the real vocabulary, their gradient is 0 (the padded
+        rows of wte never train), and sampling cannot pick them. `loss` is the mean cross-entropy
+        over targets != -100.
+        """
+        x = self.hidden_states(idx, kv_cache)
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)
+        if self.config.vocab_size > self.config.n_vocab:
+            # In place on the matmul output, never a sliced copy of a (B, T, 50304) tensor. Under
+            # no_grad so autograd does not record it: recorded, its backward clones the whole
+            # logits gradient (CopySlices), ~15% of a tiny-config CPU step. Nothing is lost: the
+            # gradient reaching these columns through softmax/cross-entropy is exactly 0 anyway
+            # (probability exp(-inf) = 0), and the linear's backward does not read its output.
+            with torch.no_grad():
+                logits[..., self.config.n_vocab:] = float("-inf")
+        loss = None
+        if targets is not None:
+            if last_only:
+                raise BadInput("targets need logits at every position; do not combine them with last_only")
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def next_token_logits(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """(B, n_vocab) logits for the last position, for generation: the head is the first
+        n_vocab rows of wte (a contiguous view), so nothing is computed for the padding."""
+        x = self.hidden_states(idx, kv_cache)[:, -1, :]
+        return F.linear(x, self.transformer.wte.weight[: self.config.n_vocab])
+
+    # -- optimizer --------------------------------------------------------------------------
+
+    def configure_optimizer(self, weight_decay: float, lr: float, betas, device_type: str) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices and embeddings (dim >= 2) only: decaying biases and
+        LayerNorm gains just pulls them toward 0 without regularizing anything useful."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        # The fused CUDA kernel updates every parameter in one launch.
+        fused = device_type == "cuda"
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+@torch.inference_mode()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, eot_id: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Continue `idx` (B, T) by up to `max_new_tokens` tokens; returns (B, T + n_new).
+
+    temperature 0 is greedy (argmax); otherwise logits / temperature are sampled, from the
+    `top_k` most likely tokens when given, with `generator` for reproducibility.
+    With `eot_id`, a sequence stops at that token, which is kept in the output (as Hugging Face
+    does); other rows of a batch go on, and finished rows are filled with `eot_id` until every
+    row has ended or `max_new_tokens` is reached (so a batch of 1 returns right after its eot).
+
+    With `use_cache`, the prompt is run once (prefill) and each new token costs one position
+    through the KV cache. Once the sequence no longer fits in block_size, it falls back to
+    nanoGPT's crop: recompute from the last block_size tokens without the cache (positions
+    shift, so cached keys are no longer valid). Cached and uncached runs give the same tokens.
+    """
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise BadInput(f"generate needs a (batch, tokens) prompt of at least one token, got shape {tuple(idx.shape)}")
+    if temperature < 0:
+        raise BadInput(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise BadInput(f"top_k must be a positive integer, got {top_k}")
+    cfg = model.config
+    was_training = model.training
+    model.eval()
+    try:
+        B, T0 = idx.shape
+        out = torch.empty(B, T0 + max_new_tokens, dtype=torch.long, device=idx.device)
+        out[:, :T0] = idx
+        if max_new_tokens <= 0:
+            return out[:, :T0]
+        block = cfg.block_size
+        cache = None
+        if use_cache and T0 < block:
+            dtype = model.transformer.wte.weight.dtype
+            cache = KVCache(cfg, B, min(block, T0 + max_new_tokens), device=idx.device, dtype=dtype)
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device) if eot_id is not None else None
+        if top_k is not None:
+            top_k = min(top_k, cfg.n_vocab)
+        n = T0
+        logits = model.next_token_logits(out[:, max(0, n - block):n], cache)
+        for _ in range(max_new_tokens):
+            if temperature == 0:
+                nxt = _argmax(logits)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+            if done is not None:
+                nxt = torch.where(done, eot_id, nxt)
+                done |= nxt == eot_id
+            out[:, n] = nxt
+            n += 1
+            if n == T0 + max_new_tokens or (done is not None and bool(done.all())):
+                break
+            if cache is not None and n <= cache.max_len:
+                logits = model.next_token_logits(out[:, n - 1:n], cache)
+            else:
+                logits = model.next_token_logits(out[:, max(0, n - block):n])
+        return out[:, :n]
+    finally:
+        model.train(was_training)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum, as torch.argmax). On the CPU through NumPy: torch's CPU
+    argmax over 50257 columns takes ~90 us, NumPy's vectorized one ~6 us, and a batch-1 decode
+    step of the tiny model costs only ~1.2 ms in all."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return torch.argmax(logits, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights I/O (safetensors + config.json; never pickle)
+
+
+def _empty_model(config: GPTConfig, device="cpu") -> GPT:
+    """A GPT with uninitialized storage, for loading weights into: random init of a large model
+    is seconds of CPU time that the loaded weights overwrite anyway."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.lm_head.weight = model.transformer.wte.weight  # re-tie: to_empty made new storage
+    return model
+
+
+def _own_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    # lm_head.weight is wte.weight: save it once, under the embedding's name.
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def save_model(model: GPT, folder: str | Path) -> Path:
+    """Write `model.safetensors` and `config.json` into `folder`, each atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = _safetensors_bytes(_own_state_dict(model), metadata={"format": "pt"})
+    with atomic_file(folder / WEIGHTS_FILE, "wb") as f:
+        f.write(data)
+    write_json(folder / CONFIG_FILE, {**model.config.to_dict(), "format": FORMAT, "version": FORMAT_VERSION})
+    return folder
+
+
+def load_config(folder: str | Path) -> GPTConfig:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise BadInput(f"{path}: not found (a model folder holds {WEIGHTS_FILE} and {CONFIG_FILE})")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not readable JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise BadInput(f"{path}: not a gptforge model config (expected \"format\": \"{FORMAT}\")")
+    if d.get("version") != FORMAT_VERSION:
+        raise BadInput(f"{path}: format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+    d = {k: v for k, v in d.items() if k not in ("format", "version")}
+    try:
+        return GPTConfig.from_dict(d)
+    except BadInput as e:
+        raise BadInput(f"{path}: {e}") from None
+    except TypeError as e:
+        raise BadInput(f"{path}: {e}") from None
+
+
+def load_model(folder: str | Path, map_location="cpu") -> GPT:
+    """Read a folder written by save_model. Any problem is a one-line BadInput naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BadInput(f"model folder not found: {folder}")
+    config = load_config(folder)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise BadInput(f"{path}: not found")
+    try:
+        state = _load_safetensors(str(path), device=str(map_location))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise BadInput(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+    model = _empty_model(config, map_location)
+    _load_checked(model, state, path)
+    return model
+
+
+def _load_checked(model: GPT, state: dict[str, torch.Tensor], origin) -> None:
+    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing tensors {_few(missing)}"] if missing else []) + (
+            [f"unexpected tensors {_few(unexpected)}"] if unexpected else [])
+        raise BadInput(f"{origin}: {'; '.join(parts)} for a model with config {model.config.to_dict()}")
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items() if state[k].shape != s]
+    if wrong:
+        raise BadInput(f"{origin}: wrong tensor shapes: {_few(wrong)}")
+    with torch.no_grad():
+        model.load_state_dict({**state, "lm_head.weight": state["transformer.wte.weight"]}, strict=True)
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face conversion (transformers imported lazily)
+
+# HF's GPT-2 uses Conv1D, whose weight is (in, out): the transpose of our nn.Linear's (out, in).
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def hf_config(config: GPTConfig):
+    from transformers import GPT2Config
+
+    eot = EOT_ID if config.n_vocab > EOT_ID else None
+    return GPT2Config(
+        vocab_size=config.n_vocab, n_positions=config.block_size, n_embd=config.n_embd,
+        n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
+        resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot, tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights in the layout of transformers' GPT2LMHeadModel: Conv1D weights transposed,
+    vocabulary trimmed to n_vocab rows, zero biases where the model has none (bias=False)."""
+    cfg = model.config
+    ours = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    wte = ours["transformer.wte.weight"][: cfg.n_vocab].detach().clone()
+    out["transformer.wte.weight"] = wte
+    out["transformer.wpe.weight"] = ours["transformer.wpe.weight"].detach().clone()
+    dims = {"ln_1": cfg.n_embd, "attn.c_attn": 3 * cfg.n_embd, "attn.c_proj": cfg.n_embd, "ln_2": cfg.n_embd,
+            "mlp.c_fc": 4 * cfg.n_embd, "mlp.c_proj": cfg.n_embd}
+    layers = [f"transformer.h.{i}." for i in range(cfg.n_layer)]
+    for prefix in layers:
+        for part, dim in dims.items():
+            w = ours[f"{prefix}{part}.weight"].detach()
+            out[f"{prefix}{part}.weight"] = w.t().contiguous() if f"{part}.weight" in _CONV1D else w.clone()
+            b = ours.get(f"{prefix}{part}.bias")
+            out[f"{prefix}{part}.bias"] = b.detach().clone() if b is not None else w.new_zeros(dim)
+    out["transformer.ln_f.weight"] = ours["transformer.ln_f.weight"].detach().clone()
+    b = ours.get("transformer.ln_f.bias")
+    out["transformer.ln_f.bias"] = b.detach().clone() if b is not None else wte.new_zeros(cfg.n_embd)
+    out["lm_head.weight"] = wte  # tied: the same tensor
+    return out
+
+
+def to_hf(model: GPT):
+    """A transformers GPT2LMHeadModel with our weights (eval mode, same device and dtype)."""
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel(hf_config(model.config))
+    state = hf_state_dict(model)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"transformers' GPT-2 layout changed: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    p = model.transformer.wte.weight
+    return hf.to(device=p.device, dtype=p.dtype).eval()
+
+
+def from_hf(hf_model, attention: str = "sdpa") -> GPT:
+    """Our GPT from a transformers GPT2LMHeadModel (vocabulary padded with zero rows to a
+    multiple of 64; the padding is masked out of the logits anyway)."""
+    c = hf_model.config
+    if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise BadInput(f"Hugging Face model uses activation {c.activation_function!r}; GPT-2's tanh GELU is needed")
+    if abs(c.layer_norm_epsilon - 1e-5) > 1e-12:
+        raise BadInput(f"Hugging Face model uses layer_norm_epsilon={c.layer_norm_epsilon}; 1e-5 is needed")
+    if c.n_inner not in (None, 4 * c.n_embd) or getattr(c, "scale_attn_by_inverse_layer_idx", False):
+        raise BadInput("Hugging Face model differs from GPT-2's architecture (n_inner or attention scaling)")
+    config = GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions,
+                       vocab_size=padded_vocab(c.vocab_size), n_vocab=c.vocab_size, dropout=0.0, bias=True,
+                       attention=attention)
+    hf_state = hf_model.state_dict()
+    state = {}
+    for k in _empty_model(config, "meta").state_dict():
+        if k == "lm_head.weight":
+            continue
+        if k not in hf_state:
+            raise BadInput(f"Hugging Face model has no tensor {k}")
+        t = hf_state[k].detach().to(torch.float32) if hf_state[k].is_floating_point() else hf_state[k]
+        state[k] = t.t().contiguous() if k.endswith(_CONV1D) else t.clone()
+    wte = state["transformer.wte.weight"]
+    pad = config.vocab_size - config.n_vocab
+    if pad:
+        state["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(pad, config.n_embd)])
+    device = hf_model.transformer.wte.weight.device
+    model = _empty_model(config, device)
+    _load_checked(model, state, "Hugging Face model")
+    return model
+
+
+def from_pretrained(name: str, attention: str = "sdpa") -> GPT:
+    """OpenAI's GPT-2 weights from the Hugging Face hub ("gpt2" ... "gpt2-xl")."""
+    if name not in HF_PRETRAINED:
+        raise BadInput(f"unknown pretrained model {name!r}; choose one of {', '.join(HF_PRETRAINED)}")
+    try:
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel.from_pretrained(name)
+    except Exception as e:  # offline, hub errors, missing cache: all the same to the user
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        raise SourceUnreachable(
+            f"cannot load {name} from the Hugging Face hub ({reason}); set pretrain.init_from to a checkpoint folder"
+        ) from None
+    return from_hf(hf, attention=attention)

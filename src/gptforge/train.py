@@ -1,0 +1,463 @@
+"""`gptforge pretrain`: the GPT-2 pretraining recipe, read top to bottom.
+
+One process, or DDP when launched by `torchrun` (nccl on CUDA, gloo on CPU). Gradient
+accumulation fills `pretrain.batch_tokens` per optimizer step; AdamW with weight decay on
+matrices only; linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16
+autocast; optional torch.compile. Checkpoints hold everything a resumed run needs to continue
+bit for bit: weights (safetensors), optimizer and grad-scaler state, the data position, the
+step and every RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gptforge import checkpoint as ckpt
+from gptforge import flops
+from gptforge.config import Config
+from gptforge.errors import BadInput, StageFailed
+from gptforge.io import atomic_dir, atomic_file
+from gptforge.loader import ShardLoader
+from gptforge.model import GPT, GPTConfig, generate, load_model, save_model
+from gptforge.steps import DIRECT, Steps
+from gptforge.tokenizer import describe, load_tokenizer
+from gptforge.tracking import NullRun, publish_metrics
+
+log = logging.getLogger("gptforge")
+
+# Settings that change what the training computes: a checkpoint made under other values is
+# not this run's and must not be resumed (a different lr or max_steps changes every update).
+FINGERPRINT_KEYS = ("seed", "init_from", "batch_size", "batch_tokens", "max_steps", "lr", "min_lr",
+                    "warmup_steps", "weight_decay", "betas", "grad_clip", "precision")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where and how we run
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    ddp: bool = False
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    compile: bool = False
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    p = cfg.pretrain
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = world > 1
+    if p.device == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = p.device.split(":")[0]
+        if device_type not in ("cpu", "cuda"):
+            raise BadInput(f"pretrain.device: expected auto, cpu, cuda or cuda:N, got {p.device!r}")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise BadInput("pretrain.device is cuda but no CUDA device is available")
+    rank = local_rank = 0
+    if ddp:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    if device_type == "cuda":
+        index = local_rank if ddp or ":" not in p.device else int(p.device.split(":")[1])
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        # TF32 matmuls: ~8x the fp32 tensor throughput on Ampere+, 10-bit mantissa inputs.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    precision = p.precision if p.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    compile_ = p.compile if p.compile != "auto" else device.type == "cuda"
+    return Runtime(device, rank, local_rank, world, ddp, precision, bool(compile_))
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `max_steps` (build-nanogpt)."""
+    p = cfg.pretrain
+    if step < p.warmup_steps:
+        return p.lr * (step + 1) / p.warmup_steps
+    if step >= p.max_steps:
+        return p.min_lr
+    progress = (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps)
+    return p.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (p.lr - p.min_lr)
+
+
+def grad_accum_steps(cfg: Config, world: int) -> int:
+    p, T = cfg.pretrain, cfg.model.block_size
+    per_micro = p.batch_size * T * world
+    if p.batch_tokens % per_micro:
+        raise BadInput(
+            f"pretrain.batch_tokens ({p.batch_tokens}) is not divisible by batch_size*block_size*processes "
+            f"({p.batch_size}*{T}*{world} = {per_micro})"
+        )
+    return p.batch_tokens // per_micro
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: from scratch, from the hub, from a checkpoint
+
+
+def build_model(cfg: Config, n_vocab: int) -> GPT:
+    p, m = cfg.pretrain, cfg.model
+    if p.init_from == "scratch":
+        torch.manual_seed(p.seed)
+        return GPT(GPTConfig.from_model_config(m, n_vocab))
+    if p.init_from.startswith("gpt2"):
+        from gptforge.model import from_pretrained
+
+        model = from_pretrained(p.init_from)
+        source = f"hub weights {p.init_from}"
+    else:
+        model = load_model(p.init_from)
+        source = f"checkpoint {p.init_from}"
+    have = model.config.block_size
+    if m.block_size > have:
+        raise BadInput(f"model.block_size ({m.block_size}) is above the {have} positions of {source}")
+    if model.config.n_vocab != n_vocab:
+        raise BadInput(f"{source} has a vocabulary of {model.config.n_vocab}, the tokenizer {n_vocab}")
+    if m.block_size < have:
+        model.crop_block_size(m.block_size)
+    log.info("initialised from %s", source)
+    return model
+
+
+def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
+    keys = {k: getattr(cfg.pretrain, k) for k in FINGERPRINT_KEYS}
+    blob = json.dumps({"model": cfg.model.model_dump(mode="json"), "pretrain": keys, "world": world,
+                       "shards": [s["sha256"] for s in manifest["shards"]]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def find_resume(cfg: Config, out_dir: Path, fp: str) -> Path | None:
+    """The checkpoint to continue from, or None to start over (`pretrain.resume`)."""
+    resume = cfg.pretrain.resume
+    if resume == "never":
+        return None
+    if resume != "auto":
+        folder = Path(resume)
+        reason = ckpt.verify(folder) if folder.is_dir() else f"{folder} is not a folder"
+        if reason:
+            raise BadInput(f"pretrain.resume: cannot resume from {folder}: {reason}")
+        return folder
+    folder = ckpt.newest_good(out_dir)
+    if folder is None:
+        return None
+    made_by = ckpt.load_state(folder).get("fingerprint")
+    if made_by != fp:
+        log.warning("not resuming from %s: it was made with other model/pretrain params or data", folder)
+        return None
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# One optimizer step
+
+
+def train_step(model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int, rt: Runtime, *, lr: float,
+               grad_clip: float) -> tuple[float, float]:
+    """Forward/backward over `grad_accum` micro-batches, clip, step. Returns (loss, grad norm).
+
+    A non-finite loss returns before the optimizer touches the weights, so the caller can stop
+    with the last good state intact."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro in range(grad_accum):
+        x, y = loader.next_batch(rt.device)
+        # DDP: all-reduce gradients only on the last micro-step of the accumulation.
+        sync = contextlib.nullcontext() if not rt.ddp or micro == grad_accum - 1 else model.no_sync()
+        with sync:
+            with rt.autocast():
+                _, loss = model(x, y)
+            loss = loss / grad_accum
+            loss_sum += loss.detach().float()
+            scaler.scale(loss).backward()
+    if rt.ddp:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    loss_value = loss_sum.item()
+    if not math.isfinite(loss_value):
+        return loss_value, float("nan")
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf")).item()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    return loss_value, grad_norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def eval_loss(model, loader: ShardLoader, steps: int, rt: Runtime) -> float:
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=rt.device)
+    for _ in range(steps):
+        x, y = loader.next_batch(rt.device)
+        with rt.autocast():
+            _, loss = model(x, y)
+        total += loss.float()
+    total /= steps
+    if rt.ddp:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    model.train()
+    return total.item()
+
+
+def sample_text(model: GPT, enc, prompt: str, n_tokens: int, seed: int, device: torch.device) -> str:
+    gen = torch.Generator(device=device).manual_seed(seed)  # its own RNG: resume stays exact
+    idx = torch.tensor([enc.encode_ordinary(prompt)], device=device)
+    was_training = model.training
+    model.eval()  # no dropout: it would draw from the training RNG
+    try:
+        out = generate(model, idx, n_tokens, temperature=1.0, top_k=50, eot_id=enc.eot_token, generator=gen)
+    finally:
+        model.train(was_training)
+    return enc.decode(out[0].tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+
+def pretrain(
+    cfg: Config,
+    *,
+    steps: Steps = DIRECT,
+    run=NullRun(),
+    data_dir: str | os.PathLike = "data/pretrain",
+    out_dir: str | os.PathLike = "checkpoints/pretrain",
+    metrics_path: str | os.PathLike = "metrics/pretrain.json",
+    plots_path: str | os.PathLike = "plots/pretrain.csv",
+) -> dict:
+    p, out_dir = cfg.pretrain, Path(out_dir)
+    rt = setup_runtime(cfg)
+    grad_accum = grad_accum_steps(cfg, rt.world_size)
+    enc = load_tokenizer(cfg.tokenizer.path)
+    loader_args = dict(batch_size=p.batch_size, block_size=cfg.model.block_size, rank=rt.rank,
+                       world_size=rt.world_size, n_vocab=enc.n_vocab, tokenizer_name=describe(cfg.tokenizer.path))
+    train_loader = ShardLoader(data_dir, "train", seed=p.seed, shuffle=True, **loader_args)
+    val_loader = ShardLoader(data_dir, "val", seed=p.seed, shuffle=False, **loader_args)
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    fp = fingerprint(cfg, manifest, rt.world_size)
+
+    hellaswag = None
+    if p.hellaswag.source:
+        from gptforge import hellaswag as hs
+
+        hellaswag = hs.load_examples(p.hellaswag.source, limit=p.hellaswag.limit)
+
+    resume_from = find_resume(cfg, out_dir, fp)
+    # A resumed run takes the architecture and weights from its checkpoint (no hub access).
+    model = load_model(resume_from) if resume_from else build_model(cfg, enc.n_vocab)
+    model = model.to(rt.device)
+    torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
+    optimizer = model.configure_optimizer(p.weight_decay, p.lr, tuple(p.betas), rt.device.type)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
+    step = 0
+    if resume_from is not None:
+        state = ckpt.load_state(resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        train_loader.load_state_dict(state["loader"])
+        ckpt.restore_rng(state["rng"])
+        step = int(state["step"])
+        log.info("resumed from %s at step %d", resume_from, step)
+    elif out_dir.exists():
+        stale = ckpt.list_checkpoints(out_dir)
+        if stale and rt.master:
+            log.info("starting over: removing %d checkpoint(s) of another run in %s", len(stale), out_dir)
+            for folder in stale:
+                shutil.rmtree(folder)
+
+    raw_model = model
+    if rt.compile:
+        model = torch.compile(model)
+    if rt.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+
+    flops_per_token = raw_model.flops_per_token(cfg.model.block_size)
+    peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
+    tokens_per_step = p.batch_tokens
+    history: list[dict[str, Any]] = []
+    step_times: list[float] = []
+    last_ckpt: Path | None = resume_from
+    val_loss = hs_result = None
+    train_loss = float("nan")
+
+    def save(at_step: int) -> Path:
+        state = {"step": at_step, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                 "loader": train_loader.state_dict(), "rng": ckpt.capture_rng(), "fingerprint": fp}
+        return ckpt.save_checkpoint(out_dir, at_step, write_model=lambda d: save_model(raw_model, d),
+                                    state=state, keep_last=p.keep_last)
+
+    log.info("pretraining %.2fM parameters on %s (%s%s, %d process%s), %d micro-steps of %dx%d per step",
+             raw_model.num_params() / 1e6, rt.device, rt.precision, ", compiled" if rt.compile else "",
+             rt.world_size, "es" if rt.world_size > 1 else "", grad_accum, p.batch_size, cfg.model.block_size)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=p.max_steps, initial=step, unit="step", desc="pretrain", disable=not rt.master)
+    while step < p.max_steps:
+        last = step == p.max_steps - 1
+        row: dict[str, Any] = {"step": step}
+        if step % p.eval_interval == 0 and not last:
+            val_loss = eval_loss(model, val_loader, p.eval_steps, rt)
+            row["val_loss"] = val_loss
+            run.log_metrics({"val_loss": val_loss}, step=step)
+        if hellaswag is not None and p.hellaswag_interval and step % p.hellaswag_interval == 0 and step:
+            hs_result = _hellaswag(raw_model, hellaswag, enc, rt, cfg)
+            run.log_metrics({"hellaswag_acc_norm": hs_result["acc_norm"], "hellaswag_acc": hs_result["acc"]}, step)
+        if p.sample_interval and step % p.sample_interval == 0 and step and rt.master:
+            run.log_text(sample_text(raw_model, enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
+                         f"samples/step_{step:08d}.txt")
+
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        train_loss, grad_norm = train_step(model, raw_model, optimizer, scaler, train_loader, grad_accum, rt,
+                                           lr=lr, grad_clip=p.grad_clip)
+        if not math.isfinite(train_loss):
+            where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+            raise StageFailed(f"loss is {train_loss} at step {step}: stopping; {where} "
+                              "(resume: auto continues from it; consider a lower pretrain.lr)")
+        rt.sync()
+        dt = time.perf_counter() - t0
+        step += 1
+        step_times.append(dt)
+        tokens_per_sec = tokens_per_step / dt
+        step_mfu = flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak)
+        row.update(train_loss=train_loss, lr=lr)
+        history.append(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{train_loss:.4f}", refresh=False)
+        if step % p.log_interval == 0 or step == p.max_steps:
+            metrics = {"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+                       "step_time_ms": dt * 1000, "peak_memory_mb": _peak_memory_mb(rt.device)}
+            if step_mfu is not None:
+                metrics["mfu"] = step_mfu
+            run.log_metrics(metrics, step=step)
+        if (step % p.ckpt_interval == 0 or step == p.max_steps) and rt.master:
+            last_ckpt = save(step)
+        if rt.ddp:
+            dist.barrier()
+    bar.close()
+
+    # The end: full validation split, HellaSwag, a sample, the final model.
+    val_steps = max(1, val_loader.batches_per_epoch)
+    val_loss = eval_loss(model, val_loader, val_steps, rt)
+    history.append({"step": step, "val_loss": val_loss})
+    if hellaswag is not None:
+        hs_result = _hellaswag(raw_model, hellaswag, enc, rt, cfg)
+    if not rt.master:
+        return {}
+    final = out_dir / "final"
+    with atomic_dir(final) as tmp:
+        save_model(raw_model, tmp)
+    timed = step_times[min(len(step_times) - 1, 5):] or step_times  # the first steps warm up
+    tokens_per_sec = tokens_per_step / statistics.median(timed) if timed else 0.0
+    metrics = {"train_loss": train_loss, "val_loss": val_loss, "tokens": step * tokens_per_step,
+               "tokens_per_sec": tokens_per_sec,
+               "mfu": flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak) or 0.0}
+    if hs_result is not None:
+        metrics.update(hellaswag_acc_norm=hs_result["acc_norm"], hellaswag_acc=hs_result["acc"])
+    write_plot_csv(plots_path, history)
+    publish_metrics(run, metrics, metrics_path)
+    run.log_metrics({"final_val_loss": val_loss}, step=step)
+    run.log_text(sample_text(raw_model, enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device), "samples/final.txt")
+    run.log_artifact(final, "checkpoint")
+    run.log_artifact(plots_path)
+    png = plot_losses(history, Path(plots_path).with_suffix(".png"))
+    if png:
+        run.log_artifact(png)
+    log.info("pretrain done: step %d, train loss %.4f, val loss %.4f, %.0f tokens/s%s", step, train_loss, val_loss,
+             tokens_per_sec, f", MFU {metrics['mfu']:.1%}" if peak else "")
+    return metrics
+
+
+def _hellaswag(model, examples, enc, rt: Runtime, cfg: Config) -> dict:
+    from gptforge import hellaswag as hs
+
+    autocast = None if rt.precision == "fp32" else (torch.bfloat16 if rt.precision == "bf16" else torch.float16)
+    return hs.evaluate(model, examples, enc, device=rt.device, rank=rt.rank, world_size=rt.world_size,
+                       block_size=cfg.model.block_size, autocast_dtype=autocast)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def write_plot_csv(path: str | os.PathLike, history: list[dict]) -> None:
+    with atomic_file(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_loss", "lr"])
+        writer.writeheader()
+        for row in history:
+            writer.writerow({k: row.get(k, "") for k in writer.fieldnames})
+
+
+def plot_losses(history: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # a bare GPU box: no plot, the CSV has the numbers
+        return None
+    train = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=0.8)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,149 @@
+"""generate(): the KV cache changes nothing but the speed; sampling is seeded and honours top-k;
+eot stops a sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptforge.errors import BadInput
+from gptforge.model import GPT, GPTConfig, KVCache, generate
+
+
+def model(attention="sdpa", block_size=24, n_vocab=100, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=128, n_vocab=n_vocab,
+                    attention=attention)
+    m = GPT(cfg).eval()
+    # Larger weights than the init: sharper, more varied predictions than a near-uniform
+    # fresh model, so that a wrong cache position would change the argmax.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape) * 0.3)
+    return m
+
+
+def prompt(B=1, T=5, seed=1, n_vocab=100):
+    return torch.randint(0, n_vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_cached_greedy_equals_uncached(attention):
+    m = model(attention)
+    idx = prompt()
+    # 30 new tokens from 5: crosses block_size (24), where generation falls back to cropping.
+    a = generate(m, idx, 30, temperature=0)
+    b = generate(m, idx, 30, temperature=0, use_cache=False)
+    assert a.shape == (1, 35)
+    assert torch.equal(a[:, :5], idx)
+    assert torch.equal(a, b)
+    assert len(set(a[0, 5:].tolist())) > 3  # not a degenerate repetition of one token
+    assert int(a.max()) < 100  # padded ids are never produced
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_cache_chunk_after_prefix_matches_full_forward(attention):
+    """A multi-token chunk after a cached prefix needs a right-aligned causal mask."""
+    m = model(attention)
+    idx = prompt(B=2, T=20)
+    with torch.no_grad():
+        full, _ = m(idx)
+        cache = KVCache(m.config, batch_size=2)
+        first, _ = m(idx[:, :8], kv_cache=cache)
+        second, _ = m(idx[:, 8:17], kv_cache=cache)
+        third, _ = m(idx[:, 17:18], kv_cache=cache)
+    assert cache.pos == 18
+    torch.testing.assert_close(torch.cat([first, second, third], 1)[..., :100], full[:, :18, :100],
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(BadInput, match="block_size"):
+        m(torch.zeros(2, 7, dtype=torch.long), kv_cache=cache)
+
+
+def test_greedy_is_argmax_of_forward():
+    m = model()
+    idx = prompt()
+    out = generate(m, idx, 3, temperature=0)
+    with torch.no_grad():
+        for i in range(3):
+            logits, _ = m(out[:, : 5 + i])
+            assert int(logits[0, -1].argmax()) == int(out[0, 5 + i])
+
+
+def test_sampling_is_reproducible_and_respects_top_k():
+    m = model()
+    idx = prompt()
+    a = generate(m, idx, 40, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
+    b = generate(m, idx, 40, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
+    c = generate(m, idx, 40, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    # every sampled token is among the 3 most likely at its step
+    with torch.no_grad():
+        for i in range(5, a.size(1)):
+            logits, _ = m(a[:, max(0, i - m.config.block_size):i])
+            top3 = logits[0, -1].topk(3).indices.tolist()
+            assert int(a[0, i]) in top3, i
+    # top_k=1 is greedy
+    g = generate(m, idx, 10, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(g, generate(m, idx, 10, temperature=0))
+
+
+def test_sampling_cached_equals_uncached():
+    m = model()
+    idx = prompt()
+    kw = dict(temperature=0.8, top_k=20)
+    a = generate(m, idx, 30, generator=torch.Generator().manual_seed(3), **kw)
+    b = generate(m, idx, 30, generator=torch.Generator().manual_seed(3), use_cache=False, **kw)
+    assert torch.equal(a, b)
+
+
+def test_eot_stops_batch_of_one():
+    m = model()
+    idx = prompt()
+    free = generate(m, idx, 20, temperature=0)
+    eot = int(free[0, 8])  # the 4th new token
+    first = (free[0, 5:] == eot).nonzero()[0].item()
+    out = generate(m, idx, 20, temperature=0, eot_id=eot)
+    assert out.shape == (1, 5 + first + 1)  # the eot is kept, nothing after it
+    assert int(out[0, -1]) == eot
+    assert torch.equal(out, free[:, : out.size(1)])
+
+
+def test_batch_cache_and_eot_padding():
+    m = model()
+    idx = prompt(B=3, T=6)
+    a = generate(m, idx, 25, temperature=0)
+    b = generate(m, idx, 25, temperature=0, use_cache=False)
+    assert torch.equal(a, b)
+    for r in range(3):  # each row as if it were alone
+        assert torch.equal(generate(m, idx[r : r + 1], 25, temperature=0), a[r : r + 1])
+    # a row that reaches eot is filled with eot afterwards; the others go on
+    eot = int(a[0, 6])
+    out = generate(m, idx, 25, temperature=0, eot_id=eot)
+    row0 = out[0, 6:]
+    assert torch.all(row0 == eot)
+    for r in (1, 2):
+        hits = (a[r, 6:] == eot).nonzero()
+        end = 6 + hits[0].item() + 1 if len(hits) else out.size(1)
+        assert torch.equal(out[r, :end], a[r, :end])
+        assert torch.all(out[r, end:] == eot)
+
+
+def test_long_prompt_is_cropped_and_bad_arguments():
+    m = model()
+    idx = prompt(T=40)  # longer than block_size: only the last 24 tokens are the context
+    out = generate(m, idx, 3, temperature=0)
+    assert out.shape == (1, 43) and torch.equal(out[:, :40], idx)
+    assert torch.equal(out[:, 16:], generate(m, idx[:, 16:], 3, temperature=0))
+    with pytest.raises(BadInput):
+        generate(m, idx, 3, temperature=-1)
+    with pytest.raises(BadInput):
+        generate(m, idx, 3, top_k=0)
+    assert torch.equal(generate(m, idx, 0), idx)
+
+
+def test_generate_restores_training_mode():
+    m = model()
+    m.train()
+    generate(m, prompt(), 2, temperature=0)
+    assert m.training

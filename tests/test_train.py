@@ -1,0 +1,295 @@
+"""The pretraining recipe: schedule, exact resume after SIGKILL, DDP equivalence, AMP/compile,
+NaN handling, outputs, and its bad inputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, cli_env, error_lines
+from gptforge import train as T
+from gptforge.config import load_config
+from gptforge.data.pretrain import prepare_pretrain
+from gptforge.errors import BadInput, StageFailed
+
+# A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
+SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.vocab_size=320",
+         "pretrain.batch_size=4", "pretrain.batch_tokens=64", "pretrain.warmup_steps=2", "pretrain.lr=0.01",
+         "pretrain.min_lr=0.001", "pretrain.eval_interval=5", "pretrain.eval_steps=2", "pretrain.log_interval=1",
+         "pretrain.ckpt_interval=5", "tracking.enabled=false", "pretrain.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, small_tokenizer) -> Path:
+    """data/pretrain/ made by the real prepare stage from a small corpus."""
+    root = tmp_path_factory.mktemp("shards")
+    corpus = root / "corpus.txt"
+    words = "the cat and the dog ran off in the rain of the night and the day is on".split()
+    gen = torch.Generator().manual_seed(0)
+    text = " ".join(words[i] for i in torch.randint(0, len(words), (30_000,), generator=gen).tolist())
+    corpus.write_text(text)
+    cfg = load_config(None, [f"data.pretrain.source={corpus}", f"tokenizer.path={small_tokenizer}",
+                             "data.pretrain.val_tokens=2000", "data.pretrain.shard_tokens=20000",
+                             "data.pretrain.workers=1", "tracking.enabled=false"])
+    prepare_pretrain(cfg, out_dir=root / "data/pretrain", metrics_path=root / "m.json")
+    return root / "data/pretrain"
+
+
+def small_cfg(small_tokenizer, *extra):
+    return load_config(None, [*SMALL, f"tokenizer.path={small_tokenizer}", *extra])
+
+
+def run_pretrain(cfg, shards: Path, out: Path) -> dict:
+    return T.pretrain(cfg, data_dir=shards, out_dir=out / "checkpoints", metrics_path=out / "metrics.json",
+                      plots_path=out / "plots.csv")
+
+
+def losses(plots: Path) -> dict[int, float]:
+    with open(plots) as f:
+        return {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = load_config(None, ["pretrain.lr=1.0", "pretrain.min_lr=0.1", "pretrain.warmup_steps=10",
+                             "pretrain.max_steps=110"])
+    assert T.lr_at(0, cfg) == pytest.approx(0.1) and T.lr_at(9, cfg) == pytest.approx(1.0)
+    assert T.lr_at(10, cfg) == pytest.approx(1.0)
+    assert T.lr_at(60, cfg) == pytest.approx(0.55)  # halfway through the cosine
+    assert T.lr_at(110, cfg) == pytest.approx(0.1) and T.lr_at(500, cfg) == pytest.approx(0.1)
+    values = [T.lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_batch_tokens_must_divide():
+    cfg = load_config(None, ["pretrain.batch_tokens=1000", "pretrain.batch_size=12", "model.block_size=64"])
+    with pytest.raises(BadInput, match=r"batch_tokens \(1000\) is not divisible by .*12\*64\*2 = 1536"):
+        T.grad_accum_steps(cfg, 2)
+    assert T.grad_accum_steps(load_config(None, ["pretrain.batch_tokens=3072"]), 2) == 2
+
+
+def test_run_writes_metrics_plots_and_a_loadable_final_model(tmp_path, shards, small_tokenizer):
+    from gptforge.model import load_model
+
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=12")
+    metrics = run_pretrain(cfg, shards, tmp_path)
+    assert set(metrics) >= {"train_loss", "val_loss", "tokens", "tokens_per_sec", "mfu"}
+    assert metrics["tokens"] == 12 * 64 and metrics["tokens_per_sec"] > 0
+    assert json.loads((tmp_path / "metrics.json").read_text()) == pytest.approx(metrics)
+    steps = losses(tmp_path / "plots.csv")
+    assert sorted(steps) == list(range(12))
+    assert steps[11] < steps[0]  # it learns: the corpus is 17 words
+    model = load_model(tmp_path / "checkpoints/final")
+    assert model.config.n_layer == 2 and model.config.n_vocab == 281
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["final", "step_00000010", "step_00000012"]  # keep_last=2
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, shards, small_tokenizer, monkeypatch):
+    from gptforge.model import GPT
+
+    real_forward = GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] > 7:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=20")
+    with pytest.raises(StageFailed, match=r"loss is nan at step 7: stopping; the last good checkpoint is .*step_00000005"):
+        run_pretrain(cfg, shards, tmp_path)
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == ["step_00000005"]
+    weights = load_file(tmp_path / "checkpoints/step_00000005/model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights
+
+
+def _cli(args, cwd, timeout=600):
+    return subprocess.Popen([str(BIN / "gptforge"), "pretrain", *args], cwd=cwd,
+                            env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, shards, small_tokenizer):
+    args = [*sum((["-S", s] for s in SMALL), []), "-S", f"tokenizer.path={small_tokenizer}",
+            "-S", "pretrain.max_steps=300", "-S", "pretrain.ckpt_interval=20", "-S", "pretrain.log_interval=50",
+            "-S", "model.dropout=0.1"]  # dropout: the RNG state must be restored too
+    for name in ("straight", "killed"):
+        (tmp_path / name / "data").mkdir(parents=True)
+        (tmp_path / name / "data/pretrain").symlink_to(shards)
+
+    straight = _cli(args, tmp_path / "straight")
+    assert straight.wait(timeout=600) == 0, straight.stderr.read()
+
+    killed = _cli(args, tmp_path / "killed")
+    ckpts = tmp_path / "killed/checkpoints/pretrain"
+    deadline = time.monotonic() + 300
+    while not (ckpts / "step_00000100").is_dir() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert killed.poll() is None, "the run finished before it could be killed: make it longer"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (ckpts / "final").exists()
+
+    resumed = _cli(args, tmp_path / "killed")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert "resumed from" in err and "at step" in err
+
+    a = load_file(tmp_path / "straight/checkpoints/pretrain/final/model.safetensors")
+    b = load_file(ckpts / "final/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ma = json.loads((tmp_path / "straight/metrics/pretrain.json").read_text())
+    mb = json.loads((tmp_path / "killed/metrics/pretrain.json").read_text())
+    assert ma["val_loss"] == mb["val_loss"] and ma["train_loss"] == mb["train_loss"]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, shards, small_tokenizer, caplog):
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=10", "pretrain.keep_last=3")
+    run_pretrain(cfg, shards, tmp_path)
+    newest = tmp_path / "checkpoints/step_00000010/model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=10", "pretrain.keep_last=3")
+    with caplog.at_level("INFO", logger="gptforge"):
+        run_pretrain(cfg, shards, tmp_path)
+    text = caplog.text
+    assert "step_00000010" in text and "model.safetensors" in text
+    assert "resumed from" in text and "step_00000005 at step 5" in text
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path, shards, small_tokenizer):
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=5")
+    run_pretrain(cfg, shards, tmp_path)
+    folder = tmp_path / "checkpoints/step_00000005"
+    state = folder / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=5", f"pretrain.resume={folder}")
+    with pytest.raises(BadInput, match=r"cannot resume from .*step_00000005: .*state\.pt"):
+        run_pretrain(cfg, shards, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs
+
+
+def test_shards_missing(tmp_path, small_tokenizer):
+    with pytest.raises(BadInput, match=r"manifest.json not found"):
+        run_pretrain(small_cfg(small_tokenizer), tmp_path / "nowhere", tmp_path)
+
+
+def test_shards_from_another_tokenizer(tmp_path, shards, gpt2_tokenizer_dir):
+    cfg = load_config(None, [*SMALL, f"tokenizer.path={gpt2_tokenizer_dir}", "model.vocab_size=50304"])
+    with pytest.raises(BadInput, match=r"made with tokenizer .*this run uses"):
+        run_pretrain(cfg, shards, tmp_path)
+
+
+def test_block_size_above_the_models_positions(tmp_path, shards, small_tokenizer):
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=2")
+    run_pretrain(cfg, shards, tmp_path / "a")
+    cfg = small_cfg(small_tokenizer, "model.block_size=32", "pretrain.batch_tokens=128",
+                    f"pretrain.init_from={tmp_path / 'a/checkpoints/final'}")
+    with pytest.raises(BadInput, match=r"model.block_size \(32\) is above the 16 positions of checkpoint"):
+        run_pretrain(cfg, shards, tmp_path / "b")
+
+
+def test_cli_pretrain_bad_inputs_are_one_line(tmp_path):
+    r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "model.n_embd=130", "-S", "model.n_head=4"],
+                       cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "gptforge: error: config with -S overrides: model.n_embd (130) is not divisible by model.n_head (4)"]
+    r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "pretrain.batch_tokens=1000"], cwd=tmp_path,
+                       env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(error_lines(r.stderr)) == 1 and "not divisible" in r.stderr
+    r = subprocess.run([str(BIN / "gptforge"), "pretrain"], cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "run `gptforge prepare pretrain` first" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP (gloo, 2 processes) == one process with the same global batch
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tmp_path, shards, small_tokenizer):
+    common = [*SMALL, f"tokenizer.path={small_tokenizer}", "pretrain.max_steps=6", "pretrain.batch_tokens=128"]
+    args = sum((["-S", s] for s in common), [])
+    for name in ("one", "ddp"):
+        (tmp_path / name / "data").mkdir(parents=True)
+        (tmp_path / name / "data/pretrain").symlink_to(shards)
+    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
+    one = subprocess.run([str(BIN / "gptforge"), "pretrain", *args], cwd=tmp_path / "one", env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    ddp = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
+                          "pretrain", *args], cwd=tmp_path / "ddp", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    a, b = losses(tmp_path / "one/plots/pretrain.csv"), losses(tmp_path / "ddp/plots/pretrain.csv")
+    assert sorted(a) == sorted(b) == list(range(6))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 autocast and torch.compile on the CPU
+
+
+def _first_losses(cfg, shards, n=3):
+    rt = T.setup_runtime(cfg)
+    from gptforge.loader import ShardLoader
+    from gptforge.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_model_config(cfg.model, 281))
+    raw = model
+    if rt.compile:
+        model = torch.compile(model)
+    opt = raw.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loader = ShardLoader(shards, "train", 4, 16, seed=1, shuffle=True)
+    return [T.train_step(model, raw, opt, scaler, loader, 1, rt, lr=1e-3, grad_clip=1.0)[0] for _ in range(n)]
+
+
+def test_bf16_autocast_matches_fp32(shards, small_tokenizer):
+    fp32 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=fp32"), shards)
+    bf16 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=bf16"), shards)
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 0.2% per value); matmuls accumulate
+    # in fp32, so the loss (a mean over 64 tokens of log-softmax in fp32) moves by well under 1%.
+    for a, b in zip(fp32, bf16):
+        assert math.isfinite(b) and abs(a - b) / a < 0.01, (a, b)
+    assert fp32 != bf16  # autocast really changed the arithmetic
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(shards, small_tokenizer):
+    eager = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=false"), shards, n=2)
+    compiled = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=true"), shards, n=2)
+    # Same fp32 math; inductor fuses and may reorder reductions: differences at fp32 rounding.
+    for a, b in zip(eager, compiled):
+        assert abs(a - b) <= 1e-4 * abs(a), (a, b)
