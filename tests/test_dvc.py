@@ -54,26 +54,40 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
         "data.pretrain.workers": 1,
         "data.classify.source": str(sms_file),
         "data.instruct.source": str(alpaca_file),
+        # a small, short pretraining run on the small tokenizer (281 ids)
+        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 16, "model.vocab_size": 320,
+        "pretrain.batch_size": 4, "pretrain.batch_tokens": 64, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
+        "pretrain.eval_interval": 2, "pretrain.eval_steps": 1, "pretrain.ckpt_interval": 2, "pretrain.log_interval": 1,
     })
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
 
     first = dvc(repo_copy, "repro", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert sorted(ran_stages(first.stdout)) == ["prepare_classify", "prepare_instruct", "prepare_pretrain"]
+    assert sorted(ran_stages(first.stdout)) == ["prepare_classify", "prepare_instruct", "prepare_pretrain", "pretrain"]
     assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct"}
+    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain"}
+    assert set(json.loads((repo_copy / "metrics/pretrain.json").read_text())) >= {
+        "train_loss", "val_loss", "tokens", "tokens_per_sec", "mfu"}
+    assert (repo_copy / "checkpoints/pretrain/final/model.safetensors").is_file()
+    assert (repo_copy / "plots/pretrain.csv").read_text().startswith("step,train_loss,val_loss,lr")
 
     # Each stage run is an MLflow run tagged with its DVC stage and its Prefect flow run.
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name("gptforge")
-    runs = client.search_runs([exp.experiment_id], "tags.`dvc.stage` != ''")
-    by_stage = {r.data.tags["dvc.stage"]: r for r in runs if r.data.params.get("data.download.retries")}
-    assert {"prepare_pretrain", "prepare_classify", "prepare_instruct"} <= set(by_stage)
+    runs = client.search_runs([exp.experiment_id], "tags.`dvc.stage` != ''", order_by=["attributes.start_time ASC"])
+    by_stage = {r.data.tags["dvc.stage"]: r for r in runs}  # the newest run of each stage
+    assert {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain"} <= set(by_stage)
+    trained = client.search_runs([exp.experiment_id], "tags.`dvc.stage` = 'pretrain'")[0]
+    assert trained.info.status == "FINISHED"
+    assert len(client.get_metric_history(trained.info.run_id, "train_loss")) == 4  # per step (log_interval 1)
+    assert trained.data.params["model.n_embd"] == "32"
+    artifacts = {a.path for a in client.list_artifacts(trained.info.run_id)}
+    assert {"checkpoint", "pretrain.csv", "pretrain.png", "pretrain.json"} <= artifacts
     pretrain = by_stage["prepare_pretrain"]
     assert pretrain.info.status == "FINISHED" and pretrain.data.metrics["tokens_per_sec"] > 0
     assert pretrain.data.tags["prefect.flow_run_id"] and pretrain.data.tags["git.commit"]

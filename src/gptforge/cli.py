@@ -75,7 +75,77 @@ def build_parser() -> Parser:
                        "with DDP.")
     _config_args(p)
     p.set_defaults(func=cmd_stage, stage="pretrain")
+
+    g = sub.add_parser("generate", help="continue a prompt with a trained model (KV-cached sampling)",
+                       description="Print the continuation of PROMPT on stdout and the generation's tokens/s "
+                       "(model loading excluded) on stderr.")
+    g.add_argument("prompt")
+    g.add_argument("--checkpoint", default="checkpoints/pretrain/final", metavar="DIR",
+                   help="a checkpoint folder (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=200, metavar="K", help="0 = no top-k cut (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, metavar="S")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    _config_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="export a checkpoint as a Hugging Face folder (model + tokenizer)",
+                       description="Write a folder that transformers' AutoModelForCausalLM and AutoTokenizer load.")
+    e.add_argument("--checkpoint", required=True, metavar="DIR")
+    e.add_argument("--out", required=True, metavar="DIR")
+    _config_args(e)
+    e.set_defaults(func=cmd_export)
     return parser
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    import torch
+
+    from gptforge.model import generate, load_model
+    from gptforge.tokenizer import load_tokenizer
+
+    if args.max_new_tokens <= 0:
+        raise BadInput(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if args.temperature < 0 or args.top_k < 0:
+        raise BadInput("--temperature and --top-k must be >= 0")
+    cfg = load_config(params_file(args), args.set)
+    enc = load_tokenizer(cfg.tokenizer.path)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    model = load_model(args.checkpoint, map_location=device)
+    if model.config.n_vocab != enc.n_vocab:
+        raise BadInput(f"{args.checkpoint} has a vocabulary of {model.config.n_vocab}, the tokenizer "
+                       f"{enc.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
+    ids = enc.encode_ordinary(args.prompt) or [enc.eot_token]
+    idx = torch.tensor([ids], device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed) if args.seed is not None else gen.seed()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                   eot_id=enc.eot_token, generator=gen)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    text = enc.decode([t for t in new if t != enc.eot_token])
+    sys.stdout.write(text + "\n")
+    print(f"gptforge: {len(new)} tokens in {seconds:.3f} s ({len(new) / seconds:.1f} tokens/s, {device})",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from gptforge.export import export_hf
+
+    cfg = load_config(params_file(args), args.set)
+    out = export_hf(args.checkpoint, args.out, cfg.tokenizer.path)
+    print(f"gptforge: exported {args.checkpoint} to {out}", file=sys.stderr)
+    return 0
 
 
 def params_file(args) -> str | None:

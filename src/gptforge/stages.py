@@ -22,6 +22,7 @@ class Stage:
     recipe: str  # "module:function", imported when the stage runs
     params: tuple[str, ...]  # config sections it reads (logged to MLflow; DVC params in dvc.yaml)
     summary: str
+    system_metrics: bool = False  # long stages: CPU/GPU/memory sampled into the MLflow run
 
     def load(self) -> Callable[..., dict]:
         module, func = self.recipe.split(":")
@@ -41,7 +42,7 @@ STAGES: dict[str, Stage] = {
               ("data.download", "data.instruct"),
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
-              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)"),
+              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True),
     )
 }
 
@@ -56,6 +57,7 @@ def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[st
         stage=name,
         params=cfg.flat(*stage.params),
         tags=tags,
+        system_metrics=stage.system_metrics,
     ) as run:
         return recipe(cfg, steps=steps, run=run)
 

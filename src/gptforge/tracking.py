@@ -156,8 +156,10 @@ def start_run(
     stage: str,
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, Any] | None = None,
+    system_metrics: bool = False,
 ) -> Iterator[NullRun]:
-    """One MLflow run for one stage run; FAILED if the body raises, KILLED on Ctrl-C."""
+    """One MLflow run for one stage run; FAILED if the body raises, KILLED on Ctrl-C.
+    `system_metrics` samples CPU, memory (and GPU, with nvidia-ml-py) in the background."""
     if not enabled:
         yield NullRun()
         return
@@ -186,7 +188,8 @@ def start_run(
         **(tags or {}),
     }
     parent = os.environ.get(PARENT_ENV) or None
-    active = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None)
+    active = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None,
+                              log_system_metrics=system_metrics or None)
     run = MlflowRun(mlflow, active)
     status = "FINISHED"
     try:

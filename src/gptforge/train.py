@@ -21,7 +21,7 @@ import resource
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -260,16 +260,33 @@ def sample_text(model: GPT, enc, prompt: str, n_tokens: int, seed: int, device: 
 # The recipe
 
 
-def pretrain(
-    cfg: Config,
-    *,
-    steps: Steps = DIRECT,
-    run=NullRun(),
-    data_dir: str | os.PathLike = "data/pretrain",
-    out_dir: str | os.PathLike = "checkpoints/pretrain",
-    metrics_path: str | os.PathLike = "metrics/pretrain.json",
-    plots_path: str | os.PathLike = "plots/pretrain.csv",
-) -> dict:
+@dataclass
+class Session:
+    """What the training loop works on: built by `setup`, advanced by `train_loop`."""
+
+    cfg: Config
+    rt: Runtime
+    enc: Any
+    grad_accum: int
+    train_loader: ShardLoader
+    val_loader: ShardLoader
+    fingerprint: str
+    hellaswag: list | None
+    model: Any  # what runs the batches: the model, compiled and/or DDP-wrapped
+    raw_model: GPT  # what gets saved
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    out_dir: Path
+    step: int = 0
+    last_ckpt: Path | None = None
+    train_loss: float = float("nan")
+    hellaswag_result: dict | None = None
+    history: list = field(default_factory=list)  # rows of plots/pretrain.csv
+    step_times: list = field(default_factory=list)
+
+
+def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Session:
+    """Runtime, data, model and optimizer; restored from the newest matching checkpoint."""
     p, out_dir = cfg.pretrain, Path(out_dir)
     rt = setup_runtime(cfg)
     grad_accum = grad_accum_steps(cfg, rt.world_size)
@@ -317,102 +334,123 @@ def pretrain(
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    return Session(cfg, rt, enc, grad_accum, train_loader, val_loader, fp, hellaswag, model, raw_model, optimizer,
+                   scaler, out_dir, step=step, last_ckpt=resume_from)
 
-    flops_per_token = raw_model.flops_per_token(cfg.model.block_size)
+
+def save_checkpoint(s: Session) -> Path:
+    state = {"step": s.step, "optimizer": s.optimizer.state_dict(), "scaler": s.scaler.state_dict(),
+             "loader": s.train_loader.state_dict(), "rng": ckpt.capture_rng(), "fingerprint": s.fingerprint}
+    return ckpt.save_checkpoint(s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state,
+                                keep_last=s.cfg.pretrain.keep_last)
+
+
+def train_loop(s: Session, run=NullRun()) -> None:
+    """Steps from `s.step` to `pretrain.max_steps`, with evaluation, logging and checkpoints."""
+    cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
+    flops_per_token = s.raw_model.flops_per_token(cfg.model.block_size)
     peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
-    tokens_per_step = p.batch_tokens
-    history: list[dict[str, Any]] = []
-    step_times: list[float] = []
-    last_ckpt: Path | None = resume_from
-    val_loss = hs_result = None
-    train_loss = float("nan")
-
-    def save(at_step: int) -> Path:
-        state = {"step": at_step, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                 "loader": train_loader.state_dict(), "rng": ckpt.capture_rng(), "fingerprint": fp}
-        return ckpt.save_checkpoint(out_dir, at_step, write_model=lambda d: save_model(raw_model, d),
-                                    state=state, keep_last=p.keep_last)
-
     log.info("pretraining %.2fM parameters on %s (%s%s, %d process%s), %d micro-steps of %dx%d per step",
-             raw_model.num_params() / 1e6, rt.device, rt.precision, ", compiled" if rt.compile else "",
-             rt.world_size, "es" if rt.world_size > 1 else "", grad_accum, p.batch_size, cfg.model.block_size)
+             s.raw_model.num_params() / 1e6, rt.device, rt.precision, ", compiled" if rt.compile else "",
+             rt.world_size, "es" if rt.world_size > 1 else "", s.grad_accum, p.batch_size, cfg.model.block_size)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=p.max_steps, initial=step, unit="step", desc="pretrain", disable=not rt.master)
-    while step < p.max_steps:
-        last = step == p.max_steps - 1
+    bar = tqdm(total=p.max_steps, initial=s.step, unit="step", desc="pretrain", disable=not rt.master)
+    while s.step < p.max_steps:
+        step = s.step
         row: dict[str, Any] = {"step": step}
-        if step % p.eval_interval == 0 and not last:
-            val_loss = eval_loss(model, val_loader, p.eval_steps, rt)
-            row["val_loss"] = val_loss
-            run.log_metrics({"val_loss": val_loss}, step=step)
-        if hellaswag is not None and p.hellaswag_interval and step % p.hellaswag_interval == 0 and step:
-            hs_result = _hellaswag(raw_model, hellaswag, enc, rt, cfg)
-            run.log_metrics({"hellaswag_acc_norm": hs_result["acc_norm"], "hellaswag_acc": hs_result["acc"]}, step)
+        if step % p.eval_interval == 0 and step != p.max_steps - 1:  # the last step gets the full eval
+            row["val_loss"] = eval_loss(s.model, s.val_loader, p.eval_steps, rt)
+            run.log_metrics({"val_loss": row["val_loss"]}, step=step)
+        if s.hellaswag is not None and p.hellaswag_interval and step % p.hellaswag_interval == 0 and step:
+            s.hellaswag_result = _hellaswag(s.raw_model, s.hellaswag, s.enc, rt, cfg)
+            run.log_metrics({"hellaswag_acc_norm": s.hellaswag_result["acc_norm"],
+                             "hellaswag_acc": s.hellaswag_result["acc"]}, step=step)
         if p.sample_interval and step % p.sample_interval == 0 and step and rt.master:
-            run.log_text(sample_text(raw_model, enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
+            run.log_text(sample_text(s.raw_model, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
                          f"samples/step_{step:08d}.txt")
 
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
-        train_loss, grad_norm = train_step(model, raw_model, optimizer, scaler, train_loader, grad_accum, rt,
-                                           lr=lr, grad_clip=p.grad_clip)
-        if not math.isfinite(train_loss):
-            where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-            raise StageFailed(f"loss is {train_loss} at step {step}: stopping; {where} "
+        loss, grad_norm = train_step(s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, rt,
+                                     lr=lr, grad_clip=p.grad_clip)
+        if not math.isfinite(loss):
+            where = f"the last good checkpoint is {s.last_ckpt}" if s.last_ckpt else "no checkpoint was written yet"
+            raise StageFailed(f"loss is {loss} at step {step}: stopping; {where} "
                               "(resume: auto continues from it; consider a lower pretrain.lr)")
         rt.sync()
         dt = time.perf_counter() - t0
-        step += 1
-        step_times.append(dt)
-        tokens_per_sec = tokens_per_step / dt
-        step_mfu = flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak)
-        row.update(train_loss=train_loss, lr=lr)
-        history.append(row)
+        s.step, s.train_loss = step + 1, loss
+        s.step_times.append(dt)
+        row.update(train_loss=loss, lr=lr)
+        s.history.append(row)
         bar.update(1)
-        bar.set_postfix(loss=f"{train_loss:.4f}", refresh=False)
-        if step % p.log_interval == 0 or step == p.max_steps:
-            metrics = {"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if s.step % p.log_interval == 0 or s.step == p.max_steps:
+            tokens_per_sec = p.batch_tokens / dt
+            metrics = {"train_loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
                        "step_time_ms": dt * 1000, "peak_memory_mb": _peak_memory_mb(rt.device)}
+            step_mfu = flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak)
             if step_mfu is not None:
                 metrics["mfu"] = step_mfu
-            run.log_metrics(metrics, step=step)
-        if (step % p.ckpt_interval == 0 or step == p.max_steps) and rt.master:
-            last_ckpt = save(step)
+            run.log_metrics(metrics, step=s.step)
+        if (s.step % p.ckpt_interval == 0 or s.step == p.max_steps) and rt.master:
+            s.last_ckpt = save_checkpoint(s)
         if rt.ddp:
             dist.barrier()
     bar.close()
 
-    # The end: full validation split, HellaSwag, a sample, the final model.
-    val_steps = max(1, val_loader.batches_per_epoch)
-    val_loss = eval_loss(model, val_loader, val_steps, rt)
-    history.append({"step": step, "val_loss": val_loss})
-    if hellaswag is not None:
-        hs_result = _hellaswag(raw_model, hellaswag, enc, rt, cfg)
+
+def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics/pretrain.json",
+           plots_path: str | os.PathLike = "plots/pretrain.csv") -> dict:
+    """Full validation split, HellaSwag, a sample, the final model and the stage's records."""
+    cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
+    val_loss = eval_loss(s.model, s.val_loader, max(1, s.val_loader.batches_per_epoch), rt)
+    s.history.append({"step": s.step, "val_loss": val_loss})
+    if s.hellaswag is not None:
+        s.hellaswag_result = _hellaswag(s.raw_model, s.hellaswag, s.enc, rt, cfg)
     if not rt.master:
         return {}
-    final = out_dir / "final"
+    final = s.out_dir / "final"
     with atomic_dir(final) as tmp:
-        save_model(raw_model, tmp)
-    timed = step_times[min(len(step_times) - 1, 5):] or step_times  # the first steps warm up
-    tokens_per_sec = tokens_per_step / statistics.median(timed) if timed else 0.0
-    metrics = {"train_loss": train_loss, "val_loss": val_loss, "tokens": step * tokens_per_step,
-               "tokens_per_sec": tokens_per_sec,
-               "mfu": flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak) or 0.0}
-    if hs_result is not None:
-        metrics.update(hellaswag_acc_norm=hs_result["acc_norm"], hellaswag_acc=hs_result["acc"])
-    write_plot_csv(plots_path, history)
+        save_model(s.raw_model, tmp)
+    timed = s.step_times[min(len(s.step_times) - 1, 5):] or s.step_times  # the first steps warm up
+    tokens_per_sec = p.batch_tokens / statistics.median(timed) if timed else 0.0
+    peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
+    step_mfu = flops.mfu(tokens_per_sec / rt.world_size, s.raw_model.flops_per_token(cfg.model.block_size), peak)
+    metrics = {"train_loss": s.train_loss, "val_loss": val_loss, "tokens": s.step * p.batch_tokens,
+               "tokens_per_sec": tokens_per_sec, "mfu": step_mfu or 0.0}
+    if s.hellaswag_result is not None:
+        metrics.update(hellaswag_acc_norm=s.hellaswag_result["acc_norm"], hellaswag_acc=s.hellaswag_result["acc"])
+    write_plot_csv(plots_path, s.history)
     publish_metrics(run, metrics, metrics_path)
-    run.log_metrics({"final_val_loss": val_loss}, step=step)
-    run.log_text(sample_text(raw_model, enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device), "samples/final.txt")
+    run.log_metrics({"final_val_loss": val_loss}, step=s.step)
+    run.log_text(sample_text(s.raw_model, s.enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device),
+                 "samples/final.txt")
     run.log_artifact(final, "checkpoint")
     run.log_artifact(plots_path)
-    png = plot_losses(history, Path(plots_path).with_suffix(".png"))
+    png = plot_losses(s.history, Path(plots_path).with_suffix(".png"))
     if png:
         run.log_artifact(png)
-    log.info("pretrain done: step %d, train loss %.4f, val loss %.4f, %.0f tokens/s%s", step, train_loss, val_loss,
-             tokens_per_sec, f", MFU {metrics['mfu']:.1%}" if peak else "")
+    log.info("pretrain done: step %d, train loss %.4f, val loss %.4f, %.0f tokens/s%s", s.step, s.train_loss,
+             val_loss, tokens_per_sec, f", MFU {metrics['mfu']:.1%}" if peak else "")
     return metrics
+
+
+def pretrain(
+    cfg: Config,
+    *,
+    steps: Steps = DIRECT,
+    run=NullRun(),
+    data_dir: str | os.PathLike = "data/pretrain",
+    out_dir: str | os.PathLike = "checkpoints/pretrain",
+    metrics_path: str | os.PathLike = "metrics/pretrain.json",
+    plots_path: str | os.PathLike = "plots/pretrain.csv",
+) -> dict:
+    """The stage: set up (or resume), train, finish. Each part is one step (a Prefect task)."""
+    session = steps(setup, cfg, data_dir, out_dir)
+    steps(train_loop, session, run)
+    return steps(finish, session, run, metrics_path, plots_path)
 
 
 def _hellaswag(model, examples, enc, rt: Runtime, cfg: Config) -> dict:
