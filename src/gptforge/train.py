@@ -406,7 +406,7 @@ def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics
     """Full validation split, HellaSwag, a sample, the final model and the stage's records."""
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     val_loss = eval_loss(s.model, s.val_loader, max(1, s.val_loader.batches_per_epoch), rt)
-    s.history.append({"step": s.step, "val_loss": val_loss})
+    s.history.append({"step": s.step, "val_loss": val_loss, "whole_split": True})
     if s.hellaswag is not None:
         s.hellaswag_result = _hellaswag(s.raw_model, s.hellaswag, s.enc, rt, cfg)
     if not rt.master:
@@ -484,12 +484,15 @@ def plot_losses(history: list[dict], path: Path) -> Path | None:
     except ImportError:  # a bare GPU box: no plot, the CSV has the numbers
         return None
     train = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r and not r.get("whole_split")]
+    whole = [(r["step"], r["val_loss"]) for r in history if r.get("whole_split")]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train", linewidth=0.8)
     if val:
-        ax.plot(*zip(*val), "o-", label="val", markersize=3)
+        ax.plot(*zip(*val), "o-", label="val (first eval_steps batches)", markersize=3)
+    if whole:
+        ax.plot(*zip(*whole), "*", label=f"val, whole split: {whole[-1][1]:.3f}", markersize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
