@@ -84,7 +84,8 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     assert {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain"} <= set(by_stage)
     trained = client.search_runs([exp.experiment_id], "tags.`dvc.stage` = 'pretrain'")[0]
     assert trained.info.status == "FINISHED"
-    assert len(client.get_metric_history(trained.info.run_id, "train_loss")) == 4  # per step (log_interval 1)
+    logged_steps = {m.step for m in client.get_metric_history(trained.info.run_id, "train_loss")}
+    assert {1, 2, 3, 4} <= logged_steps  # per step (log_interval 1), plus the final value
     assert trained.data.params["model.n_embd"] == "32"
     artifacts = {a.path for a in client.list_artifacts(trained.info.run_id)}
     assert {"checkpoint", "pretrain.csv", "pretrain.png", "pretrain.json"} <= artifacts
