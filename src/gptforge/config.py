@@ -195,6 +195,47 @@ class PretrainConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Our module names are GPT-2's (Hugging Face's too), so an adapter trained here loads on the
+    # exported model.
+    target_modules: list[str] = ["c_attn", "c_proj", "c_fc"]
+
+
+class FinetuneCommon(Section):
+    init_from: str = "checkpoints/pretrain/final"  # a checkpoint folder, or gpt2 / gpt2-medium / ...
+    device: str = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    seed: int = 123
+    batch_size: int = Field(8, gt=0)
+    epochs: int = Field(3, gt=0)
+    lr: float = Field(5e-5, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    eval_interval: int = Field(50, gt=0, description="optimizer steps between evaluations")
+    eval_batches: int = Field(5, gt=0, description="validation batches per evaluation")
+    max_length: Optional[int] = Field(None, gt=1, description="null: the model's block_size")
+    lora: LoraConfig = LoraConfig()
+
+
+class ClassifyConfig(FinetuneCommon):
+    # head: the new head only; last_block: + last transformer block and final LayerNorm
+    # (LLMs-from-scratch ch. 6); all: every weight; lora: LoRA adapters + the head.
+    trainable: Literal["head", "last_block", "all", "lora"] = "all"
+    n_classes: int = Field(2, ge=2)
+    epochs: int = Field(5, gt=0)
+
+
+class InstructConfig(FinetuneCommon):
+    template: Literal["alpaca", "phi3"] = "alpaca"
+    method: Literal["full", "lora"] = "full"
+    mask_prompt: bool = False
+    epochs: int = Field(2, gt=0)
+    n_responses: Optional[int] = Field(20, gt=0, description="test examples answered at the end; null: all")
+    max_new_tokens: int = Field(64, gt=0)
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -205,6 +246,8 @@ class Config(Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     pretrain: PretrainConfig = PretrainConfig()
+    classify: ClassifyConfig = ClassifyConfig()
+    instruct: InstructConfig = InstructConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:
