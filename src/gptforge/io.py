@@ -66,3 +66,17 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike, *, missing: str, invalid: str = ""):
+    """The JSON in `path`, or a one-line BadInput: `missing` is appended to "PATH" when the file
+    is absent, `invalid` to the parse error when it is not readable JSON."""
+    from gptforge.errors import BadInput
+
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}{missing}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not readable JSON ({' '.join(str(e).split())}){invalid}") from None

@@ -21,7 +21,6 @@ resumed from `state_dict()` reads exactly the batches an uninterrupted run would
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from gptforge.errors import BadInput
+from gptforge.io import read_json
 
 # Knobs named in error messages, so a user knows what to change.
 _SIZE_PARAM = {"val": "data.pretrain.val_tokens", "train": "data.pretrain.max_tokens"}
@@ -61,7 +61,7 @@ class ShardLoader:
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
 
-        manifest = _read_manifest(self.data_dir)
+        manifest = self.manifest = _read_manifest(self.data_dir)
         _check_tokenizer(self.data_dir, manifest, n_vocab, tokenizer_name)
         self._shards = _open_shards(self.data_dir, manifest, split)
         # starts[i] is the stream position of shard i's first token; starts[-1] is the total.
@@ -199,12 +199,8 @@ class ShardLoader:
 
 def _read_manifest(data_dir: Path) -> dict:
     path = data_dir / "manifest.json"
-    if not path.is_file():
-        raise BadInput(f"{path} not found: run `gptforge prepare pretrain` first")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not readable JSON ({e}): re-run `gptforge prepare pretrain`") from None
+    manifest = read_json(path, missing=" not found: run `gptforge prepare pretrain` first",
+                         invalid=": re-run `gptforge prepare pretrain`")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
         raise BadInput(f"{path}: no 'shards' list: re-run `gptforge prepare pretrain`")
     if manifest.get("dtype", "uint16") != "uint16":

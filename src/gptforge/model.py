@@ -16,7 +16,6 @@ generation run on a bare GPU machine. `transformers` is imported inside the conv
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from safetensors.torch import load_file as _load_safetensors
 from safetensors.torch import save as _safetensors_bytes
 
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.io import atomic_file, write_json
+from gptforge.io import atomic_file, read_json, write_json
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -455,12 +454,7 @@ def save_model(model: GPT, folder: str | Path) -> Path:
 
 def load_config(folder: str | Path) -> GPTConfig:
     path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise BadInput(f"{path}: not found (a model folder holds {WEIGHTS_FILE} and {CONFIG_FILE})")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not readable JSON ({' '.join(str(e).split())})") from None
+    d = read_json(path, missing=f": not found (a model folder holds {WEIGHTS_FILE} and {CONFIG_FILE})")
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise BadInput(f"{path}: not a gptforge model config (expected \"format\": \"{FORMAT}\")")
     if d.get("version") != FORMAT_VERSION:

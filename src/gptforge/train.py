@@ -295,8 +295,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
                        world_size=rt.world_size, n_vocab=enc.n_vocab, tokenizer_name=describe(cfg.tokenizer.path))
     train_loader = ShardLoader(data_dir, "train", seed=p.seed, shuffle=True, **loader_args)
     val_loader = ShardLoader(data_dir, "val", seed=p.seed, shuffle=False, **loader_args)
-    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-    fp = fingerprint(cfg, manifest, rt.world_size)
+    fp = fingerprint(cfg, train_loader.manifest, rt.world_size)
 
     hellaswag = None
     if p.hellaswag.source:
