@@ -218,6 +218,19 @@ def test_block_size_above_the_models_positions(tmp_path, shards, small_tokenizer
         run_pretrain(cfg, shards, tmp_path / "b")
 
 
+def test_init_from_a_checkpoint_with_more_positions_crops_them(tmp_path, shards, small_tokenizer):
+    from gptforge.model import load_model
+
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=2", "model.block_size=32", "pretrain.batch_tokens=128")
+    run_pretrain(cfg, shards, tmp_path / "a")
+    source = load_model(tmp_path / "a/checkpoints/final")
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=1", f"pretrain.init_from={tmp_path / 'a/checkpoints/final'}")
+    run_pretrain(cfg, shards, tmp_path / "b")
+    cropped = load_model(tmp_path / "b/checkpoints/final")
+    assert cropped.config.block_size == 16 and cropped.transformer.wpe.weight.shape == (16, 32)
+    assert not torch.equal(cropped.transformer.wpe.weight, source.transformer.wpe.weight[:16])  # and it trained
+
+
 def test_cli_pretrain_bad_inputs_are_one_line(tmp_path):
     r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "model.n_embd=130", "-S", "model.n_head=4"],
                        cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)

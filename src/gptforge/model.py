@@ -267,6 +267,16 @@ class GPT(nn.Module):
         T = cfg.block_size if seq_len is None else seq_len
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
+    def crop_block_size(self, block_size: int) -> None:
+        """Use fewer positions than the weights were trained with (nanoGPT's model surgery, e.g.
+        GPT-2's 1024 down to a CPU-sized 64): keep the first rows of the position embedding."""
+        if not 0 < block_size <= self.config.block_size:
+            raise BadInput(f"cannot crop block_size {self.config.block_size} to {block_size}")
+        self.config = dataclasses.replace(self.config, block_size=block_size)
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+        wpe.num_embeddings = block_size
+
     # -- forward ----------------------------------------------------------------------------
 
     def hidden_states(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
