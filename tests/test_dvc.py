@@ -55,20 +55,29 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
         "data.classify.source": str(sms_file),
         "data.instruct.source": str(alpaca_file),
         # a small, short pretraining run on the small tokenizer (281 ids)
-        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 16, "model.vocab_size": 320,
-        "pretrain.batch_size": 4, "pretrain.batch_tokens": 64, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
+        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 128, "model.vocab_size": 320,
+        "pretrain.batch_size": 2, "pretrain.batch_tokens": 256, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
         "pretrain.eval_interval": 2, "pretrain.eval_steps": 1, "pretrain.ckpt_interval": 2, "pretrain.log_interval": 1,
+        # one short epoch of each fine-tuning on the fixtures
+        "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
+        "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
+        "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
+        "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
     })
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
 
     first = dvc(repo_copy, "repro", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert sorted(ran_stages(first.stdout)) == ["prepare_classify", "prepare_instruct", "prepare_pretrain", "pretrain"]
+    assert sorted(ran_stages(first.stdout)) == sorted(
+        ["prepare_classify", "prepare_instruct", "prepare_pretrain", "pretrain", "finetune_classify", "finetune_instruct"])
     assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain"}
+    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain",
+                                   "finetune_classify", "finetune_instruct"}
+    assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo_copy / "metrics/classify.json").read_text()))
+    assert len((repo_copy / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
     assert set(json.loads((repo_copy / "metrics/pretrain.json").read_text())) >= {
         "train_loss", "val_loss", "tokens", "tokens_per_sec", "mfu"}
     assert (repo_copy / "checkpoints/pretrain/final/model.safetensors").is_file()
@@ -100,9 +109,13 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     set_params(repo_copy, **{"data.classify.splits": [0.6, 0.2, 0.2]})
     third = dvc(repo_copy, "repro", env=env)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert ran_stages(third.stdout) == ["prepare_classify"]
+    assert ran_stages(third.stdout) == ["prepare_classify", "finetune_classify"]  # and what depends on it
     metrics = json.loads((repo_copy / "metrics/prepare_classify.json").read_text())
     assert metrics["val"] == int(24 * 0.2)
+
+    set_params(repo_copy, **{"classify.lr": 1e-4})
+    fourth = dvc(repo_copy, "repro", env=env)
+    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify"], fourth.stdout
 
     shown = dvc(repo_copy, "metrics", "show", "--json", env=env)
     assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout

@@ -28,6 +28,8 @@ FLOW_MODULES = {
     "prepare_classify": "flows.prepare",
     "prepare_instruct": "flows.prepare",
     "pretrain": "flows.pretrain",
+    "finetune_classify": "flows.finetune",
+    "finetune_instruct": "flows.finetune",
 }
 
 
@@ -76,6 +78,25 @@ def build_parser() -> Parser:
     _config_args(p)
     p.set_defaults(func=cmd_stage, stage="pretrain")
 
+    finetune = sub.add_parser("finetune", help="fine-tuning stages")
+    finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
+    finetune_sub.required = True
+    for what in ("classify", "instruct"):
+        stage = STAGES[f"finetune_{what}"]
+        p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
+        _config_args(p)
+        p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    c = sub.add_parser("classify", help="label texts with the fine-tuned classifier",
+                       description="Print the label and its probability for TEXT, or for every line of stdin "
+                       "when TEXT is omitted or '-'.")
+    c.add_argument("text", nargs="?", default="-")
+    c.add_argument("--checkpoint", default="checkpoints/classify/final", metavar="DIR",
+                   help="a classifier folder (default: %(default)s)")
+    c.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    _config_args(c)
+    c.set_defaults(func=cmd_classify)
+
     g = sub.add_parser("generate", help="continue a prompt with a trained model (KV-cached sampling)",
                        description="Print the continuation of PROMPT on stdout and the generation's tokens/s "
                        "(model loading excluded) on stderr.")
@@ -113,8 +134,7 @@ def cmd_generate(args) -> int:
         raise BadInput("--temperature and --top-k must be >= 0")
     cfg = load_config(params_file(args), args.set)
     enc = load_tokenizer(cfg.tokenizer.path)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = _device(args.device)
     model = load_model(args.checkpoint, map_location=device)
     if model.config.n_vocab != enc.n_vocab:
         raise BadInput(f"{args.checkpoint} has a vocabulary of {model.config.n_vocab}, the tokenizer "
@@ -136,6 +156,32 @@ def cmd_generate(args) -> int:
     sys.stdout.write(text + "\n")
     print(f"gptforge: {len(new)} tokens in {seconds:.3f} s ({len(new) / seconds:.1f} tokens/s, {device})",
           file=sys.stderr)
+    return 0
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cmd_classify(args) -> int:
+    from gptforge.finetune.classify import classify_texts, load_classifier
+    from gptforge.tokenizer import load_tokenizer
+
+    cfg = load_config(params_file(args), args.set)
+    texts = [line.rstrip("\n") for line in sys.stdin] if args.text == "-" else [args.text]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise BadInput("no text to classify (give TEXT or lines on stdin)")
+    device = _device(args.device)
+    classifier = load_classifier(args.checkpoint, map_location=device)
+    labels = classifier.labels
+    for text, (label, prob) in zip(texts, classify_texts(classifier, texts, load_tokenizer(cfg.tokenizer.path),
+                                                         device)):
+        print(f"{labels[label]}\t{prob:.4f}" + (f"\t{text}" if len(texts) > 1 else ""))
     return 0
 
 

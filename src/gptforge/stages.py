@@ -43,6 +43,10 @@ STAGES: dict[str, Stage] = {
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True),
+        Stage("finetune_classify", "gptforge.finetune.classify:finetune_classify", ("tokenizer", "classify"),
+              "fine-tune a spam classifier on data/classify (checkpoints/classify/)", system_metrics=True),
+        Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct"),
+              "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True),
     )
 }
 

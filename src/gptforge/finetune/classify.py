@@ -1,0 +1,444 @@
+"""`gptforge finetune classify`: a pretrained GPT turned into a text classifier (spam/ham).
+
+Raschka's LLMs-from-scratch chapter 6, as a recipe: the language-model head is replaced by a
+`Linear(n_embd, n_classes)` that reads the final hidden state of the *last real token* of each
+text. The model is causal, so that token is the only one that has seen the whole text; right
+padding comes after it and cannot change it. What trains is `classify.trainable`:
+
+- `head`: the new head only (a linear probe of the pretrained features);
+- `last_block`: the head, the last transformer block and the final LayerNorm (Raschka's choice:
+  most of the accuracy of full fine-tuning for a fraction of the gradients);
+- `all`: every weight;
+- `lora`: peft LoRA adapters on `classify.lora.target_modules`, plus the head in full.
+
+Texts longer than `max_length` tokens keep their first `max_length` tokens (as Raschka does);
+batches are right-padded with the tokenizer's end-of-text id to their longest row.
+
+The result, `checkpoints/classify/final/`, is a gptforge model folder (`model.safetensors` +
+`config.json`; LoRA merged into the weights, so `gptforge export` and `load_model` read it)
+plus the head: `classifier.safetensors` and `classifier.json` (n_classes, labels, max_length).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file as _load_safetensors
+from safetensors.torch import save as _safetensors_bytes
+
+from gptforge.config import Config
+from gptforge.data.sources import read_records
+from gptforge.errors import BadInput
+from gptforge.finetune.common import (apply_lora, check_max_length, load_base, make_optimizer, merge_lora,
+                                      plot_curves, runtime, train_epochs, trainable_params)
+from gptforge.io import atomic_dir, atomic_file, write_json
+from gptforge.model import GPT, load_model, save_model
+from gptforge.steps import DIRECT, Steps
+from gptforge.tokenizer import load_tokenizer
+from gptforge.tracking import NullRun, publish_metrics
+from gptforge.train import Runtime
+
+log = logging.getLogger("gptforge")
+
+SPLITS = ("train", "val", "test")
+HEAD_FILE = "classifier.safetensors"
+HEAD_CONFIG = "classifier.json"
+BINARY_LABELS = ["ham", "spam"]  # data/classify's labels 0 and 1
+POSITIVE = 1  # precision/recall/F1 are for "spam"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class GPTClassifier(nn.Module):
+    """A GPT backbone and a linear head on the hidden state of each row's last real token.
+
+    `forward(idx, lengths)`: idx (B, T) token ids right-padded to T, lengths (B,) the real
+    token counts (>= 1) -> logits (B, n_classes). The index comes from the lengths, not from
+    looking for the padding id, which a text may contain. The backbone's own `lm_head` stays
+    (tied to the embedding, unused here) so the backbone remains a plain GPT that `save_model`
+    writes and `load_model` reads.
+    """
+
+    def __init__(self, gpt: GPT, n_classes: int, labels: Sequence[str] | None = None, max_length: int | None = None):
+        super().__init__()
+        self.gpt = gpt
+        self.head = nn.Linear(gpt.config.n_embd, n_classes)
+        self.n_classes = n_classes
+        self.labels = list(labels) if labels is not None else default_labels(n_classes)
+        self.max_length = max_length if max_length is not None else gpt.config.block_size
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        hidden = self.gpt.hidden_states(idx)  # (B, T, C)
+        last = hidden[torch.arange(idx.size(0), device=idx.device), lengths.to(idx.device) - 1]
+        # The head only ever sees B vectors, never B*T: a (B, T, n_classes) output would be
+        # wasted work for every position but one.
+        return self.head(last)
+
+
+def default_labels(n_classes: int) -> list[str]:
+    return list(BINARY_LABELS) if n_classes == 2 else [str(i) for i in range(n_classes)]
+
+
+def set_trainable(model: GPTClassifier, trainable: str) -> None:
+    """Freeze everything, then unfreeze what `trainable` (head | last_block | all) names.
+    `lora` is set up by `apply_lora` instead (it freezes the base itself)."""
+    if trainable == "all":
+        model.requires_grad_(True)
+        return
+    model.requires_grad_(False)
+    parts: list[nn.Module] = [model.head]
+    if trainable == "last_block":
+        parts += [model.gpt.transformer.h[-1], model.gpt.transformer.ln_f]
+    elif trainable != "head":
+        raise ValueError(f"set_trainable: unknown trainable {trainable!r}")
+    for part in parts:
+        part.requires_grad_(True)
+
+
+def build_classifier(cfg: Config, n_vocab: int) -> tuple[nn.Module, GPTClassifier]:
+    """(model to train, the GPTClassifier inside it): the base GPT from `classify.init_from`
+    with a fresh head, on the CPU, with `classify.trainable` applied. For `lora` the model to
+    train is the peft wrapper; otherwise both are the same module."""
+    c = cfg.classify
+    gpt = load_base(c.init_from, n_vocab, param="classify.init_from")
+    max_length = check_max_length(c.max_length, gpt, "classify.max_length")
+    torch.manual_seed(c.seed)  # the head's init
+    classifier = GPTClassifier(gpt, c.n_classes, max_length=max_length)
+    if c.trainable == "lora":
+        return apply_lora(classifier, c.lora, extra_trainable=["head"]), classifier
+    set_trainable(classifier, c.trainable)
+    return classifier, classifier
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass
+class Example:
+    tokens: list[int]  # 1..max_length ids
+    label: int
+
+
+def read_split(path: str | os.PathLike, n_classes: int) -> list[dict]:
+    """The {"text", "label"} records of one jsonl split. BadInput naming the file (and the
+    record: its line, in the files `prepare classify` writes) when the file is missing or empty,
+    a line is not such a record, or a label is outside [0, n_classes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"classify data: {path} not found; run `gptforge prepare classify` first")
+    records = []
+    for number, rec in enumerate(read_records(path, param="classify data"), 1):
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise BadInput(f"{path}: record {number}: expected an object with a string \"text\" and a \"label\"")
+        label = rec.get("label")
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < n_classes:
+            raise BadInput(f"{path}: record {number}: label {label!r} is outside [0, {n_classes}) "
+                           f"(classify.n_classes = {n_classes})")
+        records.append({"text": rec["text"], "label": label})
+    if not records:
+        raise BadInput(f"classify data: {path} has no examples (the {path.stem} split is empty)")
+    return records
+
+
+def load_splits(data_dir: str | os.PathLike, n_classes: int) -> dict[str, list[dict]]:
+    """train, val and test records from `data_dir` (see read_split for the checks)."""
+    splits = {name: read_split(Path(data_dir) / f"{name}.jsonl", n_classes) for name in SPLITS}
+    log.info("classify data: %s", ", ".join(f"{len(v)} {k}" for k, v in splits.items()))
+    return splits
+
+
+def encode(records: list[dict], enc, max_length: int) -> tuple[list[Example], int]:
+    """(examples, how many texts were cut). A text keeps its first `max_length` token ids; an
+    empty text becomes the end-of-text token alone, so every row has a last token to read."""
+    examples, cut = [], 0
+    for r in records:
+        ids = enc.encode_ordinary(r["text"])
+        cut += len(ids) > max_length
+        examples.append(Example(ids[:max_length] or [enc.eot_token], r["label"]))
+    return examples, cut
+
+
+def collate(examples: Sequence[Example], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(idx (B, T), lengths (B,), labels (B,)) with rows right-padded with `pad_id` to the
+    batch's longest row: shorter padding than the dataset's longest, the same logits."""
+    lengths = [len(e.tokens) for e in examples]
+    idx = torch.full((len(examples), max(lengths)), pad_id, dtype=torch.long)
+    for i, e in enumerate(examples):
+        idx[i, : len(e.tokens)] = torch.tensor(e.tokens, dtype=torch.long)
+    labels = torch.tensor([e.label for e in examples], dtype=torch.long)
+    return idx.to(device), torch.tensor(lengths, device=device), labels.to(device)
+
+
+def batches(examples: Sequence[Example], batch_size: int) -> list[list[Example]]:
+    return [list(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
+
+
+def shuffled(examples: Sequence[Example], seed: int, epoch: int) -> list[Example]:
+    """A permutation that depends only on (seed, epoch): reruns see the same batches."""
+    order = list(examples)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def predict(model: nn.Module, examples: Sequence[Example], batch_size: int, pad_id: int, rt: Runtime,
+            max_batches: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (N, n_classes) float32 on the CPU, labels (N,)) over `examples` in order (the first
+    `max_batches` batches only, when given); eval mode, autocast, then back to the old mode."""
+    was_training = model.training
+    model.eval()
+    out, gold = [], []
+    try:
+        for i, batch in enumerate(batches(examples, batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            idx, lengths, labels = collate(batch, pad_id, rt.device)
+            with rt.autocast():
+                logits = model(idx, lengths)
+            out.append(logits.float().cpu())
+            gold.append(labels.cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out), torch.cat(gold)
+
+
+def scores(logits: torch.Tensor, labels: torch.Tensor, prefix: str) -> dict[str, float]:
+    return {f"{prefix}_loss": F.cross_entropy(logits, labels).item(),
+            f"{prefix}_accuracy": (logits.argmax(-1) == labels).float().mean().item()}
+
+
+def binary_report(pred: Sequence[int], gold: Sequence[int], positive: int = POSITIVE) -> dict[str, float]:
+    """Counts and precision/recall/F1 of `positive` against every other class (for two classes,
+    the usual confusion matrix). An empty denominator gives 0, not NaN: metrics files hold
+    numbers, and 0 is what "no positive predictions" is worth."""
+    tp = sum(p == positive and g == positive for p, g in zip(pred, gold))
+    fp = sum(p == positive and g != positive for p, g in zip(pred, gold))
+    fn = sum(p != positive and g == positive for p, g in zip(pred, gold))
+    tn = len(gold) - tp - fp - fn
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "f1": f1,
+            "test_tp": tp, "test_fp": fp, "test_tn": tn, "test_fn": fn}
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading the result
+
+
+def save_classifier(classifier: GPTClassifier, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write the backbone (`save_model`: model.safetensors + config.json) and the head
+    (classifier.safetensors + classifier.json) into `folder`."""
+    folder = Path(folder)
+    save_model(classifier.gpt, folder)
+    head = {k: v.detach().contiguous().cpu() for k, v in classifier.head.state_dict().items()}
+    with atomic_file(folder / HEAD_FILE, "wb") as f:
+        f.write(_safetensors_bytes(head, metadata={"format": "pt"}))
+    write_json(folder / HEAD_CONFIG, {"n_classes": classifier.n_classes, "labels": classifier.labels,
+                                      "max_length": classifier.max_length, **(extra or {})})
+    return folder
+
+
+def load_classifier(folder: str | os.PathLike, map_location="cpu") -> GPTClassifier:
+    """A GPTClassifier from a folder written by the recipe (eval mode). Any problem is a
+    one-line BadInput naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BadInput(f"classifier folder not found: {folder} (run `gptforge finetune classify` first)")
+    meta_path, head_path = folder / HEAD_CONFIG, folder / HEAD_FILE
+    for path in (meta_path, head_path):
+        if not path.is_file():
+            raise BadInput(f"{path}: not found (a classifier folder holds {HEAD_FILE} and {HEAD_CONFIG} "
+                           "beside the model)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        n_classes, labels, max_length = int(meta["n_classes"]), list(meta["labels"]), int(meta["max_length"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise BadInput(f"{meta_path}: not a classifier description ({type(e).__name__}: {e})") from None
+    if len(labels) != n_classes:
+        raise BadInput(f"{meta_path}: {len(labels)} labels for {n_classes} classes")
+    gpt = load_model(folder, map_location=map_location)
+    if max_length > gpt.config.block_size:
+        raise BadInput(f"{meta_path}: max_length ({max_length}) is above the model's {gpt.config.block_size} positions")
+    classifier = GPTClassifier(gpt, n_classes, labels, max_length).to(map_location)
+    try:
+        head = _load_safetensors(str(head_path), device=str(map_location))
+        classifier.head.load_state_dict(head, strict=True)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise BadInput(f"{head_path}: not this classifier's head ({' '.join(str(e).split())[:200]})") from None
+    return classifier.eval()
+
+
+@torch.no_grad()
+def classify_texts(classifier: GPTClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
+                   ) -> list[tuple[int, float]]:
+    """(label index, its softmax probability) for each text, in order; texts are cut to the
+    classifier's max_length tokens as in training."""
+    device = torch.device(device)
+    rt = Runtime(device=device)  # fp32: a few texts, where exact probabilities matter more than speed
+    examples, _ = encode([{"text": t, "label": 0} for t in texts], enc, classifier.max_length)
+    if not examples:
+        return []
+    logits, _ = predict(classifier, examples, batch_size, enc.eot_token, rt)
+    probs = logits.softmax(-1)
+    best = probs.argmax(-1)
+    return [(int(i), float(probs[row, i])) for row, i in enumerate(best)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+
+@dataclass
+class Session:
+    """What the recipe's steps hand each other."""
+
+    model: nn.Module  # what trains: the classifier, or its peft wrapper
+    classifier: GPTClassifier
+    data: dict[str, list[Example]]
+    rt: Runtime
+    pad_id: int
+    history: Any = None
+
+
+def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
+    """Data checks, tokenizer, base model with the new head and the trainable set."""
+    c = cfg.classify
+    rt = runtime(c.device, c.precision, param="classify")
+    records = load_splits(data_dir, c.n_classes)  # bad data fails before the model is loaded
+    enc = load_tokenizer(cfg.tokenizer.path)
+    model, classifier = build_classifier(cfg, enc.n_vocab)
+    model.to(rt.device)
+    data, cut = {}, 0
+    for name, recs in records.items():
+        data[name], n_cut = encode(recs, enc, classifier.max_length)
+        cut += n_cut
+    n_train, n_total = trainable_params(model)
+    log.info("classify: trainable=%s, %d of %d parameters train (%.2f%%); max_length %d (%d texts cut to it)",
+             c.trainable, n_train, n_total, 100 * n_train / n_total, classifier.max_length, cut)
+    run.log_metrics({"trainable_params": n_train, "total_params": n_total})
+    return Session(model, classifier, data, rt, enc.eot_token)
+
+
+def train(s: Session, cfg: Config, run=NullRun()) -> Session:
+    """Epochs of AdamW over the trainable parameters, with periodic validation."""
+    c = cfg.classify
+    torch.manual_seed(c.seed)  # dropout streams
+    optimizer = make_optimizer(s.model, c.lr, c.weight_decay, s.rt.device)
+
+    def loss_fn(batch):
+        idx, lengths, labels = collate(batch, s.pad_id, s.rt.device)
+        return F.cross_entropy(s.model(idx, lengths).float(), labels)
+
+    def evaluate():
+        # Fixed prefixes of the splits, comparable from one evaluation to the next; train accuracy
+        # beside val accuracy shows over-fitting (Raschka's ch. 6 curves).
+        logits, labels = predict(s.model, s.data["val"], c.batch_size, s.pad_id, s.rt, max_batches=c.eval_batches)
+        train_logits, train_labels = predict(s.model, s.data["train"], c.batch_size, s.pad_id, s.rt,
+                                             max_batches=c.eval_batches)
+        return {**scores(logits, labels, "val"),
+                "train_accuracy": scores(train_logits, train_labels, "train")["train_accuracy"]}
+
+    s.history = train_epochs(
+        s.model, optimizer, loss_fn, lambda epoch: batches(shuffled(s.data["train"], c.seed, epoch), c.batch_size),
+        rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="classify")
+    return s
+
+
+def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/classify",
+           metrics_path: str | os.PathLike = "metrics/classify.json",
+           plots_dir: str | os.PathLike = "plots") -> dict:
+    """Merge LoRA, measure the saved model on the full splits, write the model, metrics and curves."""
+    c = cfg.classify
+    n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
+    # What is measured is what is saved: the merged weights, not the adapters beside them.
+    merge_lora(s.model)
+    classifier = s.classifier
+    metrics: dict[str, float] = {}
+    results = {}
+    for name in SPLITS:
+        logits, labels = predict(classifier, s.data[name], c.batch_size, s.pad_id, s.rt)
+        results[name] = (logits.argmax(-1).tolist(), labels.tolist())
+        split_scores = scores(logits, labels, name)
+        if name == "train":
+            # Not train_loss: that name is the per-step curve of batch losses in the run.
+            split_scores.pop("train_loss")
+        metrics.update(split_scores)
+    metrics.update(binary_report(*results["test"]))
+    seconds = s.history.epoch_seconds
+    metrics.update(trainable_params=n_train, total_params=n_total,
+                   seconds_per_epoch=sum(seconds) / len(seconds) if seconds else 0.0, steps=s.history.step)
+
+    final = Path(out_dir) / "final"
+    with atomic_dir(final) as tmp:
+        save_classifier(classifier, tmp, extra={"trainable": c.trainable, "init_from": c.init_from})
+    publish_metrics(run, metrics, metrics_path)
+    run.log_artifact(final, "checkpoint")
+    run.log_text(confusion_text(*results["test"], classifier.labels), "classify_confusion.txt")
+    for png in write_plots(s.history, plots_dir):
+        run.log_artifact(png)
+    log.info("classify done: accuracy train %.3f, val %.3f, test %.3f; test precision %.3f, recall %.3f, "
+             "F1 %.3f; %.1f s per epoch", metrics["train_accuracy"], metrics["val_accuracy"],
+             metrics["test_accuracy"], metrics["precision"], metrics["recall"], metrics["f1"],
+             metrics["seconds_per_epoch"])
+    return metrics
+
+
+def confusion_text(pred: Sequence[int], gold: Sequence[int], labels: Sequence[str]) -> str:
+    """The full test confusion matrix as a small table (rows: true label, columns: predicted)."""
+    n = len(labels)
+    counts = [[0] * n for _ in range(n)]
+    for p, g in zip(pred, gold):
+        counts[g][p] += 1
+    width = max(8, *(len(x) for x in labels))
+    lines = ["true \\ predicted".ljust(width + 8) + "".join(x.rjust(width) for x in labels)]
+    lines += [labels[g].ljust(width + 8) + "".join(str(v).rjust(width) for v in row) for g, row in enumerate(counts)]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(history, plots_dir: str | os.PathLike) -> list[Path]:
+    """classify_loss.png and classify_accuracy.png over optimizer steps."""
+    plots_dir = Path(plots_dir)
+    val = history.evals
+    made = [
+        plot_curves({"train (batch)": history.train_loss,
+                     "val (first eval_batches)": [(e["step"], e["val_loss"]) for e in val]},
+                    "cross-entropy loss", plots_dir / "classify_loss.png"),
+        plot_curves({"train (first eval_batches)": [(e["step"], e["train_accuracy"]) for e in val],
+                     "val (first eval_batches)": [(e["step"], e["val_accuracy"]) for e in val]},
+                    "accuracy", plots_dir / "classify_accuracy.png"),
+    ]
+    return [p for p in made if p is not None]
+
+
+def finetune_classify(
+    cfg: Config,
+    *,
+    steps: Steps = DIRECT,
+    run=NullRun(),
+    data_dir: str | os.PathLike = "data/classify",
+    out_dir: str | os.PathLike = "checkpoints/classify",
+    metrics_path: str | os.PathLike = "metrics/classify.json",
+    plots_dir: str | os.PathLike = "plots",
+) -> dict:
+    """The stage: set up, train, finish (each a step: a Prefect task under PrefectSteps)."""
+    session = steps(setup, cfg, data_dir, run)
+    session = steps(train, session, cfg, run)
+    return steps(finish, session, cfg, run, out_dir, metrics_path, plots_dir)

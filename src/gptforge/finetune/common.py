@@ -1,0 +1,327 @@
+"""What the fine-tuning recipes share: where they run, the base model they start from, LoRA,
+the optimizer and the epoch loop.
+
+`classify.py` and `instruct.py` are recipes that wire these pieces; nothing here knows about
+either task. The functions take plain values (not the config object) and the dotted config
+name (`param`) of the value they check, so an error names the key the user has to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from gptforge.errors import BadInput, StageFailed
+from gptforge.model import CONFIG_FILE, GPT, HF_PRETRAINED, from_pretrained, load_model
+from gptforge.tracking import NullRun
+from gptforge.train import Runtime
+
+log = logging.getLogger("gptforge")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where and how we run
+
+
+def runtime(device: str, precision: str, *, param: str) -> Runtime:
+    """The device and autocast precision of a single-process fine-tuning run.
+
+    `device`: auto (CUDA when present, else CPU) | cpu | cuda | cuda:N. `precision`: auto (bf16
+    on CUDA, fp32 on CPU) | fp32 | bf16 | fp16. `param` is the config section (`classify`,
+    `instruct`) named in errors. Returns pretraining's `train.Runtime`: use `rt.device`,
+    `with rt.autocast(): ...`, `rt.precision`; fp16 also needs a GradScaler, which
+    `train_epochs` makes. Fine-tuning is one process: no DDP, no torch.compile (its compile
+    time is not repaid over a few epochs of small batches).
+    """
+    if device == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device_type)
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise BadInput(f"{param}.device: expected auto, cpu, cuda or cuda:N, got {device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise BadInput(f"{param}.device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BadInput(f"{param}.device is {device} but no CUDA device is available")
+    if dev.type == "cuda":
+        if dev.index is not None:
+            torch.cuda.set_device(dev)
+        # TF32 matmuls: ~8x the fp32 tensor throughput on Ampere+, at a 10-bit mantissa.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    resolved = precision if precision != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
+    if resolved == "fp16" and dev.type == "cpu":
+        raise BadInput(f"{param}.precision fp16 needs CUDA; on the CPU use bf16 or fp32")
+    return Runtime(device=dev, precision=resolved)
+
+
+# ---------------------------------------------------------------------------------------------
+# The base model
+
+
+def load_base(init_from: str, n_vocab: int, *, param: str) -> GPT:
+    """The pretrained GPT a fine-tuning run starts from (on the CPU, in train mode).
+
+    `init_from` is a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; transformers'
+    download cache) or a checkpoint folder written by `save_model` (`checkpoints/pretrain/final`).
+    `param` is its config key (`classify.init_from`) for the messages. Raises BadInput when the
+    folder is missing ("run `gptforge pretrain` first"), when its config.json is not a gptforge
+    GPT (a Hugging Face folder, another format: the message names the file), and when the
+    model's vocabulary differs from the tokenizer's `n_vocab`.
+    """
+    if init_from in HF_PRETRAINED:
+        model, source = from_pretrained(init_from), f"hub weights {init_from}"
+    else:
+        folder = Path(init_from)
+        if not folder.is_dir():
+            raise BadInput(f"{param}: checkpoint folder {folder} not found; run `gptforge pretrain` first "
+                           f"(or name a GPT-2 size: {', '.join(HF_PRETRAINED)})")
+        _refuse_foreign_config(folder / CONFIG_FILE, param)
+        try:
+            model = load_model(folder)
+        except BadInput as e:
+            raise BadInput(f"{param}: {e}") from None
+        source = f"checkpoint {folder}"
+    if model.config.n_vocab != n_vocab:
+        raise BadInput(f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
+                       f"(tokenizer.path) {n_vocab}")
+    log.info("fine-tuning from %s (%.2fM parameters)", source, model.num_params() / 1e6)
+    return model.train()
+
+
+def _refuse_foreign_config(path: Path, param: str) -> None:
+    """A clearer message than load_model's for the common mistake of pointing at a Hugging
+    Face folder (`gptforge export` output, a hub snapshot): say what it is and what to do."""
+    import json
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # load_model names the file and the problem
+    if isinstance(d, dict) and "model_type" in d and "format" not in d:
+        arch = ", ".join(d.get("architectures") or []) or d["model_type"]
+        raise BadInput(f"{param}: {path} is a Hugging Face {arch} config, not a gptforge checkpoint "
+                       "(use a folder written by `gptforge pretrain`, or a GPT-2 hub name such as gpt2)")
+
+
+def check_max_length(max_length: int | None, model: GPT, param: str) -> int:
+    """The sequence length to use: None -> the model's block_size; above it -> BadInput
+    "`param` (N) is above the model's M positions" (positions past block_size have no
+    embedding, so they cannot be trained or run)."""
+    positions = model.config.block_size
+    if max_length is None:
+        return positions
+    if max_length > positions:
+        raise BadInput(f"{param} ({max_length}) is above the model's {positions} positions")
+    return int(max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (peft)
+
+
+def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = ()) -> nn.Module:
+    """Wrap `model` in peft LoRA adapters; return the `peft.PeftModel`.
+
+    `lora` is a config's LoRA section (`cfg.classify.lora`, `cfg.instruct.lora`: r, alpha,
+    dropout, target_modules). `target_modules` are nn.Linear module-name suffixes (GPT-2's
+    c_attn, c_proj, c_fc, as in Hugging Face's GPT-2, so an adapter trained here also applies
+    to the exported model).
+    Every original weight is frozen; the adapters (`lora_A`, `lora_B`) train, and so do the
+    parameters of the modules named (exactly, relative to `model`) in `extra_trainable`, e.g.
+    `["head"]` for a new classifier head.
+
+    Why `get_peft_model` on our plain nn.Module works: peft's LoRA tuner only needs nn.Linear
+    targets; with no task_type, `PeftModel.forward` passes every argument straight to `model`,
+    and unknown attributes (`.config`, `.hidden_states`) fall through to it. The extra trained
+    modules are made trainable with requires_grad rather than peft's `modules_to_save`, which
+    matches name *suffixes* (`head` would also catch the GPT's tied `lm_head`) and trains a
+    copy under another name.
+
+    The PeftModel runs like `model`. `merge_lora(peft_model)` folds the adapters into the
+    weights and returns the original module type (for saving with `save_model`).
+    """
+    import peft
+
+    targets = list(lora.target_modules)
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    try:
+        peft_model = peft.get_peft_model(model, config)
+    except ValueError as e:  # no module matched target_modules
+        raise BadInput(f"lora.target_modules {targets}: {' '.join(str(e).split())[:200]}") from None
+    inner = peft_model.base_model.model  # `model` itself, its Linears now LoRA layers
+    modules = dict(inner.named_modules())
+    for name in extra_trainable:
+        if name not in modules:
+            raise ValueError(f"apply_lora: no module named {name!r} to keep trainable")
+        for p in modules[name].parameters():
+            p.requires_grad_(True)
+    return peft_model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The plain module with LoRA folded into its weights (W + B·A·alpha/r) when `model` is a
+    peft model; `model` itself otherwise. It modifies the wrapped module in place: compute
+    any adapter-model outputs you need before merging."""
+    if hasattr(model, "merge_and_unload"):
+        return model.merge_and_unload()
+    return model
+
+
+def trainable_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; a tied tensor (wte = lm_head) counts once."""
+    params = list(model.parameters())  # parameters() yields each shared tensor once
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters only, with weight decay on matrices (dim >= 2) and
+    none on biases and LayerNorm gains (pretraining's split, for any module: a classifier or a
+    peft model, not only a GPT)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("make_optimizer: the model has no trainable parameters")
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=device.type == "cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# The epoch loop
+
+
+@dataclass
+class History:
+    """What `train_epochs` saw, for the recipe's curves and metrics."""
+
+    train_loss: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, batch loss)
+    evals: list[dict[str, float]] = field(default_factory=list)  # {"step": s, "epoch": e, **evaluate()}
+    epoch_seconds: list[float] = field(default_factory=list)  # training time per epoch, evaluations excluded
+    step: int = 0  # optimizer steps taken
+
+
+def train_epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any], torch.Tensor],
+    batches: Callable[[int], Iterable[Any]],
+    *,
+    rt: Runtime,
+    epochs: int,
+    eval_interval: int,
+    evaluate: Callable[[], dict[str, float]],
+    run: NullRun = NullRun(),
+    desc: str = "finetune",
+    grad_clip: float = 0.0,
+) -> History:
+    """Train for `epochs` passes; return the History.
+
+    `batches(epoch)` gives that epoch's batches (the recipe shuffles with its seed; a sized
+    iterable gets a tqdm total). `loss_fn(batch)` returns the scalar loss of one batch; it runs
+    under `rt.autocast()` with the model in train mode. One optimizer step per batch.
+    `evaluate()` returns metrics (e.g. {"val_loss": ..., "val_accuracy": ...}); it runs with the
+    model in eval mode, under no_grad and autocast, after every `eval_interval` optimizer steps
+    and after the last step of each epoch (so short runs still get a curve point per epoch).
+    Logged to `run`: `train_loss` every step, the evaluation metrics and `epoch` at each
+    evaluation, all at the optimizer step. `grad_clip` > 0 clips the gradient norm.
+    A non-finite loss stops the run with StageFailed before it reaches the weights.
+    """
+    from tqdm.auto import tqdm
+
+    history = History()
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run_eval(epoch: int) -> None:
+        model.eval()
+        try:
+            with torch.no_grad(), rt.autocast():
+                metrics = {k: float(v) for k, v in evaluate().items()}
+        finally:
+            model.train()
+        history.evals.append({"step": history.step, "epoch": epoch, **metrics})
+        run.log_metrics({**metrics, "epoch": epoch}, step=history.step)
+
+    model.train()
+    for epoch in range(1, epochs + 1):
+        epoch_batches = batches(epoch)
+        total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
+        bar = tqdm(epoch_batches, total=total, desc=f"{desc} epoch {epoch}/{epochs}", unit="batch", leave=False)
+        train_time, evaluated_at = 0.0, -1
+        t0 = time.perf_counter()
+        for batch in bar:
+            with rt.autocast():
+                loss = loss_fn(batch)
+            value = loss.item()
+            if not math.isfinite(value):
+                raise StageFailed(f"{desc}: loss is {value} at step {history.step + 1} (epoch {epoch}); "
+                                  "stopping before it reaches the weights (try a lower lr)")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            history.step += 1
+            history.train_loss.append((history.step, value))
+            run.log_metrics({"train_loss": value}, step=history.step)
+            bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+            if history.step % eval_interval == 0:
+                rt.sync()
+                train_time += time.perf_counter() - t0
+                run_eval(epoch)
+                evaluated_at = history.step
+                t0 = time.perf_counter()
+        rt.sync()
+        train_time += time.perf_counter() - t0
+        bar.close()
+        history.epoch_seconds.append(train_time)
+        if evaluated_at != history.step:
+            run_eval(epoch)
+        log.info("%s epoch %d/%d: %d steps so far, %.1f s of training, %s", desc, epoch, epochs, history.step,
+                 train_time, ", ".join(f"{k} {v:.4f}" for k, v in history.evals[-1].items()
+                                       if k not in ("step", "epoch")))
+    return history
+
+
+def plot_curves(series: dict[str, list[tuple[float, float]]], ylabel: str, path: str | os.PathLike,
+                xlabel: str = "step") -> Path | None:
+    """One PNG line plot of named (x, y) series (matplotlib, Agg backend); None when matplotlib
+    is not installed (a bare GPU box: the numbers are in the metrics and the run anyway)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, "o-" if len(points) < 30 else "-", label=label, markersize=3, linewidth=0.9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if any(series.values()):
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from gptforge.io import atomic_file
+
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,278 @@
+"""`gptforge finetune instruct`: instruction fine-tuning on Alpaca-style records, read top to bottom.
+
+LLMs-from-scratch ch. 7 as a recipe: records -> prompt template (templates.py) -> token ids ->
+padded next-token batches -> AdamW epochs over the whole model (`method: full`) or over LoRA
+adapters only (`method: lora`, peft) -> losses on the full validation and test splits ->
+greedy answers to the first test instructions -> the model.
+
+What it writes:
+- `checkpoints/instruct/final/`: the fine-tuned GPT (LoRA folded into the weights), loadable
+  with `model.load_model` like any checkpoint;
+- `checkpoints/instruct/adapter/` (lora only): the adapter in peft's own format
+  (adapter_config.json + adapter_model.safetensors). Our module names are Hugging Face GPT-2's,
+  so it also applies to the exported base model:
+  `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(export_of_init_from), adapter)`
+  (peft sees HF's Conv1D layers and switches `fan_in_fan_out` on by itself);
+- `reports/instruct_responses.jsonl`: instruction, input, reference, response per test example;
+- `metrics/instruct.json`: val_loss, test_loss, val_perplexity, test_perplexity,
+  response_tokens_per_sec, trainable_params, total_params, skipped_too_long, steps.
+
+Losses are per target token (padding and, with `mask_prompt`, the prompt are not targets), and
+the split losses weight every target token alike, not every batch. Examples whose prompt alone
+fills `max_length` are skipped (their answer would start outside the window) and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from gptforge.config import Config
+from gptforge.data.sources import read_records
+from gptforge.errors import BadInput
+from gptforge.finetune.common import (History, apply_lora, check_max_length, load_base, make_optimizer, merge_lora,
+                                      runtime, train_epochs, trainable_params)
+from gptforge.finetune.templates import IGNORE_INDEX, Example, collate, encode_all
+from gptforge.io import atomic_dir, atomic_file
+from gptforge.model import GPT, generate, save_model
+from gptforge.steps import DIRECT, Steps
+from gptforge.tokenizer import load_tokenizer
+from gptforge.tracking import NullRun, publish_metrics
+from gptforge.train import Runtime
+
+log = logging.getLogger("gptforge")
+
+SPLITS = ("train", "val", "test")
+PARAM = "instruct"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def read_split(path: str | os.PathLike) -> list[dict]:
+    """The {instruction, input, output} records of one jsonl split (input "" when missing or
+    null). BadInput naming the file when it is missing, empty or holds something else."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"instruct data: {path} not found; run `gptforge prepare instruct` first")
+    records = []
+    for number, rec in enumerate(read_records(path, param="instruct data"), 1):
+        if not (isinstance(rec, dict) and isinstance(rec.get("instruction"), str)
+                and isinstance(rec.get("output"), str) and isinstance(rec.get("input") or "", str)):
+            raise BadInput(f"instruct data: {path} record {number} is not an object with string \"instruction\", "
+                           "\"input\" and \"output\"")
+        records.append({"instruction": rec["instruction"], "input": rec.get("input") or "", "output": rec["output"]})
+    if not records:
+        raise BadInput(f"instruct data: {path} has no examples (the {path.stem} split is empty)")
+    return records
+
+
+def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int) -> list[list[Example]]:
+    """One epoch's batches in an order that depends only on (seed, epoch): a rerun sees the
+    same batches, and every epoch a different order."""
+    order = list(examples)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses and answers
+
+
+@torch.no_grad()
+def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int, pad_id: int, max_length: int,
+               mask_prompt: bool, rt: Runtime, max_batches: int | None = None) -> float:
+    """Mean cross-entropy per target token over `examples` in order (the first `max_batches`
+    batches only, when given): a fixed prefix, so evaluations during training are comparable."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i in range(0, len(examples), batch_size):
+            if max_batches is not None and i // batch_size >= max_batches:
+                break
+            inputs, targets = collate(examples[i:i + batch_size], pad_id=pad_id, max_length=max_length,
+                                      mask_prompt=mask_prompt)
+            n = int((targets != IGNORE_INDEX).sum())
+            with rt.autocast():
+                _, loss = model(inputs.to(rt.device), targets.to(rt.device))
+            total += loss.float().item() * n  # the model's loss is the mean over these n targets
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count
+
+
+def respond(model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int,
+            rt: Runtime) -> tuple[list[str], float]:
+    """Greedy answers (KV cache, stop at end-of-text) to each prompt, one at a time: rows of
+    different prompt lengths cannot share a batch without left padding, which GPT-2's absolute
+    positions do not allow. Returns (texts, generated tokens per second of generation).
+
+    New tokens are capped at the positions left after the prompt, so the cache serves every
+    step and the prompt is never cropped out of the window.
+    """
+    from tqdm.auto import tqdm
+
+    block, eot = model.config.block_size, enc.eot_token
+    texts, generated, seconds = [], 0, 0.0
+    for prompt_ids, _ in tqdm(examples, desc="instruct responses", unit="resp", leave=False):
+        idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
+        rt.sync()
+        t0 = time.perf_counter()
+        with rt.autocast():
+            out = generate(model, idx, min(max_new_tokens, block - len(prompt_ids)), temperature=0, eot_id=eot)
+        rt.sync()
+        seconds += time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        generated += len(new)
+        texts.append(enc.decode(new[:-1] if new and new[-1] == eot else new).strip())
+    return texts, generated / seconds if seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+
+@dataclass
+class Session:
+    """What the recipe's steps hand each other."""
+
+    model: nn.Module  # what trains: the GPT, or its peft wrapper
+    records: dict[str, list[dict]]
+    data: dict[str, list[Example]]
+    kept: dict[str, list[int]]  # record index of each example (responses pair them back)
+    enc: Any
+    rt: Runtime
+    max_length: int
+    skipped: int
+    history: History | None = None
+
+
+def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
+    """Data checks, tokenizer, base model, encoded splits and the trainable set."""
+    c = cfg.instruct
+    rt = runtime(c.device, c.precision, param=PARAM)
+    records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the model
+    enc = load_tokenizer(cfg.tokenizer.path)
+    model = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
+    max_length = check_max_length(c.max_length, model, f"{PARAM}.max_length")
+
+    data, kept, skipped = {}, {}, {}
+    for name, recs in records.items():
+        data[name], kept[name] = encode_all(recs, c.template, enc, max_length)
+        skipped[name] = len(recs) - len(data[name])
+        if not data[name]:
+            raise BadInput(f"instruct data: every one of the {len(recs)} {name} prompts is {max_length} tokens or "
+                           f"longer ({PARAM}.max_length={c.max_length}, template {c.template}): nothing to learn from")
+    if any(skipped.values()):
+        log.warning("instruct: skipped %s prompt(s) of %d tokens or more (no room for the response)",
+                    ", ".join(f"{n} {k}" for k, n in skipped.items() if n), max_length)
+
+    model.to(rt.device)
+    if c.method == "lora":
+        model = apply_lora(model, c.lora)
+    n_train, n_total = trainable_params(model)
+    log.info("instruct: %s fine-tuning, %d of %d parameters train (%.2f%%); template %s, max_length %d; %s",
+             c.method, n_train, n_total, 100 * n_train / n_total, c.template, max_length,
+             ", ".join(f"{len(v)} {k}" for k, v in data.items()))
+    run.log_metrics({"trainable_params": n_train, "total_params": n_total})
+    return Session(model, records, data, kept, enc, rt, max_length, sum(skipped.values()))
+
+
+def train(s: Session, cfg: Config, run=NullRun()) -> Session:
+    """Epochs of AdamW over the trainable parameters; validation loss every eval_interval steps."""
+    c = cfg.instruct
+    torch.manual_seed(c.seed)  # dropout streams
+    optimizer = make_optimizer(s.model, c.lr, c.weight_decay, s.rt.device)
+    shape = dict(pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=c.mask_prompt)
+
+    def loss_fn(batch):
+        inputs, targets = collate(batch, **shape)
+        return s.model(inputs.to(s.rt.device), targets.to(s.rt.device))[1]
+
+    def evaluate():
+        loss = split_loss(s.model, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches,
+                          **shape)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
+
+    s.history = train_epochs(
+        s.model, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
+        rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="instruct")
+    return s
+
+
+def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/instruct",
+           metrics_path: str | os.PathLike = "metrics/instruct.json",
+           responses_path: str | os.PathLike = "reports/instruct_responses.jsonl") -> dict:
+    """Save the adapter, merge it, then measure, answer with and save the merged model."""
+    c, out_dir = cfg.instruct, Path(out_dir)
+    n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
+    adapter = None
+    if c.method == "lora":
+        adapter = out_dir / "adapter"
+        with atomic_dir(adapter) as tmp:
+            s.model.save_pretrained(str(tmp))
+    # What is measured is what is saved: the merged weights (and the merged model decodes
+    # without the adapters' extra matmuls).
+    model = merge_lora(s.model)
+    model.eval()
+
+    shape = dict(batch_size=c.batch_size, pad_id=s.enc.eot_token, max_length=s.max_length,
+                 mask_prompt=c.mask_prompt, rt=s.rt)
+    val_loss = split_loss(model, s.data["val"], **shape)
+    test_loss = split_loss(model, s.data["test"], **shape)
+
+    n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
+    texts, tokens_per_sec = respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens, rt=s.rt)
+    with atomic_file(responses_path, "w", encoding="utf-8") as f:
+        for index, text in zip(s.kept["test"], texts):
+            rec = s.records["test"][index]
+            f.write(json.dumps({"instruction": rec["instruction"], "input": rec["input"],
+                                "reference": rec["output"], "response": text}, ensure_ascii=False) + "\n")
+
+    final = out_dir / "final"
+    with atomic_dir(final) as tmp:
+        save_model(model, tmp)
+
+    seconds = s.history.epoch_seconds if s.history else []
+    metrics = {"val_loss": val_loss, "test_loss": test_loss, "val_perplexity": math.exp(min(val_loss, 80.0)),
+               "test_perplexity": math.exp(min(test_loss, 80.0)), "response_tokens_per_sec": tokens_per_sec,
+               "trainable_params": n_train, "total_params": n_total, "skipped_too_long": s.skipped,
+               "steps": s.history.step if s.history else 0,
+               "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0}
+    publish_metrics(run, metrics, metrics_path)
+    run.log_artifact(responses_path)
+    run.log_artifact(final, "checkpoint")
+    if adapter is not None:
+        run.log_artifact(adapter, "adapter")
+    log.info("instruct done: val loss %.4f (perplexity %.2f), test loss %.4f; %d responses at %.1f tokens/s",
+             val_loss, metrics["val_perplexity"], test_loss, n, tokens_per_sec)
+    return metrics
+
+
+def finetune_instruct(
+    cfg: Config,
+    *,
+    steps: Steps = DIRECT,
+    run=NullRun(),
+    data_dir: str | os.PathLike = "data/instruct",
+    out_dir: str | os.PathLike = "checkpoints/instruct",
+    metrics_path: str | os.PathLike = "metrics/instruct.json",
+    responses_path: str | os.PathLike = "reports/instruct_responses.jsonl",
+) -> dict:
+    """The stage: set up, train, finish (each a step: a Prefect task under PrefectSteps)."""
+    session = steps(setup, cfg, data_dir, run)
+    session = steps(train, session, cfg, run)
+    return steps(finish, session, cfg, run, out_dir, metrics_path, responses_path)
