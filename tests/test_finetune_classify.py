@@ -282,3 +282,31 @@ def test_long_texts_keep_their_first_max_length_tokens(small_tokenizer):
     with torch.no_grad():
         want = model(torch.tensor([ids[:8]]), torch.tensor([8]))[0].softmax(-1)
     assert label == int(want.argmax()) and prob == pytest.approx(float(want.max()), abs=1e-6)
+
+
+def test_classify_command_labels_text_and_stdin_lines(small_tokenizer, base, data_dir, tmp_path, monkeypatch, capsys):
+    import io
+
+    from gptforge.cli import main
+
+    cfg = make_cfg(small_tokenizer, base, epochs=1)
+    clf.finetune_classify(cfg, data_dir=data_dir, **outputs(tmp_path))
+    folder = tmp_path / "ckpt" / "final"
+    enc = load_tokenizer(str(small_tokenizer))
+    texts = [json.loads(line)["text"] for line in (data_dir / "test.jsonl").read_text().splitlines()[:3]]
+    expected = clf.classify_texts(clf.load_classifier(folder), texts, enc, "cpu")
+    labels = clf.load_classifier(folder).labels
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["classify", texts[0], "--checkpoint", str(folder), "-S", f"tokenizer.path={small_tokenizer}"]) == 0
+    label, prob = capsys.readouterr().out.strip().split("\t")
+    assert label == labels[expected[0][0]] and float(prob) == pytest.approx(expected[0][1], abs=1e-4)
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(texts) + "\n\n"))
+    assert main(["classify", "--checkpoint", str(folder), "-S", f"tokenizer.path={small_tokenizer}"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r[0], r[2]) for r in rows] == [(labels[e[0]], t) for e, t in zip(expected, texts)]
+
+    assert main(["classify", "x", "--checkpoint", str(tmp_path / "nowhere"),
+                 "-S", f"tokenizer.path={small_tokenizer}"]) == 2
+    assert "nowhere" in capsys.readouterr().err
