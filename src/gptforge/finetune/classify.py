@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,8 +38,8 @@ from safetensors.torch import save as _safetensors_bytes
 from gptforge.config import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (apply_lora, check_max_length, load_base, make_optimizer, merge_lora,
-                                      plot_curves, runtime, train_epochs, trainable_params)
+from gptforge.finetune.common import (apply_lora, check_max_length, epoch_batches, load_base, make_optimizer,
+                                      merge_lora, plot_curves, runtime, train_epochs, trainable_params)
 from gptforge.io import atomic_dir, atomic_file, write_json
 from gptforge.model import GPT, load_model, save_model
 from gptforge.steps import DIRECT, Steps
@@ -184,13 +183,6 @@ def collate(examples: Sequence[Example], pad_id: int, device: torch.device) -> t
 
 def batches(examples: Sequence[Example], batch_size: int) -> list[list[Example]]:
     return [list(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
-
-
-def shuffled(examples: Sequence[Example], seed: int, epoch: int) -> list[Example]:
-    """A permutation that depends only on (seed, epoch): reruns see the same batches."""
-    order = list(examples)
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +349,7 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
                 "train_accuracy": scores(train_logits, train_labels, "train")["train_accuracy"]}
 
     s.history = train_epochs(
-        s.model, optimizer, loss_fn, lambda epoch: batches(shuffled(s.data["train"], c.seed, epoch), c.batch_size),
+        s.model, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
         rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="classify")
     return s
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,3 +326,11 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], ylabel: str, path:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def epoch_batches(examples: Sequence[Any], batch_size: int, seed: int, epoch: int) -> list[list[Any]]:
+    """One epoch's batches in an order that depends only on (seed, epoch): a rerun sees the
+    same batches, and every epoch a different order."""
+    order = list(examples)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +39,8 @@ import torch.nn as nn
 from gptforge.config import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (History, apply_lora, check_max_length, load_base, make_optimizer, merge_lora,
-                                      runtime, train_epochs, trainable_params)
+from gptforge.finetune.common import (History, apply_lora, check_max_length, epoch_batches, load_base,
+                                      make_optimizer, merge_lora, runtime, train_epochs, trainable_params)
 from gptforge.finetune.templates import IGNORE_INDEX, Example, collate, encode_all
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.model import GPT, generate, save_model
@@ -76,14 +75,6 @@ def read_split(path: str | os.PathLike) -> list[dict]:
     if not records:
         raise BadInput(f"instruct data: {path} has no examples (the {path.stem} split is empty)")
     return records
-
-
-def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int) -> list[list[Example]]:
-    """One epoch's batches in an order that depends only on (seed, epoch): a rerun sees the
-    same batches, and every epoch a different order."""
-    order = list(examples)
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 # ---------------------------------------------------------------------------------------------
