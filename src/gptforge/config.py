@@ -236,6 +236,24 @@ class InstructConfig(FinetuneCommon):
     max_new_tokens: int = Field(64, gt=0)
 
 
+class EvalSource(Section):
+    # null: lm-eval's own task definition and data (the hub); a local file/folder: gptforge's
+    # shipped task config reads it instead, with the standard prompts and metrics.
+    source: Optional[str] = None
+
+
+class EvaluateConfig(Section):
+    tasks: list[str] = ["hellaswag", "mmlu"]  # plus any lm-eval task name
+    num_fewshot: Optional[int] = Field(None, ge=0, description="null: each task's default (MMLU: 0)")
+    limit: Optional[int] = Field(None, gt=0, description="examples per task (per MMLU subject); null: all")
+    batch_size: int = Field(16, gt=0)
+    device: str = "auto"
+    # Models evaluated, each when its checkpoint exists: name -> checkpoint folder.
+    models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}
+    hellaswag: EvalSource = EvalSource()
+    mmlu: EvalSource = EvalSource()
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -248,6 +266,7 @@ class Config(Section):
     pretrain: PretrainConfig = PretrainConfig()
     classify: ClassifyConfig = ClassifyConfig()
     instruct: InstructConfig = InstructConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:
