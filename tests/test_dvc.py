@@ -62,20 +62,24 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
         "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
         "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
         "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
+        "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
+        "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
+        "benchmark.profile_steps": 1,
         "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
     })
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
 
     first = dvc(repo_copy, "repro", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert sorted(ran_stages(first.stdout)) == sorted(
-        ["prepare_classify", "prepare_instruct", "prepare_pretrain", "pretrain", "finetune_classify", "finetune_instruct"])
+    assert sorted(ran_stages(first.stdout)) == sorted(["prepare_classify", "prepare_instruct", "prepare_pretrain",
+                                                       "pretrain", "finetune_classify", "finetune_instruct", "benchmark"])
     assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain",
-                                   "finetune_classify", "finetune_instruct"}
+                                   "finetune_classify", "finetune_instruct", "benchmark"}
+    assert "| baseline |" in (repo_copy / "reports/benchmark.md").read_text()
     assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo_copy / "metrics/classify.json").read_text()))
     assert len((repo_copy / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
     assert set(json.loads((repo_copy / "metrics/pretrain.json").read_text())) >= {

@@ -30,6 +30,7 @@ FLOW_MODULES = {
     "pretrain": "flows.pretrain",
     "finetune_classify": "flows.finetune",
     "finetune_instruct": "flows.finetune",
+    "benchmark": "flows.benchmark",
 }
 
 
@@ -86,6 +87,15 @@ def build_parser() -> Parser:
         p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
         _config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    stage = STAGES["benchmark"]
+    from gptforge.bench import variant_grid
+
+    grid = "; ".join(f"{name}: {change}" for name, change, _ in variant_grid())
+    p = sub.add_parser("benchmark", help=stage.summary,
+                       description=f"DVC stage benchmark: {stage.summary}. Variants, each adding to the previous: {grid}.")
+    _config_args(p)
+    p.set_defaults(func=cmd_stage, stage="benchmark")
 
     c = sub.add_parser("classify", help="label texts with the fine-tuned classifier",
                        description="Print the label and its probability for TEXT, or for every line of stdin "

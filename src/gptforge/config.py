@@ -136,7 +136,9 @@ class ModelConfig(Section):
     vocab_size: int = Field(50304, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     bias: bool = True
-    attention: Literal["math", "sdpa"] = "sdpa"  # "triton" arrives with kernels/
+    # math (reference) | sdpa (PyTorch's fused kernels) | triton (our FlashAttention-2, kernels/:
+    # CUDA only, no attention dropout; generation runs it through sdpa)
+    attention: Literal["math", "sdpa", "triton"] = "sdpa"
 
     @model_validator(mode="after")
     def _shape(self):
@@ -254,6 +256,25 @@ class EvaluateConfig(Section):
     mmlu: EvalSource = EvalSource()
 
 
+class BenchmarkConfig(Section):
+    device: str = "auto"
+    batch_size: int = Field(4, gt=0)
+    block_size: Optional[int] = Field(None, gt=0, description="null: model.block_size")
+    warmup: int = Field(3, ge=1)
+    steps: int = Field(5, gt=0, description="timed steps per variant (median reported)")
+    # Names of the variant grid to run (see `gptforge benchmark --help`); null: all that apply.
+    variants: Optional[list[str]] = None
+    profile: list[str] = ["baseline"]  # variants traced with torch.profiler (Chrome trace JSON)
+    profile_steps: int = Field(2, gt=0)
+    attention_seq_lens: list[int] = [128, 256, 512]
+    attention_batch: int = Field(2, gt=0)
+    attention_heads: int = Field(4, gt=0)
+    attention_head_dim: int = Field(32, gt=0)
+    ce_vocab_sizes: list[int] = [8192, 50304]
+    ce_rows: int = Field(2048, gt=0)
+    peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -267,6 +288,7 @@ class Config(Section):
     classify: ClassifyConfig = ClassifyConfig()
     instruct: InstructConfig = InstructConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    benchmark: BenchmarkConfig = BenchmarkConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class GPTConfig:
     n_vocab: int = 50257  # the tokenizer's real vocabulary: ids >= n_vocab never occur
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them)
-    attention: str = "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA)
+    attention: str = "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA) | "triton" (kernels/)
 
     def __post_init__(self):
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_vocab"):
@@ -69,8 +69,11 @@ class GPTConfig:
         if self.vocab_size < self.n_vocab:
             raise BadInput(f"model config: vocab_size ({self.vocab_size}) is smaller than the tokenizer's "
                            f"vocabulary n_vocab ({self.n_vocab})")
-        if self.attention not in ("math", "sdpa"):
-            raise BadInput(f"model config: attention must be 'math' or 'sdpa', got {self.attention!r}")
+        if self.attention not in ("math", "sdpa", "triton"):
+            raise BadInput(f"model config: attention must be 'math', 'sdpa' or 'triton', got {self.attention!r}")
+        if self.attention == "triton" and self.dropout:
+            raise BadInput("model config: attention 'triton' has no attention dropout; set model.dropout to 0 "
+                           "or use attention 'sdpa'")
         if not 0 <= self.dropout < 1:
             raise BadInput(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -165,7 +168,9 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, nh, S, hd) with S = pos + T
         S = k.size(2)
-        if self.backend == "sdpa":
+        if self.backend == "triton":
+            y = _triton_attention(q, k, v, mask, kv_cache)
+        elif self.backend == "sdpa":
             # is_causal aligns its mask top-left, which is only right when T == S; a chunk after
             # a cache prefix brings its own right-aligned mask, a single query needs none.
             y = F.scaled_dot_product_attention(
@@ -207,6 +212,22 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), mask, kv_cache, layer)
         x = x + self.mlp(self.ln_2(x))
         return x
+
+
+def _triton_attention(q, k, v, mask, kv_cache) -> torch.Tensor:
+    """Our FlashAttention-2 kernel (kernels/flash_attention.py), imported here so that the model
+    needs triton only when this backend is chosen. It computes full causal self-attention (T == S);
+    cached decoding brings masks and a cache, and `generate` runs it through sdpa instead."""
+    if kv_cache is not None or mask is not None:
+        raise BadInput("attention 'triton' computes full causal sequences only (no KV cache, no explicit mask); "
+                       "generation switches such models to sdpa")
+    from kernels._runtime import KernelUnavailable
+    from kernels.flash_attention import flash_attention
+
+    try:
+        return flash_attention(q, k, v, causal=True)
+    except KernelUnavailable as e:
+        raise BadInput(f"model.attention 'triton': {e}") from None
 
 
 def _causal_mask(T: int, S: int, device) -> torch.Tensor:
@@ -382,6 +403,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
     cfg = model.config
     was_training = model.training
     model.eval()
+    # The Triton attention kernel has no KV cache: decode with sdpa, the same attention.
+    swapped = [m for m in model.modules() if isinstance(m, CausalSelfAttention) and m.backend == "triton"]
+    for m in swapped:
+        m.backend = "sdpa"
     try:
         B, T0 = idx.shape
         out = torch.empty(B, T0 + max_new_tokens, dtype=torch.long, device=idx.device)
@@ -420,6 +445,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
                 logits = model.next_token_logits(out[:, max(0, n - block):n])
         return out[:, :n]
     finally:
+        for m in swapped:
+            m.backend = "triton"
         model.train(was_training)
 
 

@@ -1,0 +1,518 @@
+"""`gptforge benchmark`: which settings make the training step fast, and how far from the limit?
+
+The grid follows build-nanogpt's progression: each variant adds one change to the one before
+(fp32 eager with plain attention and the raw 50257 vocabulary, then TF32, bf16 autocast, SDPA
+attention, the vocabulary padded to 50304, fused AdamW, torch.compile, our Triton attention,
+our fused cross-entropy). A change that does not apply on the device (TF32 and the Triton
+kernels need CUDA) is skipped with the reason and the next variant builds on the last one that
+ran. Every timing: `warmup` untimed steps, device synchronisation around each timed step, the
+median of `steps` repetitions with min and max. Micro-benchmarks time attention (forward and
+forward+backward, TFLOP/s against sequence length, per backend) and cross-entropy (time and peak
+memory against vocabulary size); a torch.profiler trace of chosen variants gives the top
+kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import logging
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from gptforge import flops
+from gptforge.config import Config
+from gptforge.errors import BadInput
+from gptforge.io import atomic_file
+from gptforge.model import GPT, GPTConfig
+from gptforge.steps import DIRECT, Steps
+from gptforge.tracking import NullRun, publish_metrics
+
+log = logging.getLogger("gptforge")
+N_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    change: str  # what this variant adds to the previous one
+    precision: str = "fp32"  # fp32 | tf32 | bf16
+    attention: str = "math"
+    vocab_size: int = N_VOCAB
+    fused_adamw: bool = False
+    compile: bool = False
+    fused_ce: bool = False
+
+
+def variant_grid() -> list[tuple[str, str, dict]]:
+    """(name, what it adds, settings changed) in build-nanogpt's order."""
+    return [
+        ("baseline", "fp32, eager, math attention, vocab 50257, AdamW, F.cross_entropy", {}),
+        ("tf32", "TF32 matmuls", {"precision": "tf32"}),
+        ("bf16", "bf16 autocast", {"precision": "bf16"}),
+        ("sdpa", "SDPA attention (FlashAttention-2 on CUDA)", {"attention": "sdpa"}),
+        ("vocab50304", "vocabulary padded to 50304", {"vocab_size": 50304}),
+        ("fused_adamw", "fused AdamW", {"fused_adamw": True}),
+        ("compile", "torch.compile", {"compile": True}),
+        ("triton_attention", "gptforge Triton FlashAttention-2", {"attention": "triton"}),
+        ("fused_ce", "gptforge fused cross-entropy", {"fused_ce": True}),
+    ]
+
+
+def _kernels_available() -> str | None:
+    """None when our Triton kernels can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (Triton kernels; TRITON_INTERPRET on the CPU is for tests, not timing)"
+    try:
+        import kernels.cross_entropy  # noqa: F401
+        import kernels.flash_attention  # noqa: F401
+    except ImportError as e:
+        return f"kernels not importable ({e})"
+    return None
+
+
+def skip_reason(change: dict, device: torch.device) -> str | None:
+    if change.get("precision") == "tf32" and device.type != "cuda":
+        return "TF32 is a CUDA tensor-core mode"
+    if change.get("attention") == "triton" or change.get("fused_ce"):
+        return _kernels_available()
+    if change.get("fused_adamw") and device.type == "cpu" and not _fused_adamw_on_cpu():
+        return "this torch has no fused AdamW for the CPU"
+    return None
+
+
+def _fused_adamw_on_cpu() -> bool:
+    try:
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+class PeakMemory:
+    """Peak memory over a block: CUDA's allocator peak, or on the CPU the process RSS sampled
+    every 5 ms (its growth over the block: torch's CPU allocator keeps no statistics)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak_mb = device, float("nan")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self
+        try:
+            import psutil
+        except ImportError:
+            self._proc = None
+            return self
+        self._proc = psutil.Process()
+        self._base = self._peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        elif self._proc is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = (max(self._peak, self._proc.memory_info().rss) - self._base) / 2**20
+
+
+def time_it(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    return {"ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}
+
+
+# ---------------------------------------------------------------------------------------------
+# The training step of one variant
+
+
+def _autocast(v: Variant, device: torch.device):
+    if v.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _loss_fn(v: Variant) -> Callable:
+    if v.fused_ce:
+        from kernels.cross_entropy import fused_cross_entropy
+
+        return fused_cross_entropy
+    return F.cross_entropy
+
+
+def build_step(v: Variant, cfg: Config, device: torch.device, B: int, T: int):
+    m = cfg.model
+    gcfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=T, vocab_size=v.vocab_size,
+                     n_vocab=N_VOCAB, dropout=0.0, bias=m.bias, attention=v.attention)
+    torch.manual_seed(0)
+    raw = GPT(gcfg).to(device)
+    model = torch.compile(raw) if v.compile else raw
+    decay = [p for p in raw.parameters() if p.dim() >= 2]
+    no_decay = [p for p in raw.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), fused=v.fused_adamw or None)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)
+    y = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)
+    loss_fn = _loss_fn(v)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with _autocast(v, device):
+            logits, _ = model(x)
+        loss = loss_fn(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        opt.step()
+
+    return raw, step
+
+
+@contextlib.contextmanager
+def _matmul_precision(v: Variant, device: torch.device):
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    tf32 = v.precision in ("tf32", "bf16")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun()) -> list[dict]:
+    b = cfg.benchmark
+    wanted = set(b.variants) if b.variants else None
+    known = [name for name, _, _ in variant_grid()]
+    if wanted and wanted - set(known):
+        raise BadInput(f"benchmark.variants: unknown {sorted(wanted - set(known))}; known: {', '.join(known)}")
+    rows, current, base_ms = [], Variant("baseline", ""), None
+    for name, change_text, change in variant_grid():
+        reason = skip_reason(change, device)
+        if reason is None and wanted is not None and name not in wanted:
+            reason = "not in benchmark.variants"
+        if reason:
+            rows.append({"variant": name, "change": change_text, "skipped": reason})
+            log.info("benchmark %s: skipped (%s)", name, reason)
+            continue
+        current = replace(current, name=name, change=change_text, **change)
+        with _matmul_precision(current, device):
+            raw, step = build_step(current, cfg, device, B, T)
+            extra_warmup = 2 if current.compile else 0  # compilation happens in the first calls
+            with PeakMemory(device) as mem:
+                times = time_it(step, device, b.warmup + extra_warmup, b.steps)
+        s = summary(times)
+        tokens_per_sec = B * T / (s["ms"] / 1e3)
+        precision = "fp32" if current.precision == "tf32" else current.precision
+        peak = flops.peak_flops(device, precision, b.peak_flops)
+        mfu = flops.mfu(tokens_per_sec, raw.flops_per_token(T), peak)
+        base_ms = base_ms or s["ms"]
+        row = {"variant": name, "change": change_text, "ms_per_step": s["ms"], "min_ms": s["min_ms"],
+               "max_ms": s["max_ms"], "tokens_per_sec": tokens_per_sec, "mfu": mfu, "peak_memory_mb": mem.peak_mb,
+               "speedup": base_ms / s["ms"]}
+        rows.append(row)
+        log.info("benchmark %s: %.1f ms/step (%.2fx), %.0f tokens/s", name, s["ms"], row["speedup"], tokens_per_sec)
+        del raw, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-benchmarks
+
+
+def _attention_fns(device: torch.device) -> dict[str, Callable]:
+    def math_attn(q, k, v):
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+    fns = {"math": math_attn, "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    if _kernels_available() is None:
+        from kernels.flash_attention import flash_attention
+
+        fns["triton"] = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    return fns
+
+
+def bench_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    b = cfg.benchmark
+    B, H, D = b.attention_batch, b.attention_heads, b.attention_head_dim
+    rows = []
+    for name, fn in _attention_fns(device).items():
+        for T in b.attention_seq_lens:
+            q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            fwd = summary(time_it(lambda: fn(q, k, v), device, 2, b.steps))
+
+            def fwd_bwd():
+                fn(q, k, v).sum().backward()
+
+            both = summary(time_it(fwd_bwd, device, 2, b.steps))
+            flops_fwd = 4 * B * H * T * T * D / 2  # causal: half of QK^T and PV
+            rows.append({"backend": name, "seq_len": T, "fwd_ms": fwd["ms"], "fwd_bwd_ms": both["ms"],
+                         "fwd_tflops": flops_fwd / (fwd["ms"] / 1e3) / 1e12,
+                         "fwd_bwd_tflops": 3.5 * flops_fwd / (both["ms"] / 1e3) / 1e12})  # bwd = 2.5x fwd
+    return rows
+
+
+def bench_cross_entropy(cfg: Config, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    b = cfg.benchmark
+    impls: dict[str, Callable] = {"torch": F.cross_entropy}
+    if _kernels_available() is None:
+        from kernels.cross_entropy import fused_cross_entropy
+
+        impls["fused"] = fused_cross_entropy
+    rows = []
+    for V in b.ce_vocab_sizes:
+        gen = torch.Generator().manual_seed(0)
+        targets = torch.randint(0, V, (b.ce_rows,), generator=gen).to(device)
+        for name, fn in impls.items():
+            logits = torch.randn(b.ce_rows, V, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+
+            def step():
+                logits.grad = None
+                fn(logits, targets).backward()
+
+            with PeakMemory(device) as mem:
+                s = summary(time_it(step, device, 2, b.steps))
+            rows.append({"impl": name, "vocab": V, "rows": b.ce_rows, "ms": s["ms"], "peak_memory_mb": mem.peak_mb})
+    return rows
+
+
+def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_dir: Path) -> list[dict]:
+    """Chrome traces of `profile_steps` steps of each chosen variant, and their top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = cfg.benchmark
+    grid = {name: change for name, _, change in variant_grid()}
+    unknown = [n for n in b.profile if n not in grid]
+    if unknown:
+        raise BadInput(f"benchmark.profile: unknown variants {unknown}; known: {', '.join(grid)}")
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name in b.profile:
+        change = grid[name]
+        if skip_reason(change, device):
+            continue
+        v = replace(Variant(name, ""), **change)
+        with _matmul_precision(v, device):
+            _, step = build_step(v, cfg, device, B, T)
+            step()
+            with profile(activities=activities) as prof:
+                for _ in range(b.profile_steps):
+                    step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        path = trace_dir / f"{name}.json"
+        prof.export_chrome_trace(str(path))
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:10]
+        total = sum(getattr(e, key, 0) for e in prof.key_averages()) or 1
+        out.append({"variant": name, "trace": str(path), "clock": "self CUDA" if device.type == "cuda" else
+                    "self CPU (summed over threads, profiler overhead included)", "top": [
+            {"kernel": e.key, "ms_per_step": getattr(e, key, 0) / 1e3 / b.profile_steps,
+             "share": getattr(e, key, 0) / total, "calls": e.count} for e in events]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+
+
+@dataclass
+class Results:
+    device: str
+    B: int
+    T: int
+    variants: list = field(default_factory=list)
+    attention: list = field(default_factory=list)
+    cross_entropy: list = field(default_factory=list)
+    profiles: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def measure(cfg: Config, trace_dir: Path, run=NullRun()) -> Results:
+    b = cfg.benchmark
+    if b.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(b.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BadInput("benchmark.device is cuda but no CUDA device is available")
+    T = b.block_size or cfg.model.block_size
+    start = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    res = Results(device=name, B=b.batch_size, T=T)
+    res.variants = run_variants(cfg, device, b.batch_size, T, run)
+    half = torch.bfloat16 if device.type == "cuda" else torch.float32
+    res.attention = bench_attention(cfg, device, half)
+    res.cross_entropy = bench_cross_entropy(cfg, device, half)
+    res.profiles = profile_variants(cfg, device, b.batch_size, T, trace_dir)
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def _write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
+    with atomic_file(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None or v != v else format(v, spec)
+
+
+def report_markdown(cfg: Config, res: Results) -> str:
+    m, b = cfg.model, cfg.benchmark
+    lines = [
+        f"# Training-step benchmark on {res.device}", "",
+        f"Model: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide; batch {res.B} x {res.T} tokens; "
+        f"torch {torch.__version__}. Each variant adds one change to the previous one that ran "
+        "(build-nanogpt's progression). Timed: one full training step (forward, cross-entropy, backward, "
+        f"gradient clipping, AdamW) on fixed random tokens; {b.warmup} untimed warm-up steps (+2 when compiled), then "
+        f"the median of {b.steps} steps, each between device synchronisations; min and max beside it. "
+        "MFU = tokens/s x (6N + 12 L H Q T) / the device's peak (n/a where the peak is unknown, e.g. CPUs; "
+        "set benchmark.peak_flops). Peak memory: CUDA allocator peak, or growth of the process RSS on the CPU.", "",
+        "| variant | adds | ms/step (min-max) | tokens/s | speed-up | MFU | peak memory MB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res.variants:
+        if "skipped" in r:
+            lines.append(f"| {r['variant']} | {r['change']} | skipped: {r['skipped']} | | | | |")
+        else:
+            mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+            lines.append(f"| {r['variant']} | {r['change']} | {r['ms_per_step']:.1f} ({r['min_ms']:.1f}-"
+                         f"{r['max_ms']:.1f}) | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | {mfu} | "
+                         f"{_fmt(r['peak_memory_mb'], '.0f')} |")
+    lines += ["", f"## Attention (batch {b.attention_batch}, {b.attention_heads} heads of dim {b.attention_head_dim}, "
+              "causal)", "", "| backend | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['backend']} | {r['seq_len']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.3f} | {r['fwd_bwd_ms']:.2f} | "
+              f"{r['fwd_bwd_tflops']:.3f} |" for r in res.attention]
+    lines += ["", f"## Cross-entropy, forward+backward over {b.ce_rows} rows", "",
+              "| implementation | vocab | ms | peak memory MB |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['impl']} | {r['vocab']} | {r['ms']:.2f} | {_fmt(r['peak_memory_mb'], '.0f')} |"
+              for r in res.cross_entropy]
+    for p in res.profiles:
+        lines += ["", f"## Top kernels: {p['variant']} (trace: `{p['trace']}`)", "",
+                  f"Time per step is {p['clock']} time, over {b.profile_steps} profiled steps.", "",
+                  "| kernel | ms/step | share | calls |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t['kernel']}` | {t['ms_per_step']:.2f} | {t['share']:.1%} | {t['calls']} |" for t in p["top"]]
+    lines += ["", f"Total benchmark time: {res.seconds:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def plot_results(res: Results, plots_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    ran = [r for r in res.variants if "skipped" not in r]
+    if ran:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.barh([r["variant"] for r in ran][::-1], [r["ms_per_step"] for r in ran][::-1])
+        ax.set_xlabel("ms per training step (median)")
+        ax.set_title(res.device)
+        fig.tight_layout()
+        made.append(plots_dir / "benchmark_variants.png")
+        fig.savefig(made[-1], dpi=100)
+        plt.close(fig)
+    if res.attention:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for backend in sorted({r["backend"] for r in res.attention}):
+            pts = [(r["seq_len"], r["fwd_bwd_tflops"]) for r in res.attention if r["backend"] == backend]
+            ax.plot(*zip(*pts), "o-", label=backend)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("fwd+bwd TFLOP/s")
+        ax.legend()
+        fig.tight_layout()
+        made.append(plots_dir / "benchmark_attention.png")
+        fig.savefig(made[-1], dpi=100)
+        plt.close(fig)
+    return made
+
+
+def write_outputs(cfg: Config, res: Results, run, metrics_path, report_path, plots_dir) -> dict:
+    plots_dir, report_path = Path(plots_dir), Path(report_path)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, float] = {"seconds": res.seconds}
+    for r in res.variants:
+        if "skipped" not in r:
+            for k in ("ms_per_step", "tokens_per_sec", "speedup", "mfu", "peak_memory_mb"):
+                if r.get(k) is not None and r[k] == r[k]:
+                    metrics[f"{r['variant']}.{k}"] = r[k]
+    for r in res.attention:
+        metrics[f"attention.{r['backend']}.T{r['seq_len']}.fwd_bwd_tflops"] = r["fwd_bwd_tflops"]
+    for r in res.cross_entropy:
+        metrics[f"cross_entropy.{r['impl']}.V{r['vocab']}.ms"] = r["ms"]
+    _write_csv(plots_dir / "benchmark_variants.csv", [r for r in res.variants if "skipped" not in r],
+               ["variant", "ms_per_step", "tokens_per_sec", "speedup", "mfu", "peak_memory_mb"])
+    _write_csv(plots_dir / "benchmark_attention.csv", res.attention,
+               ["backend", "seq_len", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"])
+    _write_csv(plots_dir / "benchmark_cross_entropy.csv", res.cross_entropy, ["impl", "vocab", "rows", "ms",
+                                                                             "peak_memory_mb"])
+    with atomic_file(report_path, "w", encoding="utf-8") as f:
+        f.write(report_markdown(cfg, res))
+    publish_metrics(run, metrics, metrics_path)
+    for path in [report_path, *plots_dir.glob("benchmark_*.csv"), *plot_results(res, plots_dir)]:
+        run.log_artifact(path)
+    for p in res.profiles:
+        run.log_artifact(p["trace"], "traces")
+    return metrics
+
+
+def benchmark(cfg: Config, *, steps: Steps = DIRECT, run=NullRun(), metrics_path="metrics/benchmark.json",
+              report_path="reports/benchmark.md", plots_dir="plots", trace_dir="reports/benchmark_traces") -> dict:
+    """The stage: measure everything, then write and log the outputs."""
+    res = steps(measure, cfg, Path(trace_dir), run)
+    return steps(write_outputs, cfg, res, run, metrics_path, report_path, plots_dir)
