@@ -225,7 +225,8 @@ def repo_copy(tmp_path) -> Path:
     for name in ("dvc.yaml", "params.yaml", ".dvcignore"):
         shutil.copy(REPO / name, dst / name)
     shutil.copytree(REPO / ".dvc", dst / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
-    shutil.copytree(REPO / "src", dst / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for code in ("src", "kernels"):  # the stages' code deps
+        shutil.copytree(REPO / code, dst / code, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / ".gitignore", dst / ".gitignore")
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
