@@ -44,6 +44,12 @@ def ran_stages(output: str) -> list[str]:
 
 def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file, small_tokenizer, prefect_api,
                                       mlflow_uri):
+    hellaswag = tmp_path / "hellaswag.jsonl"
+    hellaswag.write_text("".join(json.dumps({
+        "activity_label": "Cooking", "ctx_a": f"A man cuts onion number {i}.", "ctx_b": "he",
+        "ctx": f"A man cuts onion number {i}. he", "label": i % 4,
+        "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]}) + "\n"
+        for i in range(6)))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat and the dog\n" * 400)
     set_params(repo_copy, **{
@@ -65,6 +71,7 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
         "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
         "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
         "benchmark.profile_steps": 1,
+        "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
         "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
     })
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
@@ -72,13 +79,16 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     first = dvc(repo_copy, "repro", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert sorted(ran_stages(first.stdout)) == sorted(["prepare_classify", "prepare_instruct", "prepare_pretrain",
-                                                       "pretrain", "finetune_classify", "finetune_instruct", "benchmark"])
+                                                       "pretrain", "finetune_classify", "finetune_instruct", "evaluate",
+                                                       "benchmark"])
     assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain",
-                                   "finetune_classify", "finetune_instruct", "benchmark"}
+                                   "finetune_classify", "finetune_instruct", "evaluate", "benchmark"}
+    evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
+    assert {"pretrain.hellaswag.acc_norm", "instruct.hellaswag.acc_norm"} <= set(evaluated)
     assert "| baseline |" in (repo_copy / "reports/benchmark.md").read_text()
     assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo_copy / "metrics/classify.json").read_text()))
     assert len((repo_copy / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
@@ -113,13 +123,13 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     set_params(repo_copy, **{"data.classify.splits": [0.6, 0.2, 0.2]})
     third = dvc(repo_copy, "repro", env=env)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert ran_stages(third.stdout) == ["prepare_classify", "finetune_classify"]  # and what depends on it
+    assert ran_stages(third.stdout) == ["prepare_classify", "finetune_classify", "evaluate"]  # and what depends on it
     metrics = json.loads((repo_copy / "metrics/prepare_classify.json").read_text())
     assert metrics["val"] == int(24 * 0.2)
 
     set_params(repo_copy, **{"classify.lr": 1e-4})
     fourth = dvc(repo_copy, "repro", env=env)
-    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify"], fourth.stdout
+    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify", "evaluate"], fourth.stdout
 
     shown = dvc(repo_copy, "metrics", "show", "--json", env=env)
     assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout

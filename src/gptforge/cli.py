@@ -31,6 +31,7 @@ FLOW_MODULES = {
     "finetune_classify": "flows.finetune",
     "finetune_instruct": "flows.finetune",
     "benchmark": "flows.benchmark",
+    "evaluate": "flows.evaluate",
 }
 
 
@@ -96,6 +97,11 @@ def build_parser() -> Parser:
                        description=f"DVC stage benchmark: {stage.summary}. Variants, each adding to the previous: {grid}.")
     _config_args(p)
     p.set_defaults(func=cmd_stage, stage="benchmark")
+
+    stage = STAGES["evaluate"]
+    p = sub.add_parser("evaluate", help=stage.summary, description=f"DVC stage evaluate: {stage.summary}.")
+    _config_args(p)
+    p.set_defaults(func=cmd_stage, stage="evaluate")
 
     c = sub.add_parser("classify", help="label texts with the fine-tuned classifier",
                        description="Print the label and its probability for TEXT, or for every line of stdin "

@@ -47,6 +47,8 @@ STAGES: dict[str, Stage] = {
               "fine-tune a spam classifier on data/classify (checkpoints/classify/)", system_metrics=True),
         Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct"),
               "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True),
+        Stage("evaluate", "gptforge.evaluate:evaluate", ("tokenizer", "evaluate"),
+              "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
         Stage("benchmark", "gptforge.bench:benchmark", ("model", "benchmark"),
               "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)"),
     )

@@ -1,0 +1,5 @@
+"""The evaluation stage as a Prefect flow (deployment entry point)."""
+
+from flows import stage_flow
+
+evaluate = stage_flow("evaluate")

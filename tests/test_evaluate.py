@@ -1,0 +1,543 @@
+"""Stage `evaluate`: lm-eval in-process on a tiny GPT, offline, on local HellaSwag and MMLU files.
+
+The loglikelihoods our `LM` hands lm-eval are checked against an independent float64 computation
+from the model's logits; the in-loop (build-nanogpt style) HellaSwag evaluator of pretraining is
+checked against a direct computation with the same GPT here, and against toy models in
+tests/test_hellaswag.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import FakeRun
+from gptforge import evaluate as ev
+from gptforge import hellaswag as hs
+from gptforge.config import validate
+from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.model import GPT, GPTConfig, generate, load_model, save_model
+from gptforge.tokenizer import load_tokenizer
+
+BLOCK = 64
+
+# rowanz-format HellaSwag: [title]/[header] tags as in the WikiHow part, one label as a string,
+# and contexts long enough (small BPE: ~1 token per character) to exceed block_size.
+HELLASWAG = [
+    {"ind": i, "activity_label": label, "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}",
+     "endings": endings, "label": lab, "split": "val", "split_type": "indomain", "source_id": f"x~{i}"}
+    for i, (label, ctx_a, ctx_b, endings, lab) in enumerate([
+        ("Roof shingle removal", "A man is sitting on a roof.", "he",
+         ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.",
+          "starts pulling up roofing on a roof."], 3),
+        ("Cleaning windows", "[header] How to clean windows [title] Mix the water and soap.", "then",
+         ["wipe the glass.", "eat the soap.", "the dog ran away.", "paint the wall."], 0),
+        ("Baking", "She puts the cake in the oven and waits for an hour while it bakes slowly.", "the cake",
+         ["burns.", "is ready and she takes it out.", "flies away.", "sings."], "1"),
+        ("Running", "The runner ties his shoes.", "he",
+         ["runs.", "sleeps.", "is done and the race is over before it began.", "eats"], 2),
+        ("Swimming", "A girl jumps into the pool [step] and swims.", "she",
+         ["reaches the end.", "flies.", "reads a book.", "is dry."], 0),
+        ("Cooking", "The chef chops the onions.", "then he",
+         ["cries.", "adds them to the pan.", "leaves.", "sleeps."], 1),
+        ("Gardening", "The gardener waters the plants in the morning.", "the plants",
+         ["grow.", "run.", "talk.", "melt."], 0),
+        ("Reading", "A boy opens a book.", "he",
+         ["reads it.", "eats it.", "throws it.", "sells it."], 0),
+    ])
+]
+
+SUBJECTS = ["abstract_algebra", "high_school_biology"]
+
+
+def mmlu_rows(split: str) -> list[dict]:
+    rows = []
+    for s, subject in enumerate(SUBJECTS):
+        for i in range(3 if split == "dev" or s == 0 else 4):  # unequal subjects: weighting shows
+            n = 10 * s + i + (100 if split == "dev" else 0)
+            rows.append({"question": f"{split} question {n}: what is {n} + 1?", "subject": subject,
+                         "choices": [str(n), str(n + 1), str(n + 2), "none of these"], "answer": (n + 1) % 4})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_mmlu(folder: Path, fmt: str, test: list | None = None, dev: list | None = None) -> Path:
+    write = write_jsonl if fmt == "jsonl" else write_parquet
+    write(folder / f"test.{fmt}", mmlu_rows("test") if test is None else test)
+    write(folder / f"dev.{fmt}", mmlu_rows("dev") if dev is None else dev)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def enc(small_tokenizer):
+    return load_tokenizer(str(small_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, enc) -> Path:
+    torch.manual_seed(0)
+    # vocab_size > n_vocab: the padded logit columns are -inf and must not leak into scores.
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=enc.n_vocab + 7,
+                          n_vocab=enc.n_vocab))
+    return save_model(model, tmp_path_factory.mktemp("ckpt") / "final")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint).eval()
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Offline env and a socket guard: any connection off the loopback raises and is recorded."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    attempts = []
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def local(address) -> bool:
+        if isinstance(address, (str, bytes)):  # AF_UNIX
+            return True
+        return str(address[0]) in ("127.0.0.1", "::1", "localhost")
+
+    def connect(self, address):
+        if not local(address):
+            attempts.append(address)
+            raise OSError(f"test: network call to {address} blocked")
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        if not local(address):
+            attempts.append(address)
+            raise OSError(f"test: network call to {address} blocked")
+        return real_connect_ex(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    return attempts
+
+
+def make_cfg(small_tokenizer, *, models, hellaswag=None, mmlu=None, tasks=("hellaswag", "mmlu"), **evaluate):
+    return validate({
+        "tokenizer": {"path": str(small_tokenizer)},
+        "tracking": {"enabled": False},
+        "evaluate": {"tasks": list(tasks), "models": {k: str(v) for k, v in models.items()},
+                     "hellaswag": {"source": None if hellaswag is None else str(hellaswag)},
+                     "mmlu": {"source": None if mmlu is None else str(mmlu)}, "batch_size": 8, **evaluate},
+    })
+
+
+# --------------------------------------------------------------------------------------------
+# An independent computation of what lm-eval should get
+
+
+def encode_pair(enc, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's causal tokenization: the whole string, split at the context's token count;
+    trailing context spaces belong to the continuation; an empty context is <|endoftext|>."""
+    if context == "":
+        return [enc.eot_token], enc.encode_ordinary(continuation)
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = enc.encode_ordinary(context + continuation)
+    ctx = enc.encode_ordinary(context)
+    return ctx, whole[len(ctx):]
+
+
+def direct_loglikelihood(model, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+    """Sum of float64 log-probs (over the real vocabulary) of `cont` after the last tokens of `ctx`."""
+    seq = (ctx + cont)[-(model.config.block_size + 1):]
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([seq[:-1]]))
+    logits = logits[0, :, : model.config.n_vocab].double()
+    logp = F.log_softmax(logits, dim=-1)[-len(cont):]
+    targets = torch.tensor(seq[1:][-len(cont):])
+    total = float(logp.gather(1, targets[:, None]).sum())
+    return total, bool((logits[-len(cont):].argmax(-1) == targets).all())
+
+
+def instances(pairs):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=0) for pair in pairs]
+
+
+# --------------------------------------------------------------------------------------------
+# The LM
+
+
+def test_loglikelihood_matches_direct_computation(model, enc):
+    lm = ev.GptforgeLM(model, enc, batch_size=3, name="t")
+    long_ctx = "The quick brown fox jumps over the lazy dog and then runs far away into the deep forest. " * 2
+    pairs = [("The cat sat on the", " mat."), ("The cat sat on the", " hat and the dog sat on the log."),
+             ("Question: 2 + 2?\nAnswer:", " B"), ("Question: 2 + 2?\nAnswer:", " C"),
+             ("", "Hello world"), ("Trailing space ", "here"), (long_ctx, " the end of it"),
+             (long_ctx, " x")]
+    assert len(encode_pair(enc, *pairs[6])[0]) > 2 * BLOCK  # left-truncated
+    got = lm.loglikelihood(instances(pairs), disable_tqdm=True)
+    assert len(got) == len(pairs)
+    for pair, (lp, greedy) in zip(pairs, got):
+        ref_lp, ref_greedy = direct_loglikelihood(model, *encode_pair(enc, *pair))
+        assert math.isfinite(lp) and lp < 0
+        assert lp == pytest.approx(ref_lp, abs=1e-4), pair
+        assert greedy == ref_greedy
+    # A different batch size gives the same numbers (padding does not leak into real positions).
+    lm1 = ev.GptforgeLM(model, enc, batch_size=1)
+    again = lm1.loglikelihood(instances(pairs), disable_tqdm=True)
+    assert [a for a, _ in again] == pytest.approx([a for a, _ in got], abs=1e-5)
+
+
+def test_greedy_flag_is_true_for_the_model_s_own_argmax(model, enc):
+    ctx = enc.encode_ordinary("Once upon a time")
+    with torch.no_grad():
+        nxt = int(model(torch.tensor([ctx]))[0][0, -1, : enc.n_vocab].argmax())
+    lm = ev.GptforgeLM(model, enc)
+    (lp_best, greedy_best), (lp_other, greedy_other) = lm.score_tokens(
+        [(ctx, [nxt]), (ctx, [(nxt + 1) % enc.n_vocab])], disable_tqdm=True)
+    assert greedy_best and not greedy_other
+    assert lp_best > lp_other
+
+
+def test_loglikelihood_rolling_scores_every_token_once(model, enc):
+    from lm_eval.api.instance import Instance
+
+    lm = ev.GptforgeLM(model, enc, batch_size=4)
+    short, long = "A short text.", "A longer text that goes on and on, well past one window of the model. " * 3
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (s,), 0) for s in (short, long)],
+                                   disable_tqdm=True)
+    for text, value in zip((short, long), got):
+        toks = enc.encode_ordinary(text)
+        # Disjoint chunks of BLOCK targets, each with the BLOCK tokens before it as context
+        # (the first after <|endoftext|>); the last chunk keeps a full window of context.
+        full = [enc.eot_token] + toks
+        ref, start = 0.0, 0
+        while start < len(toks):
+            end = min(start + BLOCK, len(toks))
+            lo = max(0, end - BLOCK)  # index into full: input full[lo:end] predicts toks[lo:end]
+            lp, _ = direct_loglikelihood(model, full[lo:start + 1], toks[start:end])
+            ref += lp
+            start = end
+        assert value == pytest.approx(ref, abs=1e-4)
+    assert len(enc.encode_ordinary(long)) > 2 * BLOCK
+
+
+def test_generate_until_is_greedy_and_stops_at_until(model, enc):
+    from lm_eval.api.instance import Instance
+
+    lm = ev.GptforgeLM(model, enc)
+    prompt = "Once upon a time"
+    ids = torch.tensor([enc.encode_ordinary(prompt)])
+    full = generate(model, ids, 12, temperature=0, eot_id=enc.eot_token)[0, ids.size(1):].tolist()
+    expected = enc.decode([t for t in full if t != enc.eot_token])
+    if enc.eot_token in full:
+        expected = enc.decode(full[: full.index(enc.eot_token)])
+    [text] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": ["\u2603"], "max_gen_toks": 12}), 0)],
+                               disable_tqdm=True)
+    assert text == expected
+    stop = expected[3:5] if len(expected) >= 5 else None
+    if stop:
+        [cut] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)],
+                                  disable_tqdm=True)
+        assert cut == expected.split(stop)[0]
+
+
+def test_vocabulary_mismatch_is_bad_input(enc):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=512, n_vocab=500))
+    with pytest.raises(BadInput, match="vocabulary of 500 tokens.*has 281"):
+        ev.GptforgeLM(model, enc)
+
+
+# --------------------------------------------------------------------------------------------
+# The stage, end to end
+
+
+def check_samples_against_model(folder: Path, model, enc) -> int:
+    """Every loglikelihood lm-eval logged equals the direct computation; returns how many
+    requests had more tokens than the model's window."""
+    long = 0
+    files = sorted(folder.glob("samples_*.jsonl"))
+    assert files
+    for f in files:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            sample = json.loads(line)
+            for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+                ctx, cont = encode_pair(enc, context, continuation)
+                long += len(ctx) + len(cont) > BLOCK + 1
+                ref_lp, ref_greedy = direct_loglikelihood(model, ctx, cont)
+                lp, greedy = resp[0]
+                assert lp == pytest.approx(ref_lp, abs=1e-4)
+                assert greedy == ref_greedy
+    return long
+
+
+def run_evaluate(tmp_path, small_tokenizer, checkpoint, fmt: str, fewshot: int | None = None) -> dict:
+    """The stage on the fixture data (MMLU in `fmt`), with its per-run checks; cwd is tmp_path."""
+    hs_file = write_jsonl(tmp_path / "data" / "hellaswag_val.jsonl", HELLASWAG)
+    mmlu = write_mmlu(tmp_path / "data" / f"mmlu_{fmt}", fmt)
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint, "instruct": tmp_path / "absent"},
+                   hellaswag=hs_file, mmlu=mmlu, num_fewshot=fewshot)
+    run = FakeRun()
+    metrics = ev.evaluate(cfg, run=run)
+    assert json.loads(Path("metrics/evaluate.json").read_text()) == pytest.approx(metrics)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+    assert run.metrics == [metrics]
+    assert {p.as_posix() for p in run.artifacts} == {"metrics/evaluate.json", "reports/evaluate.md",
+                                                     "reports/evaluate"}
+    assert not [k for k in metrics if k.startswith("instruct.")]  # its folder does not exist: skipped
+    return metrics
+
+
+@pytest.mark.slow
+def test_parquet_scores_as_jsonl_and_few_shot_uses_dev(tmp_path, monkeypatch, no_network, small_tokenizer,
+                                                       checkpoint):
+    monkeypatch.chdir(tmp_path)
+    jsonl = run_evaluate(tmp_path, small_tokenizer, checkpoint, "jsonl")
+    parquet = run_evaluate(tmp_path, small_tokenizer, checkpoint, "parquet")
+    assert {k: v for k, v in parquet.items() if ".acc" in k} == pytest.approx(
+        {k: v for k, v in jsonl.items() if ".acc" in k})
+    run_evaluate(tmp_path, small_tokenizer, checkpoint, "parquet", fewshot=2)
+    prompt = json.loads(Path("reports/evaluate/pretrain/samples_mmlu_high_school_biology.jsonl")
+                        .read_text().splitlines()[0])["arguments"][0][0]
+    # first_n of the subject's dev questions, after the standard description
+    assert prompt.startswith("The following are multiple choice questions (with answers) about high "
+                             "school biology.\n\ndev question 110: what is 110 + 1?\nA. 110\nB. 111\n")
+    assert "dev question 111" in prompt and "dev question 112" not in prompt
+    assert "dev question 100" not in prompt  # the other subject's
+    assert prompt.endswith("test question 10: what is 10 + 1?\nA. 10\nB. 11\nC. 12\nD. none of these\nAnswer:")
+    assert no_network == []
+
+
+def test_evaluate_offline_end_to_end(tmp_path, monkeypatch, no_network, small_tokenizer, checkpoint, model, enc):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "classify.json").write_text(json.dumps(
+        {"train_accuracy": 0.99, "val_accuracy": 0.97, "test_accuracy": 0.9625, "precision": 0.95, "recall": 0.97,
+         "f1": 0.96}))
+    (tmp_path / "metrics" / "instruct.json").write_text(json.dumps({"val_loss": 1.5, "test_loss": 1.4321}))
+    metrics = run_evaluate(tmp_path, small_tokenizer, checkpoint, "jsonl")
+    for task, n in (("hellaswag", 8), ("mmlu", 7), ("mmlu_abstract_algebra", 3), ("mmlu_high_school_biology", 4)):
+        assert metrics[f"pretrain.{task}.n"] == n
+        assert 0 <= metrics[f"pretrain.{task}.acc"] <= 1
+        assert f"pretrain.{task}.acc_stderr" in metrics
+    assert 0 <= metrics["pretrain.hellaswag.acc_norm"] <= 1 and "pretrain.hellaswag.acc_norm_stderr" in metrics
+    subject_accs = [metrics[f"pretrain.mmlu_{s}.acc"] for s in SUBJECTS]
+    assert subject_accs[0] != subject_accs[1]  # else the two averages below cannot differ
+    assert metrics["pretrain.mmlu.acc_subject_mean"] == pytest.approx(sum(subject_accs) / 2)
+    assert metrics["pretrain.mmlu.acc"] == pytest.approx((3 * subject_accs[0] + 4 * subject_accs[1]) / 7)  # lm-eval's
+    assert metrics["pretrain.examples_per_sec"] > 0
+
+    # lm-eval's full results and every sample; its hellaswag processing of the tags.
+    results = json.loads(Path("reports/evaluate/pretrain/results.json").read_text())
+    assert {"hellaswag", "mmlu", "mmlu_abstract_algebra"} <= set(results["results"])
+    assert results["config"]["model"] == "GptforgeLM" and "samples" not in results
+    first = [json.loads(line) for line in Path("reports/evaluate/pretrain/samples_hellaswag.jsonl").read_text()
+             .splitlines()]
+    assert len(first) == 8
+    by_ind = {s["doc"]["ind"]: s for s in first}
+    assert by_ind[1]["arguments"][0][0] == "Cleaning windows: How to clean windows. Mix the water and soap. Then"
+    assert by_ind[4]["arguments"][0] == ["Swimming: A girl jumps into the pool and swims. She", " reaches the end."]
+    assert by_ind[2]["target"] == 1  # the "1" label
+    # What lm-eval got through our LM equals the direct computation, left-truncation included.
+    assert check_samples_against_model(Path("reports/evaluate/pretrain"), model, enc) > 0
+
+    report = Path("reports/evaluate.md").read_text()
+    assert "| pretrain | hellaswag | acc_norm |" in report and "0.3114" in report
+    assert f"| pretrain | mmlu | acc | {metrics['pretrain.mmlu.acc']:.4f} |" in report
+    assert "chance 0.25" in report and "| high_school_biology |" in report
+    assert "| spam classifier | test_accuracy | 0.9625 |" in report and "| instruction model | test_loss | 1.4321 |" in report
+    assert "examples/s" in report
+    assert no_network == []
+
+
+def test_in_loop_hellaswag_agrees_with_direct_computation(model, enc):
+    """gptforge.hellaswag (pretraining's build-nanogpt-style score) with the real GPT, on the same
+    examples: summed and mean loss of `ctx` + " " + ending, left-truncated to the window."""
+    examples = [{"ctx": ex["ctx"], "endings": ex["endings"], "label": int(ex["label"])} for ex in HELLASWAG]
+    got = hs.evaluate(model, examples, enc)
+    correct = correct_norm = n = 0
+    for ex in examples:
+        ctx = enc.encode_ordinary(ex["ctx"])
+        conts = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
+        drop = max(0, len(ctx) + max(map(len, conts)) - BLOCK)  # the same context for every ending
+        if drop >= len(ctx):
+            continue
+        sums, means = [], []
+        for cont in conts:
+            seq = ctx[drop:] + cont
+            with torch.no_grad():
+                logits, _ = model(torch.tensor([seq[:-1]]))
+            logp = F.log_softmax(logits[0].double(), -1)[-len(cont):]
+            loss = -float(logp.gather(1, torch.tensor(cont)[:, None]).sum())
+            sums.append(loss)
+            means.append(loss / len(cont))
+        n += 1
+        correct += min(range(4), key=sums.__getitem__) == ex["label"]
+        correct_norm += min(range(4), key=means.__getitem__) == ex["label"]
+    assert n == 8 and got["n"] == n and got["skipped"] == 0
+    assert (got["correct"], got["correct_norm"]) == (correct, correct_norm)
+    assert any(len(enc.encode_ordinary(ex["ctx"])) > BLOCK // 2 for ex in examples)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: one line, before lm-eval or any model is loaded
+
+
+@pytest.fixture
+def never_evaluated(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("lm-eval was reached")
+
+    monkeypatch.setattr(ev, "evaluate_model", fail)
+
+
+def run_bad(tmp_path, monkeypatch, cfg):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInput) as e:
+        ev.evaluate(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert not (tmp_path / "metrics" / "evaluate.json").exists()
+    return msg
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_mmlu_answer_out_of_range(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint, fmt):
+    test = mmlu_rows("test")
+    test[1]["answer"] = 4
+    mmlu = write_mmlu(tmp_path / "mmlu", fmt, test=test)
+    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu,
+                                                  tasks=["mmlu"]))
+    where = "test.jsonl:2" if fmt == "jsonl" else "test.parquet: record 2"
+    assert where in msg and "answer 4 is out of range 0-3" in msg and "evaluate.mmlu.source" in msg
+
+
+@pytest.mark.parametrize("row, why", [
+    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"]}, "missing field answer"),
+    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c"], "answer": 0}, "choices must hold 4"),
+    ({"question": "q?", "choices": ["a", "b", "c", "d"], "answer": 0}, "missing field subject"),
+    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": "B"}, "answer must be an integer"),
+])
+def test_mmlu_bad_records(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint, row, why):
+    mmlu = write_mmlu(tmp_path / "mmlu", "jsonl", dev=mmlu_rows("dev")[:2] + [row])
+    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu,
+                                                  tasks=["mmlu"]))
+    assert "dev.jsonl:3" in msg and why in msg
+
+
+def test_mmlu_missing_test_file_and_too_few_dev_questions(tmp_path, monkeypatch, never_evaluated, small_tokenizer,
+                                                          checkpoint):
+    folder = tmp_path / "mmlu"
+    write_jsonl(folder / "dev.jsonl", mmlu_rows("dev"))
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=folder, tasks=["mmlu"])
+    assert "no test file in" in run_bad(tmp_path, monkeypatch, cfg)
+    write_jsonl(folder / "test.jsonl", mmlu_rows("test"))
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=folder, tasks=["mmlu"], num_fewshot=5)
+    msg = run_bad(tmp_path, monkeypatch, cfg)
+    assert "subject 'abstract_algebra' has 3 dev question(s), evaluate.num_fewshot=5" in msg
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=tmp_path / "nowhere", tasks=["mmlu"])
+    assert "evaluate.mmlu.source: MMLU folder not found" in run_bad(tmp_path, monkeypatch, cfg)
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda r: r.pop("ctx_a"), "hellaswag_val.jsonl:3: missing field ctx_a"),
+    (lambda r: r.update(label=4), "hellaswag_val.jsonl:3: label 4 is out of range 0-3"),
+    (lambda r: r.update(endings=r["endings"][:3]), "hellaswag_val.jsonl:3: endings must hold 4 strings"),
+])
+def test_hellaswag_bad_records(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint, change, why):
+    rows = [dict(r) for r in HELLASWAG]
+    change(rows[2])
+    path = write_jsonl(tmp_path / "hellaswag_val.jsonl", rows)
+    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=path,
+                                                  tasks=["hellaswag"]))
+    assert why in msg and "evaluate.hellaswag.source" in msg
+
+
+def test_missing_checkpoint_folders(tmp_path, monkeypatch, never_evaluated, small_tokenizer):
+    cfg = make_cfg(small_tokenizer, models={"pretrain": tmp_path / "ckpt" / "final"}, tasks=["hellaswag"])
+    msg = run_bad(tmp_path, monkeypatch, cfg)
+    assert msg == f"evaluate.models.pretrain: checkpoint folder {tmp_path / 'ckpt' / 'final'} not found"
+    cfg = make_cfg(small_tokenizer, models={"pretrain": "a/final", "instruct": "b/final"}, tasks=["hellaswag"])
+    msg = run_bad(tmp_path, monkeypatch, cfg)
+    assert "none of the checkpoint folders exists: pretrain (a/final), instruct (b/final)" in msg
+
+
+def test_hub_task_offline_names_the_source_param(tmp_path, monkeypatch, no_network, small_tokenizer, checkpoint):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))  # nothing cached
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "hf-datasets", raising=False)
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, tasks=["hellaswag"])
+    with pytest.raises(SourceUnreachable) as e:
+        ev.evaluate(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "'hellaswag'" in msg and "set evaluate.hellaswag.source to a local copy" in msg
+    assert no_network == []
+
+
+@pytest.mark.slow
+def test_unknown_task_name_lists_close_matches(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint):
+    # An unknown name needs lm-eval's full task index (about 10 s here).
+    hs_file = write_jsonl(tmp_path / "hellaswag_val.jsonl", HELLASWAG)
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=hs_file, tasks=["hellaswag", "helaswag"])
+    msg = run_bad(tmp_path, monkeypatch, cfg)
+    assert msg.startswith("evaluate.tasks: unknown lm-eval task 'helaswag'; did you mean hellaswag")
+
+
+# --------------------------------------------------------------------------------------------
+# MLflow: one run per model, nested under the stage's run
+
+
+@pytest.mark.slow
+def test_one_mlflow_run_per_model(tmp_path, monkeypatch, no_network, mlflow_uri, small_tokenizer, checkpoint):
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from gptforge import tracking
+
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    uri = f"sqlite:///{db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv(tracking.PARENT_ENV, raising=False)
+    second = tmp_path / "ckpt2"
+    shutil.copytree(checkpoint, second)
+    hs_file = write_jsonl(tmp_path / "hellaswag_val.jsonl", HELLASWAG[:4])
+    cfg = validate({**make_cfg(small_tokenizer, models={"pretrain": checkpoint, "instruct": second}, hellaswag=hs_file,
+                               tasks=["hellaswag"]).model_dump(), "tracking": {"enabled": True, "experiment": "t"}})
+    with tracking.start_run(enabled=True, experiment="t", stage="evaluate") as stage_run:
+        metrics = ev.evaluate(cfg, run=stage_run)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("t")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"evaluate", "evaluate:pretrain", "evaluate:instruct"}
+    for name in ("pretrain", "instruct"):
+        r = runs[f"evaluate:{name}"]
+        assert r.data.tags["mlflow.parentRunId"] == stage_run.run_id
+        assert r.data.metrics["hellaswag.acc_norm"] == pytest.approx(metrics[f"{name}.hellaswag.acc_norm"])
+        assert r.data.params["model"] == name
+        assert {a.path for a in client.list_artifacts(r.info.run_id, "lm_eval")} >= {
+            "lm_eval/results.json", "lm_eval/samples_hellaswag.jsonl"}
+    assert runs["evaluate"].data.metrics["pretrain.hellaswag.acc"] == pytest.approx(metrics["pretrain.hellaswag.acc"])
+    assert os.environ.get(tracking.PARENT_ENV) is None  # restored
