@@ -131,7 +131,9 @@ def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, t
     rt = steps.results["setup"].rt
     want, _ = clf.predict(trained, test_examples, 16, enc.eot_token, rt)
     got, _ = clf.predict(saved, test_examples, 16, enc.eot_token, rt)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # Same weights, same code; only float rounding may differ (MKL's kernels can depend on the
+    # buffers' memory alignment), far below what a wrong or missing weight would change.
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert saved.labels == ["ham", "spam"] and saved.max_length == BLOCK
 
     # What the run saw: per-step curves, the parameter count, the artifacts.
@@ -159,7 +161,7 @@ def test_padding_does_not_change_a_rows_logits(attention):
     idx, lengths, _ = clf.collate([short, long], 280, torch.device("cpu"))
     assert idx.shape == (2, 20) and (idx[0, 3:] == 280).all()  # right-padded to the longest row
     batched = model(idx, lengths)
-    torch.testing.assert_close(batched[0], alone[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)  # other shapes: rounding only
     # The pooled position matters: the padded row's last column gives other logits.
     assert not torch.allclose(model(idx, torch.tensor([20, 20]))[0], alone[0], atol=1e-4)
 
