@@ -75,8 +75,9 @@ def build_parser() -> Parser:
 
     stage = STAGES["pretrain"]
     p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
-                       "Under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it trains "
-                       "with DDP.")
+                       "With pretrain.nproc_per_node or pretrain.nnodes above 1 it launches itself under torchrun "
+                       "(DDP); under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it "
+                       "trains with DDP.")
     _config_args(p)
     p.set_defaults(func=cmd_stage, stage="pretrain")
 

@@ -186,7 +186,18 @@ class PretrainConfig(Section):
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = Field(32, gt=0)
     peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
-    nproc_per_node: int = Field(1, gt=0)
+    # Above 1 process in all, `gptforge pretrain` launches itself under torchrun (gptforge.launch).
+    nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
+    nnodes: int = Field(1, gt=0, description="machines; above 1, run the same command on each")
+    # Multi-node rendezvous (torchrun's --rdzv_*); a single node runs --standalone and ignores them.
+    rdzv_endpoint: str = Field("", description="host:port every node can reach; required when nnodes > 1")
+    rdzv_backend: Literal["c10d", "static"] = "c10d"
+    rdzv_id: str = Field("gptforge", min_length=1, description="job id: the same on every node")
+    max_restarts: int = Field(0, ge=0, description="torchrun restarts of the worker group after a failure")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
     @model_validator(mode="after")
     def _check(self):
@@ -194,6 +205,13 @@ class PretrainConfig(Section):
             raise ValueError(f"pretrain.betas must be two numbers in [0, 1), got {self.betas}")
         if self.min_lr > self.lr:
             raise ValueError(f"pretrain.min_lr ({self.min_lr}) is above pretrain.lr ({self.lr})")
+        if self.nnodes > 1 and not self.rdzv_endpoint.strip():
+            raise ValueError(f"pretrain.rdzv_endpoint is required when pretrain.nnodes > 1 (got {self.nnodes}): "
+                             "the host:port of the rendezvous, the same on every node")
+        if ":" in self.rdzv_endpoint:  # HOST alone is fine: torchrun's default port (29400)
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host.strip() or not (port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"pretrain.rdzv_endpoint must be HOST or HOST:PORT, got {self.rdzv_endpoint!r}")
         return self
 
 

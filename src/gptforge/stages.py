@@ -1,7 +1,8 @@
 """The stage table: each DVC stage's recipe and the params it depends on.
 
 `run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
-through here, so a stage behaves the same with or without Prefect.
+through here, so a stage behaves the same with or without Prefect. A pretrain asking for more
+than one process launches torchrun here instead (`gptforge.launch`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ STAGES: dict[str, Stage] = {
 
 def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[str, Any] | None = None) -> dict:
     stage = STAGES[name]
+    if name == "pretrain":
+        from gptforge.launch import launch_pretrain, needs_launch
+
+        if needs_launch(cfg):
+            # torchrun's workers run this stage again; their rank 0 opens the MLflow run (with `tags`).
+            return steps(launch_pretrain, cfg, tags=tags)
     recipe = stage.load()
     # Under torchrun every process runs the recipe; only rank 0 records the run.
     with tracking.start_run(
@@ -96,6 +103,6 @@ def check_inputs(name: str, cfg: Config) -> None:
     if name == "pretrain":
         from gptforge.train import grad_accum_steps
 
-        grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.pretrain.nproc_per_node)))
+        grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.pretrain.world_size)))
         if not Path("data/pretrain/manifest.json").is_file():
             raise BadInput("data/pretrain/manifest.json not found: run `gptforge prepare pretrain` first")

@@ -7,12 +7,14 @@ installed, as on a bare GPU box) gives a `NullRun` whose methods do nothing, so 
 `run.log_metrics(...)` unconditionally.
 
 Nesting: when `GPTFORGE_PARENT_RUN_ID` is set (the pipeline sets it for its stages), the stage
-run is created as a child of that run.
+run is created as a child of that run. `GPTFORGE_RUN_TAGS` (a JSON object) adds tags to the run:
+the torchrun launcher hands its Prefect flow run id to rank 0 that way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import numbers
@@ -29,6 +31,7 @@ log = logging.getLogger("gptforge")
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"
+TAGS_ENV = "GPTFORGE_RUN_TAGS"
 # A secret-looking param name has a `_`/`-`-separated word ending in one of these (`hf_token`,
 # `data.api_key`, `apitoken`) but not counts like `max_tokens`.
 _SECRET = re.compile(r"(?:token|key|secret|password|passwd|credentials?)$", re.IGNORECASE)
@@ -185,6 +188,7 @@ def start_run(
         "git.commit": commit,
         "mlflow.source.git.commit": commit,
         "device": device_name(),
+        **env_tags(),
         **(tags or {}),
     }
     parent = os.environ.get(PARENT_ENV) or None
@@ -205,6 +209,22 @@ def start_run(
         raise
     finally:
         mlflow.end_run(status=status)
+
+
+def env_tags() -> dict[str, Any]:
+    """Tags handed down by a launching process in `GPTFORGE_RUN_TAGS`; a malformed value is
+    named in a warning and ignored (tags never fail a run)."""
+    raw = os.environ.get(TAGS_ENV)
+    if not raw:
+        return {}
+    try:
+        tags = json.loads(raw)
+    except ValueError:
+        tags = None
+    if not isinstance(tags, dict):
+        log.warning("%s is not a JSON object, ignored: %.200s", TAGS_ENV, raw)
+        return {}
+    return tags
 
 
 def publish_metrics(run: NullRun, metrics: Mapping[str, float], path: str | os.PathLike) -> None:
