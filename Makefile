@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The pipeline: dvc repro of every stale stage, one Prefect flow run and one MLflow run.
 run: $(STAMP)
-	$(BIN)/dvc repro
+	$(BIN)/gptforge pipeline
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

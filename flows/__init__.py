@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from prefect import Flow, flow, runtime
+import os
+import uuid
+from typing import Any
+
+from prefect import Flow, Task, flow, runtime
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.flow_engine import run_flow
+from prefect.states import Completed, Failed, Running
 
 from gptforge.config import DEFAULT_PARAMS, load_config
+from gptforge.pipeline import PIPELINE_FLOW_ENV
 from gptforge.stages import STAGES, run_stage
 from tasks import PrefectSteps
 
@@ -34,3 +42,32 @@ def stage_flow(stage: str) -> Flow:
     run.__name__ = stage
     run.__doc__ = f"Stage `{stage}`: {summary}."
     return flow(run, name=stage.replace("_", "-"), description=summary, validate_parameters=True)
+
+
+def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
+    """Run a stage's flow; started by the pipeline (its flow run id in the environment), as a
+    subflow of the pipeline's flow run although it runs in another process (`dvc repro` starts
+    it). Prefect links a subflow through a task run of the parent that stands for it: make
+    that task run, make the flow run with it as parent, run the flow, then settle the task
+    run's state like the flow run's."""
+    parent = os.environ.get(PIPELINE_FLOW_ENV)
+    if not parent:
+        return stage_flow_(**parameters)
+    with get_client(sync_client=True) as client:
+        tracker = Task(name=stage_flow_.name, fn=lambda: None)
+        tracker.task_key = f"gptforge.stage.{stage_flow_.name}"
+        task_run = client.create_task_run(task=tracker, flow_run_id=uuid.UUID(parent), dynamic_key=str(uuid.uuid4()),
+                                          state=Running())
+        flow_run = client.create_flow_run(stage_flow_, parameters=stage_flow_.serialize_parameters(parameters),
+                                          parent_task_run_id=task_run.id)
+    final = Failed(message="interrupted")
+    try:
+        result = run_flow(stage_flow_, flow_run=flow_run, parameters=parameters)
+        final = Completed()
+        return result
+    except BaseException as e:
+        final = Failed(message=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        with get_client(sync_client=True) as client:
+            client.set_task_run_state(task_run.id, final, force=True)

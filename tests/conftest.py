@@ -17,8 +17,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -164,14 +166,16 @@ def prefect_api(tmp_path_factory):
     """A real `prefect server start` on a free loopback port, shared by the session."""
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    url = f"http://127.0.0.1:{port}/api"
+    # The UI asks this URL for its data (its default is port 4200).
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_API_URL": url}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}/api"
     try:
         wait_http(f"{url}/health", timeout=120, proc=proc)
         yield url
@@ -233,3 +237,49 @@ def repo_copy(tmp_path) -> Path:
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
     subprocess.run([*git, "commit", "-qm", "fixture"], cwd=dst, check=True)
     return dst
+
+
+def set_params(repo: Path, **dotted) -> None:
+    """Set dotted keys in a repository's params.yaml."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for key, value in dotted.items():
+        node = params
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_file: Path) -> dict[str, Any]:
+    """Params (dotted keys) that run every stage of the pipeline on local fixtures in seconds."""
+    hellaswag = tmp_path / "hellaswag.jsonl"
+    hellaswag.write_text("".join(json.dumps({
+        "activity_label": "Cooking", "ctx_a": f"A man cuts onion number {i}.", "ctx_b": "he",
+        "ctx": f"A man cuts onion number {i}. he", "label": i % 4,
+        "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]}) + "\n"
+        for i in range(6)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat and the dog\n" * 400)
+    return {
+        "tokenizer.path": str(small_tokenizer),
+        "data.pretrain.source": str(corpus),
+        "data.pretrain.val_tokens": 500,
+        "data.pretrain.shard_tokens": 2000,
+        "data.pretrain.workers": 1,
+        "data.classify.source": str(sms_file),
+        "data.instruct.source": str(alpaca_file),
+        # a small, short pretraining run on the small tokenizer (281 ids)
+        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 128, "model.vocab_size": 320,
+        "pretrain.batch_size": 2, "pretrain.batch_tokens": 256, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
+        "pretrain.eval_interval": 2, "pretrain.eval_steps": 1, "pretrain.ckpt_interval": 2, "pretrain.log_interval": 1,
+        # one short epoch of each fine-tuning on the fixtures
+        "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
+        "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
+        "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
+        "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
+        "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
+        "benchmark.profile_steps": 1,
+        "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
+        "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
+    }

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, cli_env, error_lines
+from conftest import BIN, cli_env, error_lines, set_params, stage_params
 
 pytestmark = pytest.mark.slow
 
@@ -27,53 +27,13 @@ def dvc(repo: Path, *args: str, env: dict, timeout: float = 400) -> subprocess.C
                           timeout=timeout)
 
 
-def set_params(repo: Path, **dotted) -> None:
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    for key, value in dotted.items():
-        node = params
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[last] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 def ran_stages(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
 def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file, small_tokenizer, prefect_api,
                                       mlflow_uri):
-    hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text("".join(json.dumps({
-        "activity_label": "Cooking", "ctx_a": f"A man cuts onion number {i}.", "ctx_b": "he",
-        "ctx": f"A man cuts onion number {i}. he", "label": i % 4,
-        "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]}) + "\n"
-        for i in range(6)))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the cat and the dog\n" * 400)
-    set_params(repo_copy, **{
-        "tokenizer.path": str(small_tokenizer),
-        "data.pretrain.source": str(corpus),
-        "data.pretrain.val_tokens": 500,
-        "data.pretrain.shard_tokens": 2000,
-        "data.pretrain.workers": 1,
-        "data.classify.source": str(sms_file),
-        "data.instruct.source": str(alpaca_file),
-        # a small, short pretraining run on the small tokenizer (281 ids)
-        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 128, "model.vocab_size": 320,
-        "pretrain.batch_size": 2, "pretrain.batch_tokens": 256, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
-        "pretrain.eval_interval": 2, "pretrain.eval_steps": 1, "pretrain.ckpt_interval": 2, "pretrain.log_interval": 1,
-        # one short epoch of each fine-tuning on the fixtures
-        "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
-        "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
-        "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
-        "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
-        "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
-        "benchmark.profile_steps": 1,
-        "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
-        "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
-    })
+    set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file))
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
 
     first = dvc(repo_copy, "repro", env=env)

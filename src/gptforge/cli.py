@@ -104,6 +104,20 @@ def build_parser() -> Parser:
     _config_args(p)
     p.set_defaults(func=cmd_stage, stage="evaluate")
 
+    p = sub.add_parser("pipeline", help="run every stage that is stale (dvc repro) as one tracked run",
+                       description="Run `dvc repro` for the named stages (default: all) as one Prefect flow run and "
+                       "one MLflow run, each stage nested under it. --params and -S are written to params.yaml first "
+                       "(DVC tracks that file). With a default DVC remote: dvc pull before, dvc push after (a remote "
+                       "that cannot be reached is a warning). --pool runs it on a worker of that Prefect work pool "
+                       "through the deployment pipeline/POOL instead of in this process.")
+    p.add_argument("stages", nargs="*", metavar="STAGE", help="DVC stages to reproduce, with what they depend on")
+    _config_args(p)
+    p.add_argument("--no-pull", dest="pull", action="store_false", help="do not dvc pull first")
+    p.add_argument("--no-push", dest="push", action="store_false", help="do not dvc push after")
+    p.add_argument("--force", action="store_true", help="re-run the stages even when up to date (dvc repro --force)")
+    p.add_argument("--pool", metavar="POOL", help="run on a worker of this work pool (needs PREFECT_API_URL)")
+    p.set_defaults(func=cmd_pipeline)
+
     c = sub.add_parser("classify", help="label texts with the fine-tuned classifier",
                        description="Print the label and its probability for TEXT, or for every line of stdin "
                        "when TEXT is omitted or '-'.")
@@ -239,12 +253,36 @@ def cmd_stage(args) -> int:
     cfg = load_config(params, args.set)
     check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
     if use_prefect():
+        from flows import run_stage_flow
+
         flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
         _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
-        flow(params=params, overrides=list(args.set))
+        run_stage_flow(flow, {"params": params, "overrides": list(args.set)})
     else:
         log.info("running %s without Prefect", args.stage)
         run_stage(args.stage, cfg)
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    from gptforge.pipeline import check_request, run_pipeline
+
+    check_request(args.stages, args.params, args.set)  # before any server starts
+    if args.pool:
+        from flows.submit import submit_pipeline
+
+        _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
+        submit_pipeline(args.pool, {"stages": args.stages, "params": args.params, "overrides": list(args.set),
+                                    "pull": args.pull, "push": args.push, "force": args.force})
+    elif use_prefect():
+        from flows.pipeline import pipeline
+
+        _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
+        pipeline(stages=args.stages, params=args.params, overrides=list(args.set), pull=args.pull, push=args.push,
+                 force=args.force)
+    else:
+        run_pipeline(args.stages, params=args.params, overrides=args.set, pull=args.pull, push=args.push,
+                     force=args.force).raise_for_failure()
     return 0
 
 
@@ -315,9 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"gptforge: error: {_one_line(e)}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("gptforge: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # Stopped: a loop that saved its state on SIGINT/SIGTERM says where; else plain Ctrl-C.
+        print(f"gptforge: {_one_line(e) or 'interrupted'}", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
     except Exception as e:  # an unexpected failure: still one line unless debugging
         if debug:
             traceback.print_exc()

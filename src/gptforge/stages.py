@@ -24,6 +24,7 @@ class Stage:
     params: tuple[str, ...]  # config sections it reads (logged to MLflow; DVC params in dvc.yaml)
     summary: str
     system_metrics: bool = False  # long stages: CPU/GPU/memory sampled into the MLflow run
+    headline: tuple[str, ...] = ()  # metrics the pipeline's summary shows (default: the first few)
 
     def load(self) -> Callable[..., dict]:
         module, func = self.recipe.split(":")
@@ -43,11 +44,14 @@ STAGES: dict[str, Stage] = {
               ("data.download", "data.instruct"),
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
-              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True),
+              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
+              headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
         Stage("finetune_classify", "gptforge.finetune.classify:finetune_classify", ("tokenizer", "classify"),
-              "fine-tune a spam classifier on data/classify (checkpoints/classify/)", system_metrics=True),
+              "fine-tune a spam classifier on data/classify (checkpoints/classify/)", system_metrics=True,
+              headline=("test_accuracy", "f1")),
         Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct"),
-              "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True),
+              "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True,
+              headline=("val_loss", "test_loss", "response_tokens_per_sec")),
         Stage("evaluate", "gptforge.evaluate:evaluate", ("tokenizer", "evaluate"),
               "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
         Stage("benchmark", "gptforge.bench:benchmark", ("model", "benchmark"),

@@ -53,11 +53,16 @@ class NullRun:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
 
+    def mark_failed(self) -> None:
+        """End as FAILED although the body returns (a pipeline reports its failed stage first)."""
+        self.failed = True
+
 
 class MlflowRun(NullRun):
     def __init__(self, mlflow, run) -> None:
         self._mlflow = mlflow
         self.run_id = run.info.run_id
+        self.failed = False
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         clean = {k: ("***" if is_secret(k) else _param_value(v)) for k, v in params.items()}
@@ -122,12 +127,13 @@ def artifact_location(uri: str) -> str | None:
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
+    """HEAD of the working tree; in the worker image (no .git) the commit it was built from."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("GPTFORGE_GIT_COMMIT") or None
     return out.stdout.strip() or None
 
 
@@ -208,7 +214,36 @@ def start_run(
         status = "FAILED"
         raise
     finally:
-        mlflow.end_run(status=status)
+        mlflow.end_run(status="FAILED" if run.failed and status == "FINISHED" else status)
+
+
+def run_url(run_id: str | None) -> str | None:
+    """The MLflow UI page of a run, when the store is a tracking server (http/https)."""
+    uri = tracking_uri()
+    if not run_id or not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        from mlflow.tracking import MlflowClient
+
+        experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
+    except Exception:  # a link is a convenience: never fail a run over it
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
+    """The runs nested under `parent_run_id`, by their `gptforge.stage` tag: stage -> (run id,
+    UI link). The newest run of a stage wins (a stage re-run inside one pipeline)."""
+    try:
+        mlflow = _import_mlflow()
+        client = mlflow.tracking.MlflowClient(tracking_uri())
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                  order_by=["attributes.start_time ASC"], max_results=1000)
+    except Exception as e:  # tracking off, mlflow missing, or its store unreachable
+        log.debug("no child runs of %s: %s", parent_run_id, e)
+        return {}
+    return {r.data.tags.get("gptforge.stage", r.info.run_name): (r.info.run_id, run_url(r.info.run_id)) for r in runs}
 
 
 def env_tags() -> dict[str, Any]:

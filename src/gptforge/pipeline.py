@@ -1,0 +1,420 @@
+"""The pipeline: `dvc repro` of every stage (or the named ones), recorded as one run.
+
+DVC decides what is stale; this module only wraps it. One pipeline run is:
+
+1. check the params and the stage names before any work;
+2. apply the run's params file and `-S` overrides to `params.yaml` (DVC tracks that file, as
+   `dvc exp run --set-param` does), so the stages see them and `dvc.lock` records them;
+3. `dvc pull` when a default DVC remote is configured; a remote that cannot be reached is a
+   warning, and the pipeline runs locally;
+4. `dvc repro [STAGE ...]` in a child process, with the pipeline's MLflow run id in
+   `GPTFORGE_PARENT_RUN_ID` so every stage's MLflow run nests under it (and, from the Prefect
+   flow, the pipeline's flow run id so every stage's flow run is its subflow);
+5. `dvc push` when a remote is configured; a failed push is reported, not fatal.
+
+The result is a `PipelineReport`: each stage's status (ran, up to date, restored from DVC's
+run cache, failed, not run), duration, headline metrics and MLflow run. A failed stage fails
+the pipeline with the stage named. The library never imports Prefect: `flows/pipeline.py`
+adds the flow, its tasks and the markdown artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+from gptforge import tracking
+from gptforge.config import DEFAULT_PARAMS, apply_overrides, read_params, validate
+from gptforge.errors import BadInput, StageFailed
+from gptforge.io import atomic_file, read_json
+from gptforge.steps import DIRECT, Steps
+
+log = logging.getLogger("gptforge")
+
+PIPELINE_FLOW_ENV = "GPTFORGE_PIPELINE_FLOW_RUN_ID"
+DVC_FILE = "dvc.yaml"
+
+# What `dvc repro` prints about each stage (dvc/stage/run.py, stage/__init__.py, stage/cache.py).
+_RUNNING = re.compile(r"^Running stage '([^']+)':")
+_SKIPPED = re.compile(r"^Stage '([^']+)' didn't change, skipping")
+_RESTORED = re.compile(r"^Stage '([^']+)' is cached - skipping run")
+_LOCKED = re.compile(r"^Updating lock file")
+_ERROR = re.compile(r"^(?:gptforge: error: |ERROR: )(.*)")
+_OUR_ERROR = "gptforge: error: "
+
+STATUS_ICONS = {"ran": "✅", "up to date": "⏭️", "restored": "♻️", "failed": "❌", "not run": "⏸️"}
+
+
+@dataclass
+class StageReport:
+    name: str
+    status: str = "not run"  # ran | up to date | restored | failed | not run
+    seconds: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    run_id: str | None = None
+    run_url: str | None = None
+
+
+@dataclass
+class PipelineReport:
+    stages: list[StageReport]
+    seconds: float = 0.0
+    remote: str | None = None
+    pulled: str | None = None  # what happened to `dvc pull` (None: no remote)
+    pushed: str | None = None
+    failed_stage: str | None = None
+    error: str | None = None
+    run_id: str | None = None
+    run_url: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_failure(self) -> None:
+        if self.error is not None:
+            raise StageFailed(self.error)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.stages:
+            out[s.status] = out.get(s.status, 0) + 1
+        return out
+
+    def markdown(self) -> str:
+        head = "succeeded" if self.ok else f"FAILED at stage `{self.failed_stage}`" if self.failed_stage else "FAILED"
+        lines = [f"## gptforge pipeline {head}", "",
+                 f"{len(self.stages)} stages in {self.seconds:.1f} s: "
+                 + ", ".join(f"{n} {status}" for status, n in self.counts().items()), ""]
+        if self.error:
+            lines += [f"**Error:** {self.error}", ""]
+        lines += ["| stage | status | duration | headline metrics | MLflow run |", "| --- | --- | --- | --- | --- |"]
+        for s in self.stages:
+            seconds = f"{s.seconds:.1f} s" if s.seconds is not None else ""
+            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in s.metrics.items())
+            run = f"[{s.run_id[:8]}]({s.run_url})" if s.run_url else (f"`{s.run_id}`" if s.run_id else "")
+            lines.append(f"| `{s.name}` | {STATUS_ICONS.get(s.status, '')} {s.status} | {seconds} | {metrics} | {run} |")
+        lines.append("")
+        if self.remote:
+            lines.append(f"DVC remote `{self.remote}`: pull {self.pulled}; push {self.pushed}.")
+        else:
+            lines.append("No DVC remote configured: nothing pulled or pushed.")
+        if self.run_url or self.run_id:
+            lines.append(f"Pipeline MLflow run: {f'[{self.run_id}]({self.run_url})' if self.run_url else self.run_id}")
+        return "\n".join(lines) + "\n"
+
+    def summary_lines(self) -> list[str]:
+        out = []
+        for s in self.stages:
+            seconds = f" in {s.seconds:.1f} s" if s.seconds is not None else ""
+            metrics = "  " + ", ".join(f"{k}={_fmt(v)}" for k, v in s.metrics.items()) if s.metrics else ""
+            out.append(f"{s.name:<18} {s.status}{seconds}{metrics}")
+        return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# DVC
+
+
+def dvc_stages(root: Path = Path(".")) -> list[str]:
+    path = root / DVC_FILE
+    if not path.is_file():
+        raise BadInput(f"{path} not found: run the pipeline from the repository root")
+    try:
+        stages = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    except yaml.YAMLError as e:
+        raise BadInput(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    return list(stages)
+
+
+def check_stage_names(names: Sequence[str], known: Sequence[str]) -> None:
+    import difflib
+
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise BadInput(f"unknown stage '{name}'{hint}; stages in {DVC_FILE}: {', '.join(known)}")
+
+
+def stage_metrics_files(stage: str, root: Path = Path(".")) -> list[Path]:
+    spec = (yaml.safe_load((root / DVC_FILE).read_text(encoding="utf-8")) or {}).get("stages", {}).get(stage) or {}
+    files = []
+    for entry in spec.get("metrics") or []:
+        files.append(root / (next(iter(entry)) if isinstance(entry, dict) else entry))
+    return files
+
+
+def dvc_command(*args: str) -> list[str]:
+    # `python -m dvc` from this interpreter: the venv's dvc, whatever PATH a worker has.
+    return [sys.executable, "-m", "dvc", *args]
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of `dvc` and the stage commands it runs: this interpreter's scripts
+    first on PATH (dvc.yaml's `gptforge ...` commands), analytics off, plus `extra`."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+           "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.update({k: v for k, v in (extra or {}).items() if v is not None})
+    return env
+
+
+def default_remote(env: Mapping[str, str]) -> str | None:
+    out = subprocess.run(dvc_command("remote", "default"), capture_output=True, text=True, env=dict(env), timeout=120)
+    name = out.stdout.strip()
+    return name if out.returncode == 0 and name else None
+
+
+def _dvc_transfer(action: str, remote: str, env: Mapping[str, str]) -> str:
+    """`dvc pull`/`dvc push`; returns what happened, in words. Never raises for the remote."""
+    args = [action, "--remote", remote] + (["--allow-missing"] if action == "pull" else [])
+    log.info("dvc %s (remote %s)", action, remote)
+    out = subprocess.run(dvc_command(*args), capture_output=True, text=True, env=dict(env))
+    if out.returncode == 0:
+        # DVC reports files it could not find (a remote that is empty, or, for an HTTP remote,
+        # unreachable) as a warning and succeeds: pass it on.
+        warnings = [line.strip()[len("WARNING: "):] for line in (out.stderr + out.stdout).splitlines()
+                    if line.strip().startswith("WARNING: ")]
+        if warnings:
+            log.warning("dvc %s (remote %s): %s", action, remote, warnings[0])
+            return f"done with a warning: {warnings[0]}"
+        last = [line for line in out.stdout.splitlines() if line.strip()]
+        return f"done ({last[-1].strip()})" if last else "done"
+    reason = _last_error(out.stderr + out.stdout) or f"exit code {out.returncode}"
+    verb = "ran locally without pulling" if action == "pull" else "did not push"
+    log.warning("dvc %s %s remote %s failed: %s; %s", action, "from" if action == "pull" else "to", remote, reason,
+                verb)
+    return f"failed: {reason} ({verb})"
+
+
+def dvc_pull(remote: str, env: Mapping[str, str]) -> str:
+    return _dvc_transfer("pull", remote, env)
+
+
+def dvc_push(remote: str, env: Mapping[str, str]) -> str:
+    return _dvc_transfer("push", remote, env)
+
+
+def _last_error(text: str) -> str | None:
+    return best_error([line.strip() for line in text.splitlines() if _ERROR.match(line.strip())])
+
+
+def best_error(lines: Sequence[str]) -> str | None:
+    """The line that says why: a stage's own `gptforge: error:` line over DVC's `ERROR: failed
+    to reproduce ...`, the last of either."""
+    ours = [line for line in lines if line.startswith(_OUR_ERROR)]
+    pick = (ours or list(lines))[-1:]
+    return _ERROR.match(pick[0]).group(1).strip() if pick else None
+
+
+@dataclass
+class ReproOutcome:
+    returncode: int
+    events: list[tuple[float, str, str]]  # (monotonic time, kind, stage)
+    errors: list[str]
+    end: float
+
+
+def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False,
+              on_line: Callable[[str], None] | None = None) -> ReproOutcome:
+    """Run `dvc repro`, streaming its output to the log, and note what it says about each stage."""
+    args = ["repro", *(["--force"] if force else []), *stages]
+    log.info("dvc %s", " ".join(args))
+    proc = subprocess.Popen(dvc_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
+                            text=True, errors="replace", bufsize=1)
+    events: list[tuple[float, str, str]] = []
+    errors: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n").split("\r")[-1].rstrip()  # a progress bar's last state
+            if not line:
+                continue
+            log.info("%s", line)
+            if on_line:
+                on_line(line)
+            now = time.monotonic()
+            for kind, pattern in (("running", _RUNNING), ("skipped", _SKIPPED), ("restored", _RESTORED)):
+                if m := pattern.match(line):
+                    events.append((now, kind, m.group(1)))
+            if _LOCKED.match(line):
+                events.append((now, "locked", ""))
+            if _ERROR.match(line):
+                errors.append(line)
+        returncode = proc.wait()
+    except BaseException:
+        # Cancelled (Ctrl-C, SIGTERM from a worker, a Prefect cancellation): stop dvc and its
+        # stage cleanly, so the stage saves what it can and DVC releases its lock.
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    return ReproOutcome(returncode, events, errors, time.monotonic())
+
+
+def stage_reports(outcome: ReproOutcome, scope: Sequence[str]) -> tuple[list[StageReport], str | None]:
+    """Each stage DVC mentioned, in order, then the stages in `scope` it never reached.
+    Returns the reports and the stage that failed (the one running when dvc stopped)."""
+    reports: dict[str, StageReport] = {}
+    current: tuple[str, float] | None = None
+    for when, kind, stage in outcome.events:
+        if kind == "locked":
+            if current:
+                reports[current[0]].seconds = when - current[1]
+                current = None
+            continue
+        report = reports.setdefault(stage, StageReport(stage))
+        if current:  # a new stage started before the lock file update: the previous one ended
+            reports[current[0]].seconds = when - current[1]
+            current = None
+        if kind == "running":
+            report.status = "ran"
+            current = (stage, when)
+        else:
+            report.status = "up to date" if kind == "skipped" else "restored"
+    failed = None
+    if current:
+        reports[current[0]].seconds = outcome.end - current[1]
+        if outcome.returncode != 0:
+            failed = current[0]
+            reports[failed].status = "failed"
+    for stage in scope:
+        reports.setdefault(stage, StageReport(stage))
+    return list(reports.values()), failed
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> dict:
+    """The params tree a run will use (`params`, else `target`, plus overrides), validated."""
+    source = Path(params) if params is not None else target
+    tree = read_params(source) if source.is_file() or params is not None else {}
+    tree = apply_overrides(tree, list(overrides))
+    validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
+    return tree
+
+
+def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
+                  root: Path = Path(".")) -> None:
+    """Everything about a pipeline request that can be checked before any work (BadInput)."""
+    check_stage_names(stages, dvc_stages(root))
+    resolve_params(params, overrides, root / DEFAULT_PARAMS)
+
+
+def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> bool:
+    """Validate `params` + `overrides` and, when they differ from `target` (params.yaml),
+    write them there atomically. Returns whether params.yaml changed."""
+    source = Path(params) if params is not None else target
+    tree = resolve_params(params, overrides, target)
+    current = read_params(target) if target.is_file() else None
+    if current == tree:
+        return False
+    origin = f"{source}" + (f" with {' '.join(overrides)}" if overrides else "")
+    with atomic_file(target, "w", encoding="utf-8") as f:
+        f.write(f"# Written by `gptforge pipeline` from {origin}.\n")
+        yaml.safe_dump(tree, f, sort_keys=False, default_flow_style=None)
+    log.info("params.yaml now holds %s", origin)
+    return True
+
+
+def run_pipeline(
+    stages: Sequence[str] = (),
+    *,
+    params: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    pull: bool = True,
+    push: bool = True,
+    force: bool = False,
+    steps: Steps = DIRECT,
+    env: Mapping[str, str] | None = None,
+    tags: Mapping[str, Any] | None = None,
+    root: Path = Path("."),
+) -> PipelineReport:
+    """Run the pipeline in `root` (the repository). Bad params or stage names raise BadInput
+    before any work; a failed stage is reported in the result (`raise_for_failure()`)."""
+    start = time.monotonic()
+    known = dvc_stages(root)
+    check_stage_names(stages, known)
+    target = root / DEFAULT_PARAMS
+    apply_params(params, overrides, target)
+    cfg = validate(read_params(target), str(target))
+
+    with tracking.start_run(enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage="pipeline",
+                            params={"stages": ",".join(stages) or "all", "force": force,
+                                    **{f"override.{i}": o for i, o in enumerate(overrides)}},
+                            tags=tags) as run:
+        extra = dict(env or {})
+        if run.run_id:
+            extra[tracking.PARENT_ENV] = run.run_id
+        child = child_env(extra)
+        report = PipelineReport(stages=[], run_id=run.run_id, run_url=tracking.run_url(run.run_id))
+        report.remote = default_remote(child) if (pull or push) else None
+        if report.remote and pull:
+            report.pulled = steps(dvc_pull, report.remote, child)
+        elif report.remote:
+            report.pulled = "skipped (--no-pull)"
+
+        outcome = steps(dvc_repro, list(stages), child, force)
+        scope = list(stages) or known
+        report.stages, report.failed_stage = stage_reports(outcome, scope)
+        if outcome.returncode != 0:
+            reason = best_error(outcome.errors) or f"dvc repro exited with code {outcome.returncode}"
+            report.error = (f"stage {report.failed_stage} failed: {reason}" if report.failed_stage
+                            else f"dvc repro failed: {reason}")
+        _add_metrics_and_runs(report, root, run.run_id)
+
+        if report.remote and push and report.ok:
+            report.pushed = steps(dvc_push, report.remote, child)
+        elif report.remote:
+            report.pushed = "skipped" + (" (--no-push)" if not push else " (the pipeline failed)")
+        report.seconds = time.monotonic() - start
+
+        counts = report.counts()
+        run.log_metrics({"pipeline_seconds": report.seconds, "stages_ran": counts.get("ran", 0),
+                         "stages_up_to_date": counts.get("up to date", 0) + counts.get("restored", 0),
+                         "stages_failed": counts.get("failed", 0)})
+        run.log_text(report.markdown(), "pipeline.md")
+        run.set_tags({"gptforge.pipeline.status": "ok" if report.ok else "failed",
+                      "gptforge.pipeline.failed_stage": report.failed_stage})
+        if not report.ok:
+            run.mark_failed()
+    for line in report.summary_lines():
+        log.info("%s", line)
+    log.info("pipeline %s in %.1f s", "done" if report.ok else "FAILED", report.seconds)
+    return report
+
+
+def _add_metrics_and_runs(report: PipelineReport, root: Path, parent_run_id: str | None) -> None:
+    from gptforge.stages import STAGES
+
+    children = tracking.child_runs(parent_run_id) if parent_run_id else {}
+    for s in report.stages:
+        if s.status in ("ran", "up to date", "restored"):
+            values: dict[str, float] = {}
+            for path in stage_metrics_files(s.name, root):
+                with contextlib.suppress(Exception):  # a stage may not have written it (yet)
+                    values.update({k: v for k, v in read_json(path).items() if isinstance(v, (int, float))})
+            wanted = STAGES[s.name].headline if s.name in STAGES else ()
+            picked = [k for k in wanted if k in values] or list(values)[:3]
+            s.metrics = {k: values[k] for k in picked}
+        if s.name in children:
+            s.run_id, s.run_url = children[s.name]

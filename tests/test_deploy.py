@@ -1,0 +1,179 @@
+"""The way users run gptforge: deployments from prefect.yaml, a worker, real servers.
+
+On 127.0.0.1 only: `prefect server start` (the session's), `mlflow server` (sqlite backend,
+artifacts served by it), the `local` process pool and the `gpu` Docker pool, `prefect deploy
+--all`, a process worker, and the pipeline deployment triggered with fixture params through
+`gptforge pipeline --pool local`. Asserted through the Prefect and MLflow APIs, then the two
+UIs are opened in headless Chromium and screenshotted (test artifacts, under
+$GPTFORGE_TEST_ARTIFACTS or test-artifacts/). Servers, worker and browser stop at the end,
+also when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_params, wait_http
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain", "finetune_classify",
+          "finetune_instruct", "evaluate", "benchmark"]
+ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, mlflow_uri):
+    """`mlflow server` on a free loopback port; its database starts as a copy of the session's
+    migrated one (migrations cost ~7 s)."""
+    folder = tmp_path / "mlflow-server"
+    folder.mkdir()
+    shutil.copy(mlflow_uri[len("sqlite:///"):], folder / "mlflow.db")
+    port = free_port()
+    log = open(folder / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts")],
+        cwd=folder, env=cli_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", timeout=120, proc=proc)
+        yield url
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture
+def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, prefect_api):
+    """This project's repository with fixture params, its deployments on the server."""
+    for code in ("flows", "tasks"):
+        shutil.copytree(REPO / code, repo_copy / code, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "prefect.yaml", repo_copy / "prefect.yaml")
+    set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file))
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "fixture params"],
+                   cwd=repo_copy, check=True)
+    env = cli_env(PREFECT_API_URL=prefect_api)
+    prefect = str(BIN / "prefect")
+    for pool, kind in (("local", "process"), ("gpu", "docker")):
+        subprocess.run([prefect, "work-pool", "create", pool, "--type", kind, "--overwrite"], cwd=repo_copy, env=env,
+                       check=True, capture_output=True, timeout=120)
+    out = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], cwd=repo_copy, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return repo_copy
+
+
+def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_server, tmp_path):
+    repo = deployed_repo
+    api = httpx.Client(base_url=prefect_api, timeout=30)
+    deployments = api.post("/deployments/filter", json={}).json()
+    # The pipeline and every stage flow, on each pool (deployment name = pool name); the nightly
+    # schedule is there, off.
+    for pool in ("local", "gpu"):
+        assert sorted(d["entrypoint"].rsplit(":", 1)[1] for d in deployments
+                      if d["name"] == pool and d["work_pool_name"] == pool) == sorted(STAGES + ["pipeline"])
+    gpu_pipeline = next(d for d in deployments if d["name"] == "gpu" and d["entrypoint"].endswith(":pipeline"))
+    assert gpu_pipeline["job_variables"]["container_create_kwargs"]["device_requests"][0]["driver"] == "nvidia"
+    assert [s["active"] for s in gpu_pipeline["schedules"]] == [False]
+
+    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_server, PREFECT_WORKER_QUERY_SECONDS="2",
+                  PREFECT_WORKER_PREFETCH_SECONDS="5")
+    worker_log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "local", "--name", "test-worker"],
+                              cwd=repo, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+    browser = None
+    try:
+        start = time.monotonic()
+        first = run_cli(["pipeline", "--pool", "local"], repo, env, timeout=900)
+        first_seconds = time.monotonic() - start
+        assert first.returncode == 0, first.stderr[-4000:] + _tail(tmp_path / "worker.log")
+
+        # Prefect: one pipeline flow run from the deployment, a stage subflow per stage.
+        dep_id = next(d["id"] for d in deployments if d["name"] == "local" and d["entrypoint"].endswith(":pipeline"))
+        [pipe] = api.post("/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep_id]}}}).json()
+        assert pipe["state"]["type"] == "COMPLETED"
+        trackers = api.post("/task_runs/filter", json={"task_runs": {"flow_run_id": {"any_": [pipe["id"]]}}}).json()
+        subflows = api.post("/flow_runs/filter", json={"flow_runs": {"parent_task_run_id": {
+            "any_": [t["id"] for t in trackers]}}}).json()
+        flows = {f["id"]: f["name"] for f in api.post("/flows/filter", json={}).json()}
+        assert sorted(flows[f["flow_id"]] for f in subflows) == sorted(s.replace("_", "-") for s in STAGES)
+        assert all(f["state"]["type"] == "COMPLETED" for f in subflows)
+        [summary] = api.post("/artifacts/filter", json={"artifacts": {"key": {"any_": ["pipeline-summary"]},
+                                                                       "flow_run_id": {"any_": [pipe["id"]]}}}).json()
+        assert f"{mlflow_server}/#/experiments/" in summary["data"]
+        assert all(f"| `{s}` | ✅ ran |" in summary["data"] for s in STAGES)
+
+        # MLflow: the pipeline's run, a nested run per stage with its metrics and artifacts.
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=mlflow_server)
+        exp = client.get_experiment_by_name("gptforge")
+        [parent] = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'")
+        assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow_run_id"] == pipe["id"]
+        children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        assert sorted(c.data.tags["gptforge.stage"] for c in children) == sorted(STAGES)
+        for child in children:
+            assert child.info.status == "FINISHED" and child.data.metrics, child.data.tags["gptforge.stage"]
+            assert client.list_artifacts(child.info.run_id), child.data.tags["gptforge.stage"]
+            assert child.data.tags["prefect.flow_run_id"] in {f["id"] for f in subflows}
+        lock = yaml.safe_load((repo / "dvc.lock").read_text())
+        assert set(lock["stages"]) == set(STAGES)
+
+        # Triggered again with no change: DVC finds every stage up to date, quickly.
+        start = time.monotonic()
+        second = run_cli(["pipeline", "--pool", "local"], repo, env, timeout=600)
+        second_seconds = time.monotonic() - start
+        assert second.returncode == 0, second.stderr[-4000:]
+        runs = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'",
+                                  order_by=["attributes.start_time DESC"])
+        assert len(runs) == 2
+        assert runs[0].data.metrics["stages_ran"] == 0 and runs[0].data.metrics["stages_up_to_date"] == len(STAGES)
+        assert second_seconds < 60 and second_seconds < first_seconds / 2, (first_seconds, second_seconds)
+        print(f"first pipeline run {first_seconds:.1f} s, second (all up to date) {second_seconds:.1f} s")
+
+        # The two UIs, as a user sees them.
+        from browser import Browser, find_chromium
+
+        binary = find_chromium()
+        if binary is None:
+            pytest.skip("no chromium on this machine (CI installs it: apt-get install -y chromium)")
+        browser = Browser(binary, free_port())
+        ui = prefect_api.removesuffix("/api")
+        browser.page_text_and_screenshot(f"{ui}/runs/flow-run/{pipe['id']}", [pipe["name"], "pipeline"],
+                                         ARTIFACTS / "prefect-pipeline-flow-run.png")
+        ids = [parent.info.run_id] + [c.info.run_id for c in children]
+        compare = (f"{mlflow_server}/#/compare-runs?runs=[{','.join(repr(i) for i in ids)}]"
+                   f"&experiments=[{exp.experiment_id!r}]").replace("'", '"')
+        text = browser.page_text_and_screenshot(compare, ["pipeline", "pretrain", "finetune_classify"],
+                                                ARTIFACTS / "mlflow-compare-runs.png")
+        assert all(s in text for s in STAGES)
+    finally:
+        if browser is not None:
+            browser.close()
+        _stop(worker)
+        worker_log.close()
+        api.close()
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
