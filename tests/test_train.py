@@ -125,47 +125,102 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, shards, sma
 # Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights
 
 
-def _cli(args, cwd, timeout=600):
+def _cli(args, cwd, **env):
     return subprocess.Popen([str(BIN / "gptforge"), "pretrain", *args], cwd=cwd,
-                            env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, shards, small_tokenizer):
-    args = [*sum((["-S", s] for s in SMALL), []), "-S", f"tokenizer.path={small_tokenizer}",
+def _kill_args(small_tokenizer) -> list[str]:
+    return [*sum((["-S", s] for s in SMALL), []), "-S", f"tokenizer.path={small_tokenizer}",
             "-S", "pretrain.max_steps=300", "-S", "pretrain.ckpt_interval=20", "-S", "pretrain.log_interval=50",
             "-S", "model.dropout=0.1"]  # dropout: the RNG state must be restored too
-    for name in ("straight", "killed"):
-        (tmp_path / name / "data").mkdir(parents=True)
-        (tmp_path / name / "data/pretrain").symlink_to(shards)
 
-    straight = _cli(args, tmp_path / "straight")
+
+def _workdir(root: Path, shards: Path) -> Path:
+    (root / "data").mkdir(parents=True)
+    (root / "data/pretrain").symlink_to(shards)
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, shards, small_tokenizer) -> Path:
+    """The reference: the 300-step run of the kill tests, never interrupted."""
+    root = _workdir(tmp_path_factory.mktemp("straight"), shards)
+    straight = _cli(_kill_args(small_tokenizer), root)
     assert straight.wait(timeout=600) == 0, straight.stderr.read()
+    return root
 
-    killed = _cli(args, tmp_path / "killed")
-    ckpts = tmp_path / "killed/checkpoints/pretrain"
-    deadline = time.monotonic() + 300
-    while not (ckpts / "step_00000100").is_dir() and killed.poll() is None and time.monotonic() < deadline:
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert killed.poll() is None, "the run finished before it could be killed: make it longer"
+    assert proc.poll() is None, "the run finished before it could be stopped: make it longer"
+
+
+def _assert_same_final(a_root: Path, b_root: Path) -> None:
+    a = load_file(a_root / "checkpoints/pretrain/final/model.safetensors")
+    b = load_file(b_root / "checkpoints/pretrain/final/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ma = json.loads((a_root / "metrics/pretrain.json").read_text())
+    mb = json.loads((b_root / "metrics/pretrain.json").read_text())
+    assert ma["val_loss"] == mb["val_loss"] and ma["train_loss"] == mb["train_loss"]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, shards, small_tokenizer,
+                                                                       uninterrupted):
+    args = _kill_args(small_tokenizer)
+    root = _workdir(tmp_path / "killed", shards)
+    killed = _cli(args, root)
+    ckpts = root / "checkpoints/pretrain"
+    _wait_for(ckpts / "step_00000100", killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (ckpts / "final").exists()
 
-    resumed = _cli(args, tmp_path / "killed")
+    resumed = _cli(args, root)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     assert "resumed from" in err and "at step" in err
+    _assert_same_final(uninterrupted, root)
 
-    a = load_file(tmp_path / "straight/checkpoints/pretrain/final/model.safetensors")
-    b = load_file(ckpts / "final/model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    ma = json.loads((tmp_path / "straight/metrics/pretrain.json").read_text())
-    mb = json.loads((tmp_path / "killed/metrics/pretrain.json").read_text())
-    assert ma["val_loss"] == mb["val_loss"] and ma["train_loss"] == mb["train_loss"]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path, shards, small_tokenizer,
+                                                                        uninterrupted, mlflow_uri, sig):
+    """A polite stop (worker drained, docker stop, Ctrl-C) saves the step it is at, ends the
+    MLflow run as KILLED, exits 128+signal; resuming from that checkpoint ends bit-identical."""
+    args = _kill_args(small_tokenizer) + ["-S", "tracking.enabled=true", "-S", f"tracking.experiment=stop-{sig.name}"]
+    root = _workdir(tmp_path / "stopped", shards)
+    proc = _cli(args, root, MLFLOW_TRACKING_URI=mlflow_uri)
+    ckpts = root / "checkpoints/pretrain"
+    _wait_for(ckpts / "step_00000040", proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"gptforge: pretrain stopped by {sig.name} at step ") and "Traceback" not in err
+    step = int(last.split(" at step ")[1].split(";")[0])
+    assert 40 <= step < 300 and (ckpts / f"step_{step:08d}" / "checksums.json").is_file()
+    assert not (ckpts / "final").exists()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name(f"stop-{sig.name}")
+    [run] = client.search_runs([exp.experiment_id])
+    assert run.info.status == "KILLED"
+
+    resumed = _cli(args, root, MLFLOW_TRACKING_URI=mlflow_uri)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert f"step_{step:08d}" in err and f"at step {step}" in err
+    _assert_same_final(uninterrupted, root)
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, shards, small_tokenizer, caplog):

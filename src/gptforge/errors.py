@@ -19,3 +19,14 @@ class SourceUnreachable(GptforgeError):
 
 class StageFailed(GptforgeError):
     pass
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped on request (SIGINT/SIGTERM) after saving what it needs to resume.
+
+    A KeyboardInterrupt, so MLflow marks the run KILLED and nothing treats it as a failure; the
+    CLI exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from gptforge import checkpoint as ckpt
 from gptforge import flops
 from gptforge.config import Config
-from gptforge.errors import BadInput, StageFailed
+from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.loader import ShardLoader
 from gptforge.model import GPT, GPTConfig, generate, load_model, save_model
+from gptforge.signals import stop_requested
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import describe, load_tokenizer
 from gptforge.tracking import NullRun, publish_metrics
@@ -355,6 +356,24 @@ def train_loop(s: Session, run=NullRun()) -> None:
     from tqdm.auto import tqdm
 
     bar = tqdm(total=p.max_steps, initial=s.step, unit="step", desc="pretrain", disable=not rt.master)
+    try:
+        with stop_requested() as stop:
+            _steps(s, run, stop, bar, flops_per_token, peak)
+    finally:
+        bar.close()
+
+
+def _stop_now(stop, rt: Runtime) -> bool:
+    """Whether any process was asked to stop: under DDP every rank must stop at the same step."""
+    if not rt.ddp:
+        return bool(stop)
+    flag = torch.tensor([1.0 if stop else 0.0], device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | None) -> None:
+    cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     while s.step < p.max_steps:
         step = s.step
         row: dict[str, Any] = {"step": step}
@@ -393,11 +412,14 @@ def train_loop(s: Session, run=NullRun()) -> None:
             if step_mfu is not None:
                 metrics["mfu"] = step_mfu
             run.log_metrics(metrics, step=s.step)
-        if (s.step % p.ckpt_interval == 0 or s.step == p.max_steps) and rt.master:
+        stopping = _stop_now(stop, rt)
+        if (s.step % p.ckpt_interval == 0 or s.step == p.max_steps or stopping) and rt.master:
             s.last_ckpt = save_checkpoint(s)
         if rt.ddp:
             dist.barrier()
-    bar.close()
+        if stopping:
+            raise Stopped(stop.signum or 15, f"pretrain stopped by {stop.name or 'a signal'} at step {s.step}; "
+                          f"checkpoint {s.last_ckpt} saved (resume: auto continues from it)")
 
 
 def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics/pretrain.json",
