@@ -1,20 +1,19 @@
-"""The `gptforge` command line: help, config show, exit codes, and bad inputs end to end.
+"""The `gptforge` command line: help, config show, exit codes and one-line errors.
 
-Bad inputs run in-process without Prefect (fast); the slow tests run the real console script
-against a real Prefect server and MLflow database and read the results back through both APIs.
+The bad-input catalogue (exit code 2, in-process) is tests/test_bad_inputs.py. The slow tests
+run the real console script against a real Prefect server and MLflow database and read the
+results back through both APIs.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.request
-import zipfile
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, error_lines, free_port, run_cli, snapshot, write_tiktoken
+from conftest import REPO, cli_env, error_lines, free_port, run_cli, snapshot
 from gptforge.cli import main
 
 
@@ -58,81 +57,12 @@ def test_config_show_prints_resolved_yaml(workdir, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad inputs: exit 2 (1 for an unreachable source), one line, no traceback, outputs untouched
-
-
-def _zip(path: Path, members: dict[str, str]) -> Path:
-    with zipfile.ZipFile(path, "w") as z:
-        for name, text in members.items():
-            z.writestr(name, text)
-    return path
+# Exit codes: 1 for a failure of the run itself, 2 from the console script; one line, no traceback
 
 
 def closed_port_url() -> str:
     port = free_port()  # nothing listens there: connection refused at once, on loopback only
     return f"https://127.0.0.1:{port}/sms.zip"
-
-
-BAD_INPUTS = {
-    # name: (args, expected message fragment, exit code)
-    "unknown param": (["prepare", "classify", "-S", "data.classify.splts=[1,0,0]"],
-                      "unknown key 'data.classify.splts' (did you mean 'data.classify.splits'?)", 2),
-    "mistyped section": (["config", "show", "-S", "trackng.enabled=false"], "did you mean 'tracking'", 2),
-    "wrong type": (["prepare", "pretrain", "-S", "data.pretrain.max_tokens=lots"],
-                   "data.pretrain.max_tokens: expected int, got 'lots'", 2),
-    "splits not summing to 1": (["prepare", "classify", "-S", "data.classify.splits=[0.5,0.1,0.1]"],
-                                "fractions must sum to 1", 2),
-    "override without =": (["config", "show", "-S", "data.pretrain.max_tokens"], "is not KEY=VALUE", 2),
-    "missing params file": (["config", "show", "--params", "nope.yaml"], "params file not found: nope.yaml", 2),
-    "unknown command": (["frobnicate"], "invalid choice: 'frobnicate'", 2),
-    "http source": (["prepare", "instruct", "-S", "data.instruct.source=http://example.com/a.json"],
-                    "only https://, hf:// and local sources", 2),
-    "missing local file": (["prepare", "classify", "-S", "data.classify.source=missing.zip"],
-                           "data.classify.source: local source not found: missing.zip", 2),
-    "corrupt zip": (["prepare", "classify", "-S", "data.classify.source=corrupt.zip"],
-                    "corrupt.zip: not a valid zip archive", 2),
-    "path-escaping zip member": (["prepare", "classify", "-S", "data.classify.source=escape.zip"],
-                                 "../evil", 2),
-    "JSON that is not a list": (["prepare", "instruct", "-S", "data.instruct.source=dict.json"],
-                                "expected a JSON list of records", 2),
-    "records missing fields": (["prepare", "instruct", "-S", "data.instruct.source=nofields.json"], "output", 2),
-    "empty corpus": (["prepare", "pretrain", "-S", "data.pretrain.source=empty.txt",
-                      "-S", "tokenizer.path=small.tiktoken"], "empty corpus", 2),
-    "tokenizer too large for uint16": (["prepare", "pretrain", "-S", "data.pretrain.source=a.txt",
-                                        "-S", "tokenizer.path=big.tiktoken"], "more than uint16", 2),
-    "too many malformed lines": (["prepare", "classify", "-S", "data.classify.source=SMSSpamCollection"],
-                                 "above data.classify.max_bad_fraction", 2),
-}
-
-
-@pytest.fixture
-def bad_files(workdir, small_tokenizer):
-    _zip(workdir / "escape.zip", {"../evil": "x", "SMSSpamCollection": "ham\thi\n"})
-    (workdir / "corrupt.zip").write_bytes(b"PK\x03\x04 this is not really a zip")
-    (workdir / "dict.json").write_text('{"instruction": "a", "output": "b"}')
-    (workdir / "nofields.json").write_text(json.dumps([{"instruction": f"i{i}", "input": ""} for i in range(5)]))
-    (workdir / "empty.txt").write_text("")
-    (workdir / "a.txt").write_text("hello world")
-    (workdir / "small.tiktoken").write_bytes(small_tokenizer.read_bytes())
-    write_tiktoken(workdir / "big.tiktoken", [f"t{i:05d}".encode() for i in range(66_000)])
-    (workdir / "SMSSpamCollection").write_text("ham\thello\nno tab here\nspam\twin\nmaybe\tlabel\n")
-    for out in ("data/classify", "data/instruct", "data/pretrain"):
-        (workdir / out).mkdir(parents=True)
-        (workdir / out / "previous.jsonl").write_text("kept\n")
-    return workdir
-
-
-@pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input(name, bad_files, capsys):
-    args, fragment, code = BAD_INPUTS[name]
-    before = snapshot(bad_files / "data")
-    rc, out, err = call(capsys, *args)
-    assert rc == code, err
-    lines = error_lines(err)
-    assert len(lines) == 1 and fragment in lines[0], err
-    assert "Traceback" not in err
-    assert snapshot(bad_files / "data") == before
-    assert not list((bad_files / "metrics").glob("*")) if (bad_files / "metrics").exists() else True
 
 
 def test_unreachable_url_fails_after_retries_without_partial_file(workdir, capsys):

@@ -371,6 +371,8 @@ def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 def read_params(path: str | os.PathLike) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise BadInput(f"params file {path} is a folder, not a YAML file")
     if not path.is_file():
         raise BadInput(f"params file not found: {path}")
     try:
