@@ -293,7 +293,7 @@ CASES = [
     Case("cli", "zero --max-new-tokens", ["generate", "x", "--checkpoint", "ckpt", "--max-new-tokens", "0"],
          "--max-new-tokens must be > 0, got 0"),
     Case("cli", "negative --temperature", ["generate", "x", "--checkpoint", "ckpt", "--temperature", "-1"],
-         "--temperature and --top-k must be >= 0"),
+         "--temperature must be >= 0 (0 = greedy), got -1.0"),
     Case("cli", "pipeline with an unknown stage", ["pipeline", "prepare_classify", "nosuchstage"],
          "unknown stage 'nosuchstage'; stages in dvc.yaml: prepare_pretrain"),
     Case("cli", "--params naming a folder", ["config", "show", "--params", "params_dir"],

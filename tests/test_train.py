@@ -121,6 +121,55 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, shards, sma
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, small_tokenizer, monkeypatch):
+    """ENOSPC in the middle of writing a checkpoint (a patched writer: half a file, then the
+    error): the run stops with one clear error, the previous checkpoint verifies and resumes."""
+    import errno
+
+    from gptforge import checkpoint as ckpt
+
+    real_save = T.save_model
+    calls = {"n": 0}
+
+    def disk_fills_up(model, folder):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            (Path(folder) / "model.safetensors").write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(model, folder)
+
+    monkeypatch.setattr(T, "save_model", disk_fills_up)
+    cfg = small_cfg(small_tokenizer, "pretrain.max_steps=20")
+    with pytest.raises(StageFailed, match=r"cannot write checkpoint .*step_00000010: No space left on device; "
+                                          r"the previous checkpoints \(step_00000005\) are intact"):
+        run_pretrain(cfg, shards, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]  # no temporary left
+    assert ckpt.verify(tmp_path / "checkpoints/step_00000005") is None
+    monkeypatch.setattr(T, "save_model", real_save)
+    resumed = run_pretrain(small_cfg(small_tokenizer, "pretrain.max_steps=20"), shards, tmp_path)
+    assert math.isfinite(resumed["val_loss"])
+
+
+@pytest.mark.slow
+def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer):
+    """The same with a real full disk: a 1 MiB tmpfs holds two checkpoints of this model, not three."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the patched-writer test covers the logic")
+    try:
+        cfg = small_cfg(small_tokenizer, "pretrain.max_steps=40", "pretrain.keep_last=10")
+        with pytest.raises(StageFailed, match=r"No space left on device; the previous checkpoints \(step_00000005"):
+            run_pretrain(cfg, shards, mount)
+        from gptforge import checkpoint as ckpt
+
+        kept = ckpt.list_checkpoints(mount / "checkpoints")
+        assert kept and all(ckpt.verify(k) is None for k in kept)
+        assert not [p for p in (mount / "checkpoints").iterdir() if p.name.startswith(".")]  # no half-written folder
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights
 

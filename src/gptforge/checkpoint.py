@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gptforge.errors import BadInput
+from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_dir, sha256_file, write_json
 
 CHECKSUMS = "checksums.json"
@@ -67,10 +67,16 @@ def save_checkpoint(
     _check_weights_only(state, "state")
     root = Path(root)
     folder = root / f"step_{step:08d}"
-    with atomic_dir(folder) as tmp:
-        write_model(tmp)
-        torch.save(state, tmp / STATE)
-        _write_checksums(tmp)
+    try:
+        with atomic_dir(folder) as tmp:
+            write_model(tmp)
+            torch.save(state, tmp / STATE)
+            _write_checksums(tmp)
+    except OSError as e:  # a full disk, a quota, a read-only mount: the older checkpoints are untouched
+        kept = [p.name for p in list_checkpoints(root) if p != folder]
+        raise StageFailed(f"cannot write checkpoint {folder}: {e.strerror or e}; "
+                          + (f"the previous checkpoints ({', '.join(kept)}) are intact" if kept
+                             else "no earlier checkpoint exists")) from e
     _fsync_dir(root)
     if keep_last is not None:
         older = [p for p in list_checkpoints(root) if p != folder]

@@ -161,8 +161,10 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise BadInput(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    if args.temperature < 0 or args.top_k < 0:
-        raise BadInput("--temperature and --top-k must be >= 0")
+    if args.temperature < 0:
+        raise BadInput(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise BadInput(f"--top-k must be >= 0 (0 = no cut), got {args.top_k}")
     cfg = load_config(params_file(args), args.set)
     enc = load_tokenizer(cfg.tokenizer.path)
     device = _device(args.device)
@@ -265,24 +267,29 @@ def cmd_stage(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
+    from gptforge import locks
     from gptforge.pipeline import check_request, run_pipeline
 
     check_request(args.stages, args.params, args.set)  # before any server starts
+    options = {"pull": args.pull, "push": args.push, "force": args.force}
     if args.pool:
         from flows.submit import submit_pipeline
 
         _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
         submit_pipeline(args.pool, {"stages": args.stages, "params": args.params, "overrides": list(args.set),
-                                    "pull": args.pull, "push": args.push, "force": args.force})
-    elif use_prefect():
-        from flows.pipeline import pipeline
+                                    **options})
+        return 0
+    # A second pipeline (or one while a DVC command runs here) is refused now, before Prefect
+    # starts; the library takes the same lock again (a no-op in this process).
+    with locks.hold("pipeline", "a gptforge pipeline"):
+        locks.check_dvc_idle()
+        if use_prefect():
+            from flows.pipeline import pipeline
 
-        _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
-        pipeline(stages=args.stages, params=args.params, overrides=list(args.set), pull=args.pull, push=args.push,
-                 force=args.force)
-    else:
-        run_pipeline(args.stages, params=args.params, overrides=args.set, pull=args.pull, push=args.push,
-                     force=args.force).raise_for_failure()
+            _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
+            pipeline(stages=args.stages, params=args.params, overrides=list(args.set), **options)
+        else:
+            run_pipeline(args.stages, params=args.params, overrides=args.set, **options).raise_for_failure()
     return 0
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from gptforge import tracking
+from gptforge import locks, tracking
 from gptforge.config import DEFAULT_PARAMS, apply_overrides, read_params, validate
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_file, read_json
@@ -355,7 +355,19 @@ def run_pipeline(
     known = dvc_stages(root)
     check_stage_names(stages, known)
     target = root / DEFAULT_PARAMS
-    apply_params(params, overrides, target)
+    resolve_params(params, overrides, target)
+    # One pipeline at a time, and none while a DVC command runs here: checked before
+    # params.yaml is touched, so a refused run changes nothing.
+    with locks.hold("pipeline", "a gptforge pipeline", root):
+        locks.check_dvc_idle(root)
+        apply_params(params, overrides, target)
+        return _run(stages, known, target, overrides=overrides, pull=pull, push=push, force=force, steps=steps,
+                    env=env, tags=tags, root=root, start=start)
+
+
+def _run(stages: Sequence[str], known: list[str], target: Path, *, overrides: Sequence[str], pull: bool,
+         push: bool, force: bool, steps: Steps, env: Mapping[str, str] | None, tags: Mapping[str, Any] | None,
+         root: Path, start: float) -> PipelineReport:
     cfg = validate(read_params(target), str(target))
 
     with tracking.start_run(enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage="pipeline",

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from gptforge import tracking
+from gptforge import locks, tracking
 from gptforge.config import Config
 from gptforge.steps import DIRECT, Steps
 
@@ -61,6 +61,14 @@ STAGES: dict[str, Stage] = {
 
 
 def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[str, Any] | None = None) -> dict:
+    if "WORLD_SIZE" in os.environ:  # a torchrun worker: its launcher holds the stage's lock
+        return _run_stage(name, cfg, steps=steps, tags=tags)
+    # Two runs of one stage in one folder would write the same outputs (checkpoints) at once.
+    with locks.hold(name, f"stage {name}"):
+        return _run_stage(name, cfg, steps=steps, tags=tags)
+
+
+def _run_stage(name: str, cfg: Config, *, steps: Steps, tags: Mapping[str, Any] | None) -> dict:
     stage = STAGES[name]
     if name == "pretrain":
         from gptforge.launch import launch_pretrain, needs_launch
