@@ -89,6 +89,19 @@ def test_second_pipeline_and_second_stage_are_refused_and_change_nothing(repo_co
         holder.wait()
 
 
+def _processes_in(folder: Path) -> list[str]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
+        try:
+            if p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():
+                found.append(" ".join(p.info["cmdline"] or []))
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
 def _weights(repo: Path) -> dict[str, torch.Tensor]:
     return load_file(repo / "checkpoints/pretrain/final/model.safetensors")
 
@@ -151,3 +164,45 @@ def test_dvc_repro_killed_mid_pretrain_resumes_to_the_same_weights(tmp_path, rep
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
     assert "pretrain" in lock["stages"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp_path, repo_copy, small_tokenizer,
+                                                                             sms_file, alpaca_file, mlflow_uri):
+    """SIGTERM to `gptforge pipeline` (a worker cancelling it, `docker stop`) reaches dvc and the
+    training stage: the stage checkpoints the step it is at, both MLflow runs end KILLED, no
+    process is left behind, and the next run resumes from that checkpoint."""
+    params = {**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **LONG_PRETRAIN,
+              "tracking.enabled": True, "tracking.experiment": "pipeline-sigterm"}
+    set_params(repo_copy, **params)
+    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
+    proc = subprocess.Popen([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"], cwd=repo_copy,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpts = repo_copy / "checkpoints/pretrain"
+    deadline = time.monotonic() + 300
+    while not (ckpts / "step_00000100").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the pipeline finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("gptforge: pipeline stopped by SIGTERM")
+    stopped = [line for line in err.splitlines() if "pretrain stopped by SIGTERM at step" in line]
+    assert stopped, err[-3000:]
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file() and not (ckpts / "final").exists()
+    assert _processes_in(repo_copy) == []  # dvc and the stage command are gone too
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name("pipeline-sigterm")
+    runs = {r.data.tags["gptforge.stage"]: r for r in client.search_runs([exp.experiment_id])
+            if r.data.tags.get("gptforge.stage") in ("pipeline", "pretrain")}
+    assert runs["pipeline"].info.status == "KILLED" and runs["pretrain"].info.status == "KILLED"
+    assert runs["pretrain"].data.tags["mlflow.parentRunId"] == runs["pipeline"].info.run_id
+
+    again = run_cli(["pipeline", "pretrain", "--no-pull", "--no-push"], repo_copy, env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"step_{step:08d}" in again.stderr and f"at step {step}" in again.stderr
+    assert (ckpts / "final/model.safetensors").is_file()

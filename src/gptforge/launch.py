@@ -19,7 +19,6 @@ written to a temporary file for the job's duration: every worker trains with exa
 from __future__ import annotations
 
 import codecs
-import contextlib
 import json
 import logging
 import os
@@ -29,13 +28,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from gptforge.config import Config, dump_yaml
 from gptforge.errors import BadInput, StageFailed
+from gptforge.signals import forwarded_to
 from gptforge.tracking import TAGS_ENV, env_tags
 
 log = logging.getLogger("gptforge")
@@ -135,34 +134,18 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, str | No
     Returns its exit code, the signal that stopped us (if any) and the last worker error line."""
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    received: list[int] = []
-
-    def forward(signum, frame):
-        # torchrun answers SIGINT/SIGTERM by stopping its workers and exiting; we keep reading
-        # until it has, then act on the signal ourselves.
-        received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
-    output = _Output()
-    try:
-        assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 65536):
-            output.feed(chunk)
-        output.close()
-        rc = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:  # we failed while it runs: leave no job behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-        proc.stdout.close()
+    # torchrun answers SIGINT/SIGTERM by stopping its workers and exiting; we keep reading until
+    # it has, then act on the signal ourselves.
+    with forwarded_to(proc) as received:
+        output = _Output()
+        try:
+            assert proc.stdout is not None
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                output.feed(chunk)
+            output.close()
+            rc = proc.wait()
+        finally:
+            proc.stdout.close()
     return rc, (received[0] if received else None), output.last_error
 
 

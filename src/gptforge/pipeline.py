@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -35,8 +36,9 @@ import yaml
 
 from gptforge import locks, tracking
 from gptforge.config import DEFAULT_PARAMS, apply_overrides, read_params, validate
-from gptforge.errors import BadInput, StageFailed
+from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
+from gptforge.signals import forwarded_to
 from gptforge.steps import DIRECT, Steps
 
 log = logging.getLogger("gptforge")
@@ -235,13 +237,15 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
     """Run `dvc repro`, streaming its output to the log, and note what it says about each stage."""
     args = ["repro", *(["--force"] if force else []), *stages]
     log.info("dvc %s", " ".join(args))
+    # Its own process group: Ctrl-C or SIGTERM (a worker cancelling the run, `docker stop`) is
+    # forwarded to dvc and the stage it runs, so a training stage checkpoints before it stops.
     proc = subprocess.Popen(dvc_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
-                            text=True, errors="replace", bufsize=1)
+                            text=True, errors="replace", bufsize=1, start_new_session=True)
     events: list[tuple[float, str, str]] = []
     errors: list[str] = []
-    try:
+    with forwarded_to(proc) as received:
         assert proc.stdout is not None
-        for raw in proc.stdout:
+        for raw in proc.stdout:  # until dvc and the stage it runs have both exited
             line = raw.rstrip("\n").split("\r")[-1].rstrip()  # a progress bar's last state
             if not line:
                 continue
@@ -257,15 +261,10 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
             if _ERROR.match(line):
                 errors.append(line)
         returncode = proc.wait()
-    except BaseException:
-        # Cancelled (Ctrl-C, SIGTERM from a worker, a Prefect cancellation): stop dvc and its
-        # stage cleanly, so the stage saves what it can and DVC releases its lock.
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
+    if received:
+        name = signal.Signals(received[0]).name
+        raise Stopped(received[0], f"pipeline stopped by {name}: dvc repro and its stage were stopped (a training "
+                                   "stage saves a checkpoint first); run it again to continue")
     return ReproOutcome(returncode, events, errors, time.monotonic())
 
 

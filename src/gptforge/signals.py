@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import subprocess
 import threading
 from typing import Iterator
 
@@ -55,3 +57,37 @@ def stop_requested() -> Iterator[StopRequest]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def forwarded_to(proc: subprocess.Popen) -> Iterator[list[int]]:
+    """While `proc` (started with `start_new_session=True`) runs, SIGINT/SIGTERM sent to us go to
+    its whole process group, so a stage under `dvc repro` or the workers under torchrun stop
+    cleanly (a training loop checkpoints first) instead of being orphaned. The yielded list
+    records the signals received. On the way out, a group still running (we failed while it
+    ran) is sent SIGTERM and waited for: no job is left behind."""
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+        for sig in SIGNALS:
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
