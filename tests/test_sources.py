@@ -55,13 +55,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = state.files[path]
         start = 0
         m = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
-        if m and action != "ignore-range":
+        if m and action == "wrong-range":  # 206, but from byte 0 whatever was asked
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes 0-{len(body) - 1}/{len(body)}")
+        elif m and action != "ignore-range":
             start = int(m.group(1))
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
         else:
             self.send_response(200)
         payload = body[start:]
+        if action == "wrong-length":  # a complete-looking answer that is 1000 bytes short
+            payload = payload[:-1000]
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if action == "truncate":  # promise the whole body, send half, hang up
@@ -171,6 +176,31 @@ def test_checksum_mismatch_leaves_no_file(server, tmp_path):
     with pytest.raises(BadInput, match=f"checksum mismatch for .*: expected {'0' * 64}, got {BODY_SHA}"):
         download_url(f"http://{server.base}/files/data.bin", dest, sha256="0" * 64)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_length_is_caught_by_the_checksum_and_leaves_nothing(server, https_to_loopback, tmp_path):
+    """A server whose answer looks complete but is short (its Content-Length agrees with what it
+    sends): only the pinned sha256 can tell, and then nothing corrupt stays in the cache."""
+    server.script["/files/data.bin"] = ["wrong-length"]
+    with pytest.raises(BadInput, match=r"checksum mismatch .*\(check p.sha256 and p.source\)"):
+        materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
+                    raw_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    # The next run downloads it again, whole.
+    path = materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
+                       raw_dir=tmp_path)
+    assert path.read_bytes() == BODY
+
+
+def test_drop_then_wrong_range_then_good_answer_ends_verified(server, https_to_loopback, tmp_path):
+    """Dropped mid-file, then a resume answered from the wrong offset (appending it would corrupt
+    the file): the bad part is discarded, the retry starts over, the result verifies."""
+    server.script["/files/data.bin"] = ["truncate", "wrong-range"]
+    path = materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
+                       raw_dir=tmp_path)
+    assert path.read_bytes() == BODY
+    ranges = [r for _, r in server.requests]
+    assert ranges[0] is None and ranges[1] is not None and ranges[2] is None  # resumed once, then from zero
 
 
 # ---------------------------------------------------------------------------------------------
