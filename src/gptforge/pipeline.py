@@ -30,12 +30,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
 from gptforge import locks, tracking
-from gptforge.config import DEFAULT_PARAMS, apply_overrides, read_params, validate
+from gptforge.config import DEFAULT_PARAMS, Config, apply_overrides, read_params, validate
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
 from gptforge.signals import forwarded_to
@@ -132,7 +132,8 @@ def _fmt(v: float) -> str:
 # DVC
 
 
-def dvc_stages(root: Path = Path(".")) -> list[str]:
+def dvc_stages(root: Path = Path(".")) -> dict[str, dict]:
+    """The stages of dvc.yaml, in order: name -> its definition (read once per run)."""
     path = root / DVC_FILE
     if not path.is_file():
         raise BadInput(f"{path} not found: run the pipeline from the repository root")
@@ -140,7 +141,7 @@ def dvc_stages(root: Path = Path(".")) -> list[str]:
         stages = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}
     except yaml.YAMLError as e:
         raise BadInput(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    return list(stages)
+    return dict(stages)
 
 
 def check_stage_names(names: Sequence[str], known: Sequence[str]) -> None:
@@ -153,12 +154,9 @@ def check_stage_names(names: Sequence[str], known: Sequence[str]) -> None:
             raise BadInput(f"unknown stage '{name}'{hint}; stages in {DVC_FILE}: {', '.join(known)}")
 
 
-def stage_metrics_files(stage: str, root: Path = Path(".")) -> list[Path]:
-    spec = (yaml.safe_load((root / DVC_FILE).read_text(encoding="utf-8")) or {}).get("stages", {}).get(stage) or {}
-    files = []
-    for entry in spec.get("metrics") or []:
-        files.append(root / (next(iter(entry)) if isinstance(entry, dict) else entry))
-    return files
+def stage_metrics_files(spec: Mapping[str, Any], root: Path = Path(".")) -> list[Path]:
+    """The metrics files a stage's dvc.yaml definition declares."""
+    return [root / (next(iter(entry)) if isinstance(entry, dict) else entry) for entry in spec.get("metrics") or []]
 
 
 def dvc_command(*args: str) -> list[str]:
@@ -232,8 +230,7 @@ class ReproOutcome:
     end: float
 
 
-def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False,
-              on_line: Callable[[str], None] | None = None) -> ReproOutcome:
+def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False) -> ReproOutcome:
     """Run `dvc repro`, streaming its output to the log, and note what it says about each stage."""
     args = ["repro", *(["--force"] if force else []), *stages]
     log.info("dvc %s", " ".join(args))
@@ -250,8 +247,6 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
             if not line:
                 continue
             log.info("%s", line)
-            if on_line:
-                on_line(line)
             now = time.monotonic()
             for kind, pattern in (("running", _RUNNING), ("skipped", _SKIPPED), ("restored", _RESTORED)):
                 if m := pattern.match(line):
@@ -303,13 +298,13 @@ def stage_reports(outcome: ReproOutcome, scope: Sequence[str]) -> tuple[list[Sta
 # The run
 
 
-def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> dict:
-    """The params tree a run will use (`params`, else `target`, plus overrides), validated."""
+def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> tuple[dict, Config]:
+    """The params tree a run will use (`params`, else `target`, plus overrides) and its
+    validated config."""
     source = Path(params) if params is not None else target
     tree = read_params(source) if source.is_file() or params is not None else {}
     tree = apply_overrides(tree, list(overrides))
-    validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
-    return tree
+    return tree, validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
 
 
 def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
@@ -319,20 +314,20 @@ def check_request(stages: Sequence[str], params: str | os.PathLike | None, overr
     resolve_params(params, overrides, root / DEFAULT_PARAMS)
 
 
-def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> bool:
+def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> Config:
     """Validate `params` + `overrides` and, when they differ from `target` (params.yaml),
-    write them there atomically. Returns whether params.yaml changed."""
+    write them there atomically. Returns the config the run uses."""
     source = Path(params) if params is not None else target
-    tree = resolve_params(params, overrides, target)
+    tree, cfg = resolve_params(params, overrides, target)
     current = read_params(target) if target.is_file() else None
     if current == tree:
-        return False
+        return cfg
     origin = f"{source}" + (f" with {' '.join(overrides)}" if overrides else "")
     with atomic_file(target, "w", encoding="utf-8") as f:
         f.write(f"# Written by `gptforge pipeline` from {origin}.\n")
         yaml.safe_dump(tree, f, sort_keys=False, default_flow_style=None)
     log.info("params.yaml now holds %s", origin)
-    return True
+    return cfg
 
 
 def run_pipeline(
@@ -353,21 +348,18 @@ def run_pipeline(
     start = time.monotonic()
     known = dvc_stages(root)
     check_stage_names(stages, known)
-    target = root / DEFAULT_PARAMS
-    resolve_params(params, overrides, target)
     # One pipeline at a time, and none while a DVC command runs here: checked before
-    # params.yaml is touched, so a refused run changes nothing.
+    # params.yaml is touched, so a refused run changes nothing (apply_params validates first).
     with locks.hold("pipeline", "a gptforge pipeline", root):
         locks.check_dvc_idle(root)
-        apply_params(params, overrides, target)
-        return _run(stages, known, target, overrides=overrides, pull=pull, push=push, force=force, steps=steps,
+        cfg = apply_params(params, overrides, root / DEFAULT_PARAMS)
+        return _run(stages, known, cfg, overrides=overrides, pull=pull, push=push, force=force, steps=steps,
                     env=env, tags=tags, root=root, start=start)
 
 
-def _run(stages: Sequence[str], known: list[str], target: Path, *, overrides: Sequence[str], pull: bool,
+def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, overrides: Sequence[str], pull: bool,
          push: bool, force: bool, steps: Steps, env: Mapping[str, str] | None, tags: Mapping[str, Any] | None,
          root: Path, start: float) -> PipelineReport:
-    cfg = validate(read_params(target), str(target))
 
     with tracking.start_run(enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage="pipeline",
                             params={"stages": ",".join(stages) or "all", "force": force,
@@ -385,13 +377,13 @@ def _run(stages: Sequence[str], known: list[str], target: Path, *, overrides: Se
             report.pulled = "skipped (--no-pull)"
 
         outcome = steps(dvc_repro, list(stages), child, force)
-        scope = list(stages) or known
+        scope = list(stages) or list(known)
         report.stages, report.failed_stage = stage_reports(outcome, scope)
         if outcome.returncode != 0:
             reason = best_error(outcome.errors) or f"dvc repro exited with code {outcome.returncode}"
             report.error = (f"stage {report.failed_stage} failed: {reason}" if report.failed_stage
                             else f"dvc repro failed: {reason}")
-        _add_metrics_and_runs(report, root, run.run_id)
+        _add_metrics_and_runs(report, known, root, run.run_id)
 
         if report.remote and push and report.ok:
             report.pushed = steps(dvc_push, report.remote, child)
@@ -414,14 +406,15 @@ def _run(stages: Sequence[str], known: list[str], target: Path, *, overrides: Se
     return report
 
 
-def _add_metrics_and_runs(report: PipelineReport, root: Path, parent_run_id: str | None) -> None:
+def _add_metrics_and_runs(report: PipelineReport, known: dict[str, dict], root: Path,
+                          parent_run_id: str | None) -> None:
     from gptforge.stages import STAGES
 
     children = tracking.child_runs(parent_run_id) if parent_run_id else {}
     for s in report.stages:
         if s.status in ("ran", "up to date", "restored"):
             values: dict[str, float] = {}
-            for path in stage_metrics_files(s.name, root):
+            for path in stage_metrics_files(known.get(s.name) or {}, root):
                 with contextlib.suppress(Exception):  # a stage may not have written it (yet)
                     values.update({k: v for k, v in read_json(path).items() if isinstance(v, (int, float))})
             wanted = STAGES[s.name].headline if s.name in STAGES else ()

@@ -217,18 +217,20 @@ def start_run(
         mlflow.end_run(status="FAILED" if run.failed and status == "FINISHED" else status)
 
 
-def run_url(run_id: str | None) -> str | None:
-    """The MLflow UI page of a run, when the store is a tracking server (http/https)."""
+def run_url(run_id: str | None, experiment_id: str | None = None) -> str | None:
+    """The MLflow UI page of a run, when the store is a tracking server (http/https). Without
+    `experiment_id` it is looked up (one request)."""
     uri = tracking_uri()
     if not run_id or not uri.startswith(("http://", "https://")):
         return None
-    try:
-        from mlflow.tracking import MlflowClient
+    if experiment_id is None:
+        try:
+            from mlflow.tracking import MlflowClient
 
-        experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
-    except Exception:  # a link is a convenience: never fail a run over it
-        return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+            experiment_id = MlflowClient(uri).get_run(run_id).info.experiment_id
+        except Exception:  # a link is a convenience: never fail a run over it
+            return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
@@ -243,7 +245,8 @@ def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
     except Exception as e:  # tracking off, mlflow missing, or its store unreachable
         log.debug("no child runs of %s: %s", parent_run_id, e)
         return {}
-    return {r.data.tags.get("gptforge.stage", r.info.run_name): (r.info.run_id, run_url(r.info.run_id)) for r in runs}
+    return {r.data.tags.get("gptforge.stage", r.info.run_name): (r.info.run_id, run_url(r.info.run_id, r.info.experiment_id))
+            for r in runs}
 
 
 def env_tags() -> dict[str, Any]:

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gptforge import checkpoint as ckpt
 from gptforge import flops
