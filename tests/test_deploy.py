@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain", "finetune_classify",
           "finetune_instruct", "evaluate", "benchmark"]
+EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 
 
@@ -69,7 +70,10 @@ def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, p
     for code in ("flows", "tasks"):
         shutil.copytree(REPO / code, repo_copy / code, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "prefect.yaml", repo_copy / "prefect.yaml")
-    set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file))
+    # Its own experiment: the MLflow server's database starts as a copy of the session's,
+    # which other tests may already have filled with pipeline runs.
+    set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+               **{"tracking.experiment": EXPERIMENT})
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "fixture params"],
                    cwd=repo_copy, check=True)
     env = cli_env(PREFECT_API_URL=prefect_api)
@@ -127,7 +131,7 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=mlflow_server)
-        exp = client.get_experiment_by_name("gptforge")
+        exp = client.get_experiment_by_name(EXPERIMENT)
         [parent] = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'")
         assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow_run_id"] == pipe["id"]
         children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
