@@ -60,7 +60,6 @@ def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
                                           state=Running())
         flow_run = client.create_flow_run(stage_flow_, parameters=stage_flow_.serialize_parameters(parameters),
                                           parent_task_run_id=task_run.id)
-    final = Failed(message="interrupted")
     try:
         result = run_flow(stage_flow_, flow_run=flow_run, parameters=parameters)
         final = Completed()
