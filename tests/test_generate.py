@@ -147,3 +147,132 @@ def test_generate_restores_training_mode():
     m.train()
     generate(m, prompt(), 2, temperature=0)
     assert m.training
+
+
+# -- the decode fast path ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize("B, bias", [(1, True), (2, False)])
+def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
+    """_Decoder is the same operations as GPT.hidden_states without the module calls: the hidden
+    states and the cache contents it leaves must be identical, not merely close."""
+    from gptforge.model import _Decoder
+
+    torch.manual_seed(3)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=128, n_vocab=100,
+                    attention=attention, bias=bias)
+    m = GPT(cfg).eval()
+    idx = prompt(B=B, T=9)
+    with torch.inference_mode():
+        c1, c2 = KVCache(cfg, B), KVCache(cfg, B)
+        m.hidden_states(idx[:, :5], c1)
+        m.hidden_states(idx[:, :5], c2)
+        step = _Decoder(m, c2)
+        for t in range(5, 9):
+            ref = m.hidden_states(idx[:, t:t + 1], c1)[:, -1, :]
+            got = step(idx[:, t])
+            assert torch.equal(got, ref)
+        assert c1.pos == c2.pos == 9
+        for layer in range(cfg.n_layer):
+            assert torch.equal(c1.kv[layer], c2.kv[layer])
+        step.cache.pos = c2.max_len
+        with pytest.raises(BadInput, match="KV cache holds 24 positions"):
+            step(idx[:, 0])
+
+
+def _reference_argmax(W: torch.Tensor, x: torch.Tensor) -> int:
+    return int(torch.argmax(W.double() @ x.double()))
+
+
+def test_greedy_head_screen_finds_the_float64_argmax():
+    """The int8 screen must return exactly the argmax of W·x (computed here in float64), on
+    random heads and hidden states, and on rows built to be nearly tied with the winner."""
+    from gptforge.model import _GreedyHead
+
+    if not _GreedyHead.usable(torch.zeros(64, 16)):
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    g = torch.Generator().manual_seed(0)
+    for C, scale in [(32, 0.02), (128, 0.02), (128, 1.0), (96, 0.3)]:
+        W = torch.randn(3000, C, generator=g) * scale
+        screen = _GreedyHead(W)
+        for i in range(40):
+            x = torch.randn(C, generator=g) * (1 + i % 5)
+            assert screen.argmax(x) == _reference_argmax(W, x)
+    # near ties: copies of the winning row nudged by one float32 ulp in one element, up or
+    # down; the screen cannot see those differences, the verification must
+    W = torch.randn(2000, 64, generator=g) * 0.05
+    x = torch.randn(64, generator=g)
+    win = _reference_argmax(W, x)
+    for j, (row, direction) in enumerate([(10, 1.0), (500, -1.0), (1999, 1.0), (0, -1.0)]):
+        W2 = W.clone()
+        W2[row] = W[win]
+        k = int(torch.argmax(x.abs()))
+        toward = torch.tensor(float("inf") if (x[k] > 0) == (direction > 0) else float("-inf"))
+        W2[row, k] = torch.nextafter(W2[row, k], toward)
+        assert _GreedyHead(W2).argmax(x) == _reference_argmax(W2, x), (row, direction)
+    # an exact tie goes to the lower index, as torch.argmax
+    W2 = W.clone()
+    W2[3] = W[win]
+    assert _GreedyHead(W2).argmax(x) == min(3, win)
+
+
+def test_greedy_head_screen_declines_what_it_cannot_bound():
+    from gptforge.model import _GreedyHead
+
+    if not _GreedyHead.usable(torch.zeros(64, 16)):
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    W = torch.randn(500, 32)
+    screen = _GreedyHead(W)
+    assert screen.argmax(torch.full((32,), float("nan"))) is None
+    x = torch.randn(32)
+    x[3] = float("inf")
+    assert screen.argmax(x) is None
+    same = _GreedyHead(torch.randn(1, 32).expand(2000, 32).contiguous())  # every row ties
+    assert same.argmax(torch.randn(32)) is None  # > MAX_CANDIDATES: the caller takes the full head
+    # only where it pays: float32 on the CPU
+    assert not _GreedyHead.usable(W.double())
+    assert not _GreedyHead.usable(W.bfloat16())
+
+
+def test_greedy_head_copy_follows_the_weights():
+    """The int8 copy is kept on the model until its head changes: an in-place update (an
+    optimizer step between two generations during training) must make a new one."""
+    from gptforge.model import _GreedyHead
+
+    m = model()
+    a = _GreedyHead.for_model(m)
+    if a is None:
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert _GreedyHead.for_model(m) is a
+    with torch.no_grad():
+        m.transformer.wte.weight.mul_(-1.0)
+    b = _GreedyHead.for_model(m)
+    assert b is not a
+    W = m.transformer.wte.weight[:100]
+    x = torch.randn(32)
+    assert b.argmax(x) == _reference_argmax(W, x)
+    m.double()  # not float32: no screen, and the stale copy is dropped
+    assert _GreedyHead.for_model(m) is None
+    assert "_greedy_head" not in m.__dict__
+
+
+def test_greedy_with_and_without_the_screen_agree(monkeypatch):
+    """Long greedy runs with the int8 screen give the tokens of the plain float32 head."""
+    from gptforge.model import _GreedyHead
+
+    m = model(block_size=64)
+    idx = prompt(T=3)
+    answered = []
+    real_argmax = _GreedyHead.argmax
+    monkeypatch.setattr(_GreedyHead, "argmax", lambda self, x: answered.append(real_argmax(self, x)) or answered[-1])
+    with_screen = generate(m, idx, 60, temperature=0)
+    if not answered:
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert len(answered) == 60 and None not in answered  # the screen chose every token
+    calls = []
+    monkeypatch.setattr(_GreedyHead, "for_model", classmethod(lambda cls, m: calls.append(m) or None))
+    without = generate(m, idx, 60, temperature=0)
+    assert calls  # the patched lookup really was the one consulted
+    assert torch.equal(with_screen, without)
+    assert len(set(without[0, 3:].tolist())) > 5
