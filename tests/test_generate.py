@@ -276,3 +276,20 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     assert calls  # the patched lookup really was the one consulted
     assert torch.equal(with_screen, without)
     assert len(set(without[0, 3:].tolist())) > 5
+
+
+def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(monkeypatch):
+    """The bound assumes the int8 kernel's own rounding; a kernel 1% off must not be trusted:
+    no screen, and greedy decoding falls back to the float32 head with the same tokens."""
+    from gptforge.model import _GreedyHead
+
+    m = model()
+    if _GreedyHead.for_model(m) is None:
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    idx = prompt()
+    expected = generate(m, idx, 20, temperature=0)
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, q, s: real(x, q, s) * 1.01)
+    m2 = model()
+    assert _GreedyHead.for_model(m2) is None
+    assert torch.equal(generate(m2, idx, 20, temperature=0), expected)
