@@ -199,6 +199,13 @@ def test_greedy_head_screen_finds_the_float64_argmax():
         for i in range(40):
             x = torch.randn(C, generator=g) * (1 + i % 5)
             assert screen.argmax(x) == _reference_argmax(W, x)
+    # the quantization's own error stays within the constant the bound uses, unclamped
+    W = torch.randn(5000, 48, generator=g) * torch.rand(5000, 1, generator=g) * 3
+    screen = _GreedyHead(W, chunk_rows=777)
+    q = screen.q.double()
+    assert int(screen.q.abs().max()) <= 127
+    assert float((W.double() - q * screen.scale.double()[:, None]).abs().max()) <= screen.err_w
+    assert screen.w_max == float(W.abs().max())
     # near ties: copies of the winning row nudged by one float32 ulp in one element, up or
     # down; the screen cannot see those differences, the verification must
     W = torch.randn(2000, 64, generator=g) * 0.05
