@@ -300,3 +300,40 @@ def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(mon
     m2 = model()
     assert _GreedyHead.for_model(m2) is None
     assert torch.equal(generate(m2, idx, 20, temperature=0), expected)
+
+
+def test_unmerged_lora_layers_decode_through_the_modules():
+    """A model whose Linears are peft LoRA layers must decode with its adapters: the lean step
+    (which reads .weight directly) is not used for it, and greedy tokens equal the merged model's."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    from gptforge.model import _Decoder
+
+    m = model(block_size=64)
+    lora = peft.get_peft_model(copy.deepcopy(m), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"]))
+    with torch.no_grad():  # adapters that change the outputs (lora_B starts at zero)
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    inner = lora.base_model.model
+    assert not _Decoder.supports(inner) and _Decoder.supports(m)
+    idx = prompt(T=4)
+    adapted = generate(inner, idx, 30, temperature=0)
+    uncached = generate(inner, idx, 30, temperature=0, use_cache=False)
+    merged = generate(lora.merge_and_unload(), idx, 30, temperature=0)
+    plain = generate(m, idx, 30, temperature=0)
+    assert torch.equal(adapted, uncached)
+    assert torch.equal(adapted, merged)
+    assert not torch.equal(adapted, plain)  # the adapters really matter here
+
+
+def test_a_forward_hook_keeps_decoding_on_the_modules():
+    from gptforge.model import _Decoder
+
+    m = model()
+    seen = []
+    m.transformer.h[0].mlp.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    assert not _Decoder.supports(m)
+    generate(m, prompt(), 6, temperature=0)
+    assert len(seen) == 6  # the prefill and 5 decode steps all ran the hooked module

@@ -408,6 +408,18 @@ class _Decoder:
         self.ln_f = (tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
         self.head = tr.wte.weight[: cfg.n_vocab]
 
+    @staticmethod
+    def supports(model: "GPT") -> bool:
+        """Whether the functional step computes what the modules would: every layer it reads is
+        a plain nn.Linear / nn.LayerNorm (not, say, a peft LoRA layer that adds its adapter in
+        forward) and no module has hooks. Otherwise generate decodes through the modules."""
+        tr = model.transformer
+        linears = [m for b in tr.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+        norms = [m for b in tr.h for m in (b.ln_1, b.ln_2)] + [tr.ln_f]
+        if any(type(m) is not nn.Linear for m in linears) or any(type(m) is not nn.LayerNorm for m in norms):
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         """tok (B,) int64, the token at position cache.pos -> (B, n_embd) final hidden states,
         whose product with the head gives the next token's logits."""
@@ -491,10 +503,15 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
         if top_k is not None:
             top_k = min(top_k, cfg.n_vocab)
         head = model.transformer.wte.weight[: cfg.n_vocab]
-        screen = _GreedyHead.for_model(model) if temperature == 0 and B == 1 else None
+        # Not under autocast: there the full head's logits are bfloat16, not float32.
+        screen = (_GreedyHead.for_model(model) if temperature == 0 and B == 1
+                  and not torch.is_autocast_enabled(idx.device.type) else None)
         n = T0
         x = model.hidden_states(out[:, max(0, n - block):n], cache)[:, -1, :]
-        step = _Decoder(model, cache) if cache is not None else None
+        step = _Decoder(model, cache) if cache is not None and _Decoder.supports(model) else None
+        if step is None and cache is not None:
+            def step(tok):
+                return model.hidden_states(tok.view(-1, 1), cache)[:, -1, :]
         for _ in range(max_new_tokens):
             best = screen.argmax(x[0]) if screen is not None else None
             if best is not None:
