@@ -26,6 +26,7 @@ instead of 64, so that prompt + 128 new tokens fit in the context and neither si
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -76,6 +77,7 @@ def main() -> int:
     cfg = CONFIGS[args.config]
     model = GPT(cfg).eval()
     hf = to_hf(model)
+    import transformers
     n = args.new_tokens
     prompt = torch.randint(0, cfg.n_vocab, (1, args.prompt_tokens))
     eos = cfg.n_vocab - 1
@@ -107,6 +109,7 @@ def main() -> int:
         first_diff = int(diff[0]) - args.prompt_tokens if len(diff) else k - args.prompt_tokens
     result = {
         "config": args.config,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {**cfg.to_dict(), "params": model.num_params(non_embedding=False)},
         "batch_size": 1,
         "prompt_tokens": args.prompt_tokens,
@@ -114,6 +117,7 @@ def main() -> int:
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "machine": platform.machine(),
         "ours_tokens_per_sec": round(n / t_ours, 2),
         "hf_tokens_per_sec": round(n / t_hf, 2),
