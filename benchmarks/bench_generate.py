@@ -91,7 +91,7 @@ def main() -> int:
 
     def ours_full_head():  # the same, with the greedy int8 head screen switched off
         saved = _GreedyHead.for_model
-        _GreedyHead.for_model = classmethod(lambda cls, m: None)
+        _GreedyHead.for_model = classmethod(lambda cls, m, build=True: None)
         try:
             return generate(model, prompt, n, temperature=0)
         finally:

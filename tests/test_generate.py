@@ -278,7 +278,7 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
         pytest.skip("this torch build has no _weight_int8pack_mm")
     assert len(answered) == 60 and None not in answered  # the screen chose every token
     calls = []
-    monkeypatch.setattr(_GreedyHead, "for_model", classmethod(lambda cls, m: calls.append(m) or None))
+    monkeypatch.setattr(_GreedyHead, "for_model", classmethod(lambda cls, m, build=True: calls.append(m) or None))
     without = generate(m, idx, 60, temperature=0)
     assert calls  # the patched lookup really was the one consulted
     assert torch.equal(with_screen, without)
@@ -337,3 +337,21 @@ def test_a_forward_hook_keeps_decoding_on_the_modules():
     assert not _Decoder.supports(m)
     generate(m, prompt(), 6, temperature=0)
     assert len(seen) == 6  # the prefill and 5 decode steps all ran the hooked module
+
+
+def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
+    from gptforge.model import _GreedyHead
+
+    m = model(block_size=64)
+    if not _GreedyHead.usable(m.transformer.wte.weight):
+        pytest.skip("this torch build has no _weight_int8pack_mm")
+    generate(m, prompt(), 5, temperature=0)
+    assert "_greedy_head" not in m.__dict__
+    generate(m, prompt(), 20, temperature=0)
+    screen = m.__dict__["_greedy_head"][1]
+    assert screen is not None
+    used = []
+    real = _GreedyHead.argmax
+    monkeypatch.setattr(_GreedyHead, "argmax", lambda self, x: used.append(self) or real(self, x))
+    generate(m, prompt(), 5, temperature=0)  # an up-to-date copy is used even for a few tokens
+    assert used and all(u is screen for u in used)

@@ -503,8 +503,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
         if top_k is not None:
             top_k = min(top_k, cfg.n_vocab)
         head = model.transformer.wte.weight[: cfg.n_vocab]
-        # Not under autocast: there the full head's logits are bfloat16, not float32.
-        screen = (_GreedyHead.for_model(model) if temperature == 0 and B == 1
+        # Not under autocast: there the full head's logits are bfloat16, not float32. A new
+        # int8 copy costs about what 10 tokens save: not made for fewer new tokens than that.
+        screen = (_GreedyHead.for_model(model, build=max_new_tokens >= 16) if temperature == 0 and B == 1
                   and not torch.is_autocast_enabled(idx.device.type) else None)
         n = T0
         x = model.hidden_states(out[:, max(0, n - block):n], cache)[:, -1, :]
@@ -544,8 +545,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
 
 class _GreedyHead:
     """The argmax of `weight @ x` (the next greedy token) for one float32 hidden state on the
-    CPU, reading an int8 copy of the head instead of the float32 one, and the same token as
-    the float32 product's argmax.
+    CPU, reading an int8 copy of the head instead of the float32 one, and still the exact
+    argmax (ties to the lowest index).
 
     Decoding at batch 1 is memory-bound: each token reads every weight once, and GPT-2's
     (50257, 768) float32 head is 154 MB of the model's 500. Greedy decoding needs only the
@@ -613,9 +614,10 @@ class _GreedyHead:
                 and hasattr(torch, "_weight_int8pack_mm"))
 
     @classmethod
-    def for_model(cls, model: "GPT") -> "_GreedyHead | None":
+    def for_model(cls, model: "GPT", build: bool = True) -> "_GreedyHead | None":
         """The screen of `model`'s head, kept on the model (so it lives as long as the model)
-        until the head changes: another tensor, or an in-place update (its version counter)."""
+        until the head changes: another tensor, or an in-place update (its version counter).
+        With build=False, only an up-to-date copy already made is returned."""
         weight = model.transformer.wte.weight[: model.config.n_vocab]
         if not cls.usable(weight):
             model.__dict__.pop("_greedy_head", None)
@@ -623,6 +625,8 @@ class _GreedyHead:
         key = (weight.data_ptr(), tuple(weight.shape), weight._version)
         cached = model.__dict__.get("_greedy_head")
         if cached is None or cached[0] != key:
+            if not build:
+                return None
             head = cls(weight)
             cached = model.__dict__["_greedy_head"] = (key, head if head._kernel_within_bound() else None)
         return cached[1]

@@ -1,0 +1,41 @@
+"""The benchmark scripts that README figures come from still run and report what they say they
+report (smallest settings; the timings themselves are not asserted: a unit test is no
+benchmark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, timeout: int = 300) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def test_bench_generate_compares_with_hugging_face_and_checks_the_tokens():
+    pytest.importorskip("transformers")
+    r = run_script("bench_generate.py", "--config", "tiny", "--new-tokens", "20", "--repeats", "2")
+    assert r["config"] == "tiny" and r["new_tokens"] == 20 and r["repeats"] == 2
+    assert r["same_tokens"] is True and r["same_tokens_full_head"] is True
+    for key in ("ours_tokens_per_sec", "hf_tokens_per_sec", "ours_full_head_tokens_per_sec"):
+        assert r[key] > 0
+    assert len(r["ours_times_s"]) == len(r["hf_times_s"]) == 2
+    assert r["speedup"] == pytest.approx(r["ours_tokens_per_sec"] / r["hf_tokens_per_sec"], rel=0.01)
+
+
+def test_bench_train_step_reports_the_median_of_the_timed_steps():
+    r = run_script("bench_train_step.py", "--steps", "3", "--warmup", "1")
+    assert r["timed_steps"] == 3 and r["warmup_steps"] == 1
+    assert r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
+    assert r["tokens_per_sec"] > 0
