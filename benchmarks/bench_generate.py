@@ -37,6 +37,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from gptforge.model import GPT, GPTConfig, _GreedyHead, generate, to_hf  # noqa: E402
 
@@ -77,7 +78,6 @@ def main() -> int:
     cfg = CONFIGS[args.config]
     model = GPT(cfg).eval()
     hf = to_hf(model)
-    import transformers
     n = args.new_tokens
     prompt = torch.randint(0, cfg.n_vocab, (1, args.prompt_tokens))
     eos = cfg.n_vocab - 1

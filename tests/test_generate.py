@@ -355,3 +355,17 @@ def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
     monkeypatch.setattr(_GreedyHead, "argmax", lambda self, x: used.append(self) or real(self, x))
     generate(m, prompt(), 5, temperature=0)  # an up-to-date copy is used even for a few tokens
     assert used and all(u is screen for u in used)
+
+
+def test_directed_bfloat16_rounding_brackets_each_value():
+    from gptforge.model import _to_bf16
+
+    v = torch.cat([torch.randn(5000) * 1e3, torch.randn(5000) * 1e-3, torch.tensor([0.0, 1.0, -2.5])])
+    up, down = _to_bf16(v, up=True), _to_bf16(v, up=False)
+    assert up.dtype == down.dtype == torch.bfloat16
+    assert bool((up.double() >= v.double()).all()) and bool((down.double() <= v.double()).all())
+    # adjacent bfloat16 numbers (or the value itself when it is one)
+    exact = up == down
+    assert bool((up[~exact] == torch.nextafter(down[~exact], torch.tensor(float("inf"), dtype=torch.bfloat16))).all())
+    assert bool(exact[-3:].all())
+    assert _to_bf16(torch.tensor(float("nan")), up=False).isnan()

@@ -399,14 +399,12 @@ class _Decoder:
         self.cache = cache
         self.n_embd, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.math = cfg.attention == "math"  # triton models decode with sdpa (see generate)
-        self.layers = [(b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias,
-                        b.attn.c_proj.weight, b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias,
+        self.layers = [(b.ln_1.weight, b.ln_1.bias, b.ln_1.eps, b.attn.c_attn.weight, b.attn.c_attn.bias,
+                        b.attn.c_proj.weight, b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.ln_2.eps,
                         b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight, b.mlp.c_proj.bias)
                        for b in tr.h]
-        self.eps = [(b.ln_1.eps, b.ln_2.eps) for b in tr.h]
         self.wte, self.wpe = tr.wte.weight, tr.wpe.weight
         self.ln_f = (tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
-        self.head = tr.wte.weight[: cfg.n_vocab]
 
     @staticmethod
     def supports(model: "GPT") -> bool:
@@ -431,8 +429,7 @@ class _Decoder:
         shape = (C,)
         lin, ln = F.linear, F.layer_norm
         x = (self.wte[tok] + self.wpe[pos:pos + 1]).view(B, 1, C)
-        for i, (l1w, l1b, aw, ab, pw, pb, l2w, l2b, fw, fb, mw, mb) in enumerate(self.layers):
-            eps1, eps2 = self.eps[i]
+        for i, (l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb) in enumerate(self.layers):
             qkv = lin(ln(x, shape, l1w, l1b, eps1), aw, ab).view(B, 3, nh, 1, hd)
             kv = cache.kv[i]
             kv[:, :, :, pos:pos + 1] = qkv[:, 1:]
@@ -586,7 +583,6 @@ class _GreedyHead:
         q = torch.empty(w.shape, dtype=torch.int8)
         scale = torch.empty(w.size(0), dtype=torch.bfloat16)
         amax = torch.empty(w.size(0))
-        inf = torch.tensor(float("inf"), dtype=torch.bfloat16)
         # Row blocks of ~3 MB (GPT-2): each is read from memory once and stays in cache for
         # its max, its scale and its quantization; whole-head passes would be 3x slower.
         for i in range(0, w.size(0), chunk_rows):
@@ -595,9 +591,7 @@ class _GreedyHead:
             torch.amax(rows.abs(), dim=1, out=a)
             # The scale rounded UP to bfloat16, so that |w / s| <= 127 and nothing is clamped:
             # then |w - s·q| <= s/2 plus the float32 rounding of w / s (<= 127·2^-24·s).
-            exact = (a / 127).clamp_min(torch.finfo(torch.float32).tiny)
-            b = exact.to(torch.bfloat16)
-            b = torch.where(b.float() < exact, torch.nextafter(b, inf), b)
+            b = _to_bf16((a / 127).clamp_min(torch.finfo(torch.float32).tiny), up=True)
             scale[i:i + chunk_rows] = b
             q[i:i + chunk_rows] = torch.round(rows / b.float()[:, None])
         smax = float(scale.float().max())
@@ -654,23 +648,21 @@ class _GreedyHead:
         The bookkeeping is in NumPy, whose calls on a few hundred or thousand numbers cost
         ~1 us against torch's ~5-60 us (nonzero over 50257 flags: ~60 us): at the tiny config
         the int8 product itself is only ~300 us."""
-        xb = x.to(torch.bfloat16)
-        try:
-            out = torch._weight_int8pack_mm(xb.view(1, -1), self.q, self.scale)[0]
-        except RuntimeError:  # a torch build without this kernel for these shapes
-            return None
-        lo, hi = torch.aminmax(out)
-        top = float(hi)
-        xn, xb32 = x.numpy(), xb.float().numpy()
+        xn = x.numpy()
         if not np.isfinite(xn).all():
             return None
+        xb = x.to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(xb.view(1, -1), self.q, self.scale)[0]  # the probe ran it
+        lo, hi = torch.aminmax(out)
+        top = float(hi)
+        xb32 = xb.float().numpy()
         n_xb = float(np.abs(xb32).sum())
         err = (float(np.abs(xn - xb32).sum()) * self.w_max + n_xb * (self.err_w + self.acc)
                + 2.0 ** -7 * max(top, -float(lo)) / (1 - 2.0 ** -7))
         # Rows whose screened logit reaches top - 2·err; the threshold is rounded down to a
         # bfloat16 value so that comparing in bfloat16 loses no row. (An overflow to inf in the
         # product makes err inf or NaN: then there are no candidates, and the answer is None.)
-        threshold = _bf16_floor(top - 2 * err)
+        threshold = float(_to_bf16(torch.tensor(top - 2 * err), up=False))
         cand = np.flatnonzero((out >= threshold).numpy())
         if not 0 < cand.size <= self.MAX_CANDIDATES:
             return None
@@ -678,12 +670,12 @@ class _GreedyHead:
         return int(cand[int(np.argmax(rows @ xn.astype(np.float64)))])
 
 
-def _bf16_floor(value: float) -> float:
-    """The largest bfloat16 number <= value (NaN stays NaN)."""
-    b = torch.tensor(value, dtype=torch.float32).to(torch.bfloat16)
-    if float(b) > value:
-        b = torch.nextafter(b, torch.tensor(float("-inf"), dtype=torch.bfloat16))
-    return float(b)
+def _to_bf16(values: torch.Tensor, *, up: bool) -> torch.Tensor:
+    """float32 values rounded to bfloat16 toward +inf (up) or -inf, not to the nearest: the
+    error bounds above need to know which side of a value its bfloat16 lies. NaN stays NaN."""
+    b = values.to(torch.bfloat16)
+    off = b.float() < values if up else b.float() > values
+    return torch.where(off, torch.nextafter(b, torch.tensor(float("inf" if up else "-inf"), dtype=torch.bfloat16)), b)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
