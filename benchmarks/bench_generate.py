@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
@@ -90,12 +91,8 @@ def main() -> int:
                            max_new_tokens=n, min_new_tokens=n, pad_token_id=eos, eos_token_id=eos)
 
     def ours_full_head():  # the same, with the greedy int8 head screen switched off
-        saved = _GreedyHead.for_model
-        _GreedyHead.for_model = classmethod(lambda cls, m, build=True: None)
-        try:
+        with mock.patch.object(_GreedyHead, "for_model", classmethod(lambda cls, m, build=True: None)):
             return generate(model, prompt, n, temperature=0)
-        finally:
-            _GreedyHead.for_model = saved
 
     screen_used = _GreedyHead.for_model(model) is not None
     res = timed_interleaved({"ours": ours, "ours_full_head": ours_full_head, "hf": theirs}, args.repeats)
