@@ -1,15 +1,19 @@
 """`gptforge benchmark`: which settings make the training step fast, and how far from the limit?
 
-The grid follows build-nanogpt's progression: each variant adds one change to the one before
-(fp32 eager with plain attention and the raw 50257 vocabulary, then TF32, bf16 autocast, SDPA
-attention, the vocabulary padded to 50304, fused AdamW, torch.compile, our Triton attention,
-our fused cross-entropy). A change that does not apply on the device (TF32 and the Triton
-kernels need CUDA) is skipped with the reason and the next variant builds on the last one that
-ran. Every timing: `warmup` untimed steps, device synchronisation around each timed step, the
-median of `steps` repetitions with min and max. Micro-benchmarks time attention (forward and
-forward+backward, TFLOP/s against sequence length, per backend) and cross-entropy (time and peak
-memory against vocabulary size); a torch.profiler trace of chosen variants gives the top
-kernels.
+The grid follows build-nanogpt's progression (fp32 eager with plain attention and the raw 50257
+vocabulary, then TF32, bf16 autocast, SDPA attention, the vocabulary padded to 50304, fused
+AdamW, torch.compile, our Triton attention, our fused cross-entropy) as a keep-the-best chain:
+each variant is the best configuration kept so far plus its own change, and it is kept (the
+next variants build on it) unless its median step is more than 5% slower than the fastest kept
+variant. A variant that makes the step slower, such as bf16 autocast on a CPU without native
+bf16 (36x slower on an AVX2-only EPYC), is reported as not kept with the reason ("not kept:
+36.4x slower than baseline") and is not carried into the next variants; one whose step already
+takes over 10x the fastest kept stops being timed after that step. A change that does not apply
+on the device (TF32 and the Triton kernels need CUDA) is skipped with the reason. Every timing:
+`warmup` untimed steps, device synchronisation around each timed step, the median of `steps`
+repetitions with min and max. Micro-benchmarks time attention (forward and forward+backward,
+TFLOP/s against sequence length, per backend) and cross-entropy (time and peak memory against
+vocabulary size); a torch.profiler trace of chosen variants gives the top kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +57,8 @@ class Variant:
 
 
 def variant_grid() -> list[tuple[str, str, dict]]:
-    """(name, what it adds, settings changed) in build-nanogpt's order."""
+    """(name, what it adds, settings changed) in build-nanogpt's order. `run_variants` applies each
+    change to the best configuration kept so far, not to the variant just before it."""
     return [
         ("baseline", "fp32, eager, math attention, vocab 50257, AdamW, F.cross_entropy", {}),
         ("tf32", "TF32 matmuls", {"precision": "tf32"}),
@@ -157,6 +162,37 @@ def time_it(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
     return times
 
 
+def time_step(step: Callable[[], Any], device: torch.device, warmup: int, repeats: int, *, settle: int = 1,
+              stop_over_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
+              ) -> tuple[list[float], bool]:
+    """`time_it` for a training step that gives up on a hopeless variant: (times, stopped early).
+
+    Every call is timed between synchronisations, the warm-up ones too. The first `settle` calls
+    pay one-time costs (allocation, compilation) and are never judged; any later call, warm-up or
+    timed, that takes over `stop_over_s` ends the timing at once (a step 10x slower than the best
+    needs no five repetitions to be rejected). The times returned are then the timed calls made so
+    far, or if it stopped during warm-up the judged warm-up calls, the slow one included."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times, judged = [], []
+    for i in range(warmup + repeats):
+        sync()
+        start = clock()
+        step()
+        sync()
+        elapsed = clock() - start
+        if i >= warmup:
+            times.append(elapsed)
+        elif i >= settle:
+            judged.append(elapsed)
+        if stop_over_s is not None and i >= settle and elapsed > stop_over_s:
+            return times or judged, True
+    return times, False
+
+
 def summary(times: list[float]) -> dict[str, float]:
     return {"ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}
 
@@ -221,13 +257,46 @@ def _matmul_precision(v: Variant, device: torch.device):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
+# The keep rule. A variant is kept when its median step is at most 5% slower than the fastest kept
+# variant so far (5%: run-to-run noise of a median of a few steps; a change that is neutral on this
+# device, e.g. fused AdamW on a tiny model, stays in the chain as it would on the device it is
+# meant for). Kept variants form the chain: the next variant is the last kept one plus its own
+# change. A variant that is slower than that is not carried into the next ones, so one bad change
+# (bf16 autocast without native bf16: 36x) cannot slow every later variant. A step over 10x the
+# fastest kept stops the variant's timing early: it cannot be kept anyway.
+KEEP_TOLERANCE = 0.05
+STOP_FACTOR = 10.0
+
+
+def slower_reason(ms: float, best_ms: float, best_name: str) -> str | None:
+    """Why a variant of `ms` per step is not kept against the fastest kept one, or None to keep it."""
+    ratio = ms / best_ms
+    if ratio <= 1 + KEEP_TOLERANCE:
+        return None
+    if ratio >= 2:
+        return f"{ratio:.1f}x slower than {best_name}"
+    pct = (ratio - 1) * 100
+    return f"{pct:.1f}% slower than {best_name}" if pct < 10 else f"{pct:.0f}% slower than {best_name}"
+
+
+def _settings(v: Variant) -> dict:
+    return {k: val for k, val in asdict(v).items() if k not in ("name", "change")}
+
+
 def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun()) -> list[dict]:
+    """Time the grid as a keep-the-best chain (rule above). Each row: the variant, what it adds,
+    `builds_on` (the kept variant it was applied to), its settings, the timing, and `kept` with
+    `reason` when not kept (`stopped_early` when a step over 10x the fastest cut its timing short).
+    """
     b = cfg.benchmark
     wanted = set(b.variants) if b.variants else None
     known = [name for name, _, _ in variant_grid()]
     if wanted and wanted - set(known):
         raise BadInput(f"benchmark.variants: unknown {sorted(wanted - set(known))}; known: {', '.join(known)}")
-    rows, current, base_ms = [], Variant("baseline", ""), None
+    rows: list[dict] = []
+    head = Variant("baseline", "")  # the last kept variant: what the next one builds on
+    best: tuple[str, float] | None = None  # fastest kept variant and its median ms
+    base_ms = None
     for name, change_text, change in variant_grid():
         reason = skip_reason(change, device)
         if reason is None and wanted is not None and name not in wanted:
@@ -236,23 +305,36 @@ def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun(
             rows.append({"variant": name, "change": change_text, "skipped": reason})
             log.info("benchmark %s: skipped (%s)", name, reason)
             continue
-        current = replace(current, name=name, change=change_text, **change)
-        with _matmul_precision(current, device):
-            raw, step = build_step(current, cfg, device, B, T)
-            extra_warmup = 2 if current.compile else 0  # compilation happens in the first calls
+        v = replace(head, name=name, change=change_text, **change)
+        with _matmul_precision(v, device):
+            raw, step = build_step(v, cfg, device, B, T)
+            extra_warmup = 2 if v.compile else 0  # compilation happens in the first calls
             with PeakMemory(device) as mem:
-                times = time_it(step, device, b.warmup + extra_warmup, b.steps)
+                times, stopped = time_step(step, device, b.warmup + extra_warmup, b.steps, settle=1 + extra_warmup,
+                                           stop_over_s=best and STOP_FACTOR * best[1] / 1e3)
         s = summary(times)
         tokens_per_sec = B * T / (s["ms"] / 1e3)
-        precision = "fp32" if current.precision == "tf32" else current.precision
+        precision = "fp32" if v.precision == "tf32" else v.precision
         peak = flops.peak_flops(device, precision, b.peak_flops)
         mfu = flops.mfu(tokens_per_sec, raw.flops_per_token(T), peak)
         base_ms = base_ms or s["ms"]
-        row = {"variant": name, "change": change_text, "ms_per_step": s["ms"], "min_ms": s["min_ms"],
-               "max_ms": s["max_ms"], "tokens_per_sec": tokens_per_sec, "mfu": mfu, "peak_memory_mb": mem.peak_mb,
-               "speedup": base_ms / s["ms"]}
+        why = best and slower_reason(s["ms"], best[1], best[0])
+        row = {"variant": name, "change": change_text, "builds_on": head.name if best else None,
+               "settings": _settings(v), "ms_per_step": s["ms"], "min_ms": s["min_ms"], "max_ms": s["max_ms"],
+               "tokens_per_sec": tokens_per_sec, "mfu": mfu, "peak_memory_mb": mem.peak_mb,
+               "speedup": base_ms / s["ms"], "timed_steps": len(times), "stopped_early": stopped, "kept": not why}
+        if why:
+            row["reason"] = why
         rows.append(row)
-        log.info("benchmark %s: %.1f ms/step (%.2fx), %.0f tokens/s", name, s["ms"], row["speedup"], tokens_per_sec)
+        if why:
+            log.info("benchmark %s: %.1f ms/step (%.2fx), not kept: %s%s", name, s["ms"], row["speedup"], why,
+                     f" (stopped after {len(times)} step(s) over {STOP_FACTOR:.0f}x)" if stopped else "")
+        else:
+            head = v
+            if best is None or s["ms"] < best[1]:
+                best = (name, s["ms"])
+            log.info("benchmark %s: %.1f ms/step (%.2fx), %.0f tokens/s, kept", name, s["ms"], row["speedup"],
+                     tokens_per_sec)
         del raw, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -322,8 +404,11 @@ def bench_cross_entropy(cfg: Config, device: torch.device, dtype: torch.dtype) -
     return rows
 
 
-def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_dir: Path) -> list[dict]:
-    """Chrome traces of `profile_steps` steps of each chosen variant, and their top kernels."""
+def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_dir: Path,
+                     timed: list[dict] | None = None) -> list[dict]:
+    """Chrome traces of `profile_steps` steps of each chosen variant, and their top kernels. A variant
+    timed in `timed` (rows of `run_variants`) is traced with the settings it was timed with (its
+    place in the keep-the-best chain); any other with its own change on the baseline."""
     from torch.profiler import ProfilerActivity, profile
 
     b = cfg.benchmark
@@ -338,7 +423,8 @@ def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_di
         change = grid[name]
         if skip_reason(change, device):
             continue
-        v = replace(Variant(name, ""), **change)
+        ran = next((r["settings"] for r in timed or [] if r["variant"] == name and "settings" in r), None)
+        v = Variant(name, "", **ran) if ran else replace(Variant(name, ""), **change)
         with _matmul_precision(v, device):
             _, step = build_step(v, cfg, device, B, T)
             step()
@@ -391,7 +477,7 @@ def measure(cfg: Config, trace_dir: Path, run=NullRun()) -> Results:
     half = torch.bfloat16 if device.type == "cuda" else torch.float32
     res.attention = bench_attention(cfg, device, half)
     res.cross_entropy = bench_cross_entropy(cfg, device, half)
-    res.profiles = profile_variants(cfg, device, b.batch_size, T, trace_dir)
+    res.profiles = profile_variants(cfg, device, b.batch_size, T, trace_dir, res.variants)
     res.seconds = time.perf_counter() - start
     return res
 
@@ -408,28 +494,56 @@ def _fmt(v, spec: str) -> str:
     return "n/a" if v is None or v != v else format(v, spec)
 
 
+def verdict(r: dict, steps: int) -> str:
+    """The 'kept' cell of a timed variant: `kept`, or `not kept: <why>` and whether its timing stopped early."""
+    text = "kept" if r["kept"] else f"not kept: {r['reason']}"
+    if r.get("stopped_early"):
+        n = r["timed_steps"]
+        text += (f" (timing stopped early: a step took over {STOP_FACTOR:.0f}x the fastest kept; "
+                 f"median of {n} step{'s' if n > 1 else ''}, not {steps})")
+    return text
+
+
+def chain_summary(rows: list[dict]) -> str:
+    """One sentence: the fastest kept variant, and every variant not kept with its reason."""
+    timed = [r for r in rows if "skipped" not in r]
+    kept = [r for r in timed if r["kept"]]
+    if not kept:
+        return "No variant ran."
+    best = min(kept, key=lambda r: r["ms_per_step"])
+    dropped = [f"{r['variant']} ({r['reason']})" for r in timed if not r["kept"]]
+    return (f"Fastest kept: {best['variant']}, {best['ms_per_step']:.1f} ms/step, {best['speedup']:.2f}x the first "
+            f"variant. Not kept: {'; '.join(dropped) if dropped else 'none'}.")
+
+
 def report_markdown(cfg: Config, res: Results) -> str:
     m, b = cfg.model, cfg.benchmark
     lines = [
         f"# Training-step benchmark on {res.device}", "",
         f"Model: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide; batch {res.B} x {res.T} tokens; "
-        f"torch {torch.__version__}. Each variant adds one change to the previous one that ran "
-        "(build-nanogpt's progression). Timed: one full training step (forward, cross-entropy, backward, "
+        f"torch {torch.__version__}. Each variant adds one change (build-nanogpt's order) to the best "
+        "configuration kept so far (column 'built on'). It is kept, and the next variants build on it, unless "
+        f"its median step is more than {KEEP_TOLERANCE:.0%} slower than the fastest kept variant: a change that "
+        "slows the step down here is not carried into the next variants. A variant whose step takes over "
+        f"{STOP_FACTOR:.0f}x the fastest kept (any step after the first, warm-up included) stops being timed there. "
+        "Timed: one full training step (forward, cross-entropy, backward, "
         f"gradient clipping, AdamW) on fixed random tokens; {b.warmup} untimed warm-up steps (+2 when compiled), then "
         f"the median of {b.steps} steps, each between device synchronisations; min and max beside it. "
         "MFU = tokens/s x (6N + 12 L H Q T) / the device's peak (n/a where the peak is unknown, e.g. CPUs; "
         "set benchmark.peak_flops). Peak memory: CUDA allocator peak, or growth of the process RSS on the CPU.", "",
-        "| variant | adds | ms/step (min-max) | tokens/s | speed-up | MFU | peak memory MB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | adds | ms/step (min-max) | tokens/s | speed-up | MFU | peak memory MB | built on | kept |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res.variants:
         if "skipped" in r:
-            lines.append(f"| {r['variant']} | {r['change']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['variant']} | {r['change']} | skipped: {r['skipped']} | | | | | | |")
         else:
             mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
             lines.append(f"| {r['variant']} | {r['change']} | {r['ms_per_step']:.1f} ({r['min_ms']:.1f}-"
                          f"{r['max_ms']:.1f}) | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | {mfu} | "
-                         f"{_fmt(r['peak_memory_mb'], '.0f')} |")
+                         f"{_fmt(r['peak_memory_mb'], '.0f')} | {r.get('builds_on') or '-'} | "
+                         f"{verdict(r, b.steps)} |")
+    lines += ["", chain_summary(res.variants)]
     lines += ["", f"## Attention (batch {b.attention_batch}, {b.attention_heads} heads of dim {b.attention_head_dim}, "
               "causal)", "", "| backend | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
               "| --- | --- | --- | --- | --- | --- |"]
@@ -460,8 +574,12 @@ def plot_results(res: Results, plots_dir: Path) -> list[Path]:
     ran = [r for r in res.variants if "skipped" not in r]
     if ran:
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.barh([r["variant"] for r in ran][::-1], [r["ms_per_step"] for r in ran][::-1])
-        ax.set_xlabel("ms per training step (median)")
+        labels = [r["variant"] + ("" if r["kept"] else " (not kept)") for r in ran][::-1]
+        ms = [r["ms_per_step"] for r in ran][::-1]
+        ax.barh(labels, ms, color=["C0" if r["kept"] else "0.6" for r in ran][::-1])
+        if max(ms) > 10 * min(ms):  # one very slow variant would flatten the others' bars
+            ax.set_xscale("log")
+        ax.set_xlabel("ms per training step (median); grey: not kept")
         ax.set_title(res.device)
         fig.tight_layout()
         made.append(plots_dir / "benchmark_variants.png")
@@ -491,12 +609,25 @@ def write_outputs(cfg: Config, res: Results, run, metrics_path, report_path, plo
             for k in ("ms_per_step", "tokens_per_sec", "speedup", "mfu", "peak_memory_mb"):
                 if r.get(k) is not None and r[k] == r[k]:
                     metrics[f"{r['variant']}.{k}"] = r[k]
+            metrics[f"{r['variant']}.kept"] = float(r["kept"])  # 1 kept, 0 not kept (numbers only: DVC metrics)
+            metrics[f"{r['variant']}.stopped_early"] = float(r["stopped_early"])
+    kept = [r for r in res.variants if r.get("kept")]
+    if kept:
+        best = min(kept, key=lambda r: r["ms_per_step"])
+        metrics["best_ms_per_step"], metrics["best_speedup"] = best["ms_per_step"], best["speedup"]
+        run.set_tags({"benchmark.best_variant": best["variant"],
+                      "benchmark.not_kept": "; ".join(f"{r['variant']}: {r['reason']}" for r in res.variants
+                                                      if "skipped" not in r and not r["kept"]) or "none"})
     for r in res.attention:
         metrics[f"attention.{r['backend']}.T{r['seq_len']}.fwd_bwd_tflops"] = r["fwd_bwd_tflops"]
     for r in res.cross_entropy:
         metrics[f"cross_entropy.{r['impl']}.V{r['vocab']}.ms"] = r["ms"]
-    _write_csv(plots_dir / "benchmark_variants.csv", [r for r in res.variants if "skipped" not in r],
-               ["variant", "ms_per_step", "tokens_per_sec", "speedup", "mfu", "peak_memory_mb"])
+    _write_csv(plots_dir / "benchmark_variants.csv",
+               [{**r, "kept": int(r["kept"]), "stopped_early": int(r["stopped_early"])} for r in res.variants
+                if "skipped" not in r],
+               # the measured columns stay last, in their old order: `dvc plots` plots the last one by default
+               ["variant", "kept", "builds_on", "stopped_early", "reason", "ms_per_step", "tokens_per_sec", "speedup",
+                "mfu", "peak_memory_mb"])
     _write_csv(plots_dir / "benchmark_attention.csv", res.attention,
                ["backend", "seq_len", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"])
     _write_csv(plots_dir / "benchmark_cross_entropy.csv", res.cross_entropy, ["impl", "vocab", "rows", "ms",

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gptforge import samples
 from gptforge.errors import BadInput
 
 DEFAULT_PARAMS = "params.yaml"
@@ -31,8 +32,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _resolve_sample(value: Any) -> Any:
+    """`sample://NAME` (a file the package embeds, see gptforge.samples) -> its local path."""
+    return samples.resolve(value) if samples.is_sample(value) else value
+
+
 def _check_source(value: str) -> str:
-    """A source is `hf://OWNER/NAME`, an `https://` URL or a local path (checked when used)."""
+    """A source is `hf://OWNER/NAME`, an `https://` URL, a local path (checked when used) or an
+    embedded sample, `sample://NAME` (resolved to its path before this check)."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError("must be hf://OWNER/NAME, an https:// URL or a local path")
     if "://" in value:
@@ -42,7 +49,7 @@ def _check_source(value: str) -> str:
             if repo.count("/") != 1 or not all(repo.split("/")):
                 raise ValueError(f"hf:// sources are hf://OWNER/NAME, got {value!r}")
         elif scheme != "https":
-            raise ValueError(f"only https://, hf:// and local sources are accepted, got {value!r}")
+            raise ValueError(f"only https://, hf://, sample:// and local sources are accepted, got {value!r}")
     return value
 
 
@@ -60,8 +67,11 @@ def _check_splits(value: list[float]) -> list[float]:
 
 class TokenizerConfig(Section):
     # None: tiktoken's `gpt2` encoding (downloads its BPE files on first use, then cached).
-    # A folder with encoder.json + vocab.bpe (OpenAI's GPT-2 files), or a `.tiktoken` file.
+    # A folder with encoder.json + vocab.bpe (OpenAI's GPT-2 files), or a `.tiktoken` file;
+    # sample://gpt2_tokenizer is the embedded copy of OpenAI's files (the quickstart's).
     path: Optional[str] = None
+
+    _path = field_validator("path", mode="before")(_resolve_sample)
 
 
 class DownloadConfig(Section):
@@ -81,6 +91,7 @@ class PretrainData(Section):
     val_tokens: int = Field(1_000_000, ge=0)
     workers: int = Field(0, ge=0, description="tokenizer processes; 0 = one per CPU core")
 
+    _sample = field_validator("source", mode="before")(_resolve_sample)
     _source = field_validator("source")(_check_source)
 
 
@@ -92,6 +103,7 @@ class ClassifyData(Section):
     balance: bool = True  # undersample the majority class
     seed: int = 123
 
+    _sample = field_validator("source", mode="before")(_resolve_sample)
     _source = field_validator("source")(_check_source)
     _splits = field_validator("splits")(_check_splits)
 
@@ -103,6 +115,7 @@ class InstructData(Section):
     splits: list[float] = [0.85, 0.05, 0.10]
     seed: int = 123
 
+    _sample = field_validator("source", mode="before")(_resolve_sample)
     _source = field_validator("source")(_check_source)
     _splits = field_validator("splits")(_check_splits)
 
@@ -152,9 +165,21 @@ class ModelConfig(Section):
 
 
 class HellaswagSource(Section):
-    # A local HellaSwag jsonl in the rowanz format (ctx, endings, label); null: off.
+    # A HellaSwag jsonl in the rowanz format (ctx, endings, label): a local file, an https://
+    # URL (downloaded once into data/raw/, as build-nanogpt's hellaswag_val.jsonl), hf://OWNER/NAME
+    # (the `split` below, cached into data/raw/ as jsonl) or sample://hellaswag_val_1000.jsonl.gz;
+    # null: off.
     source: Optional[str] = None
+    split: str = "validation"  # for hf:// sources
+    sha256: Optional[str] = None  # for https:// sources
     limit: Optional[int] = Field(None, gt=0, description="first N examples only")
+
+    _sample = field_validator("source", mode="before")(_resolve_sample)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else _check_source(value)
 
 
 class PretrainConfig(Section):
@@ -258,8 +283,11 @@ class InstructConfig(FinetuneCommon):
 
 class EvalSource(Section):
     # null: lm-eval's own task definition and data (the hub); a local file/folder: gptforge's
-    # shipped task config reads it instead, with the standard prompts and metrics.
+    # shipped task config reads it instead, with the standard prompts and metrics
+    # (sample://hellaswag_val_1000.jsonl.gz and sample://mmlu are the embedded samples).
     source: Optional[str] = None
+
+    _sample = field_validator("source", mode="before")(_resolve_sample)
 
 
 class EvaluateConfig(Section):

@@ -84,7 +84,7 @@ from lm_eval.api.registry import register_model
 
 from gptforge import tracking
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.io import atomic_dir, atomic_file
+from gptforge.io import atomic_dir, atomic_file, data_suffix, open_data
 from gptforge.steps import DIRECT, Steps
 from gptforge.tracking import NullRun
 
@@ -326,7 +326,7 @@ def _iter_bar(items, desc: str, disable: bool):
 def read_records(path: Path) -> Iterable[tuple[str, Any]]:
     """(where, record) for each record of a .jsonl/.json-lines or .parquet file; `where` names
     the file and line (or record number) for messages. Unreadable input is a BadInput."""
-    if path.suffix == ".parquet":
+    if data_suffix(path) == ".parquet":
         try:
             import pyarrow.parquet as pq
 
@@ -336,7 +336,7 @@ def read_records(path: Path) -> Iterable[tuple[str, Any]]:
         for n, row in enumerate(rows, 1):
             yield f"{path}: record {n}", row
         return
-    with open(path, "rb") as f:
+    with open_data(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
@@ -438,7 +438,7 @@ def mmlu_files(source: str | Path) -> dict[str, Path]:
 
 
 def _split_files(folder: Path, split: str) -> list[Path]:
-    names = [f"{split}.jsonl", f"{split}.json", f"{split}.parquet"]
+    names = [f"{split}.jsonl", f"{split}.json", f"{split}.parquet", f"{split}.jsonl.gz", f"{split}.json.gz"]
     files = [folder / n for n in names if (folder / n).is_file()]
     return files + sorted(p for p in folder.glob(f"{split}-*.parquet") if p.is_file())
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from gptforge.errors import BadInput
+from gptforge.io import open_data
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,30 @@ SOURCE_KEY = "pretrain.hellaswag.source"
 
 # --------------------------------------------------------------------------------------------
 # Loading
+
+
+def local_copy(source: str, *, split: str = "validation", sha256: str | None = None, download=None,
+               source_key: str = SOURCE_KEY, raw_dir: str | Path = "data/raw") -> Path:
+    """A local rowanz-format jsonl for `source`: the path itself; an https:// URL downloaded once
+    into `raw_dir` (resumable, checksum-verified: `data.sources.materialize`); or a hub dataset
+    `hf://OWNER/NAME` whose `split` is written once to `raw_dir` as jsonl and reused from there."""
+    from gptforge.config import DownloadConfig
+    from gptforge.data.sources import is_hf, load_hf, materialize
+    from gptforge.io import atomic_file
+
+    if not is_hf(source):
+        return materialize(source, param=source_key, sha256=sha256, download=download or DownloadConfig(),
+                           raw_dir=raw_dir)
+    repo = source[len("hf://"):]
+    dest = Path(raw_dir) / f"hellaswag-{repo.replace('/', '--')}-{split}.jsonl"
+    if dest.is_file():
+        log.info("using cached %s", dest)
+        return dest
+    rows = load_hf(source, split=split, param=source_key)
+    with atomic_file(dest, "w", encoding="utf-8") as f:  # a killed run leaves no half cache
+        for row in rows:
+            f.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
+    return dest
 
 
 def load_examples(path: str | Path, limit: int | None = None, *, source_key: str = SOURCE_KEY) -> list[dict]:
@@ -60,7 +85,7 @@ def load_examples(path: str | Path, limit: int | None = None, *, source_key: str
         return BadInput(f"{path}:{lineno}: {why} (set {source_key} to a HellaSwag jsonl in the rowanz format)")
 
     examples: list[dict] = []
-    with open(p, "rb") as f:
+    with open_data(p, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if limit is not None and len(examples) >= limit:
                 break

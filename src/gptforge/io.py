@@ -1,8 +1,12 @@
-"""Atomic writes: a reader (or a killed run) never sees a half-written file or folder."""
+"""Atomic writes: a reader (or a killed run) never sees a half-written file or folder. And the
+one way data files are opened for reading, so that every reader takes them gzip-compressed too
+(`name.jsonl.gz`: the embedded samples are stored so).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import os
@@ -58,6 +62,23 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def is_gzip(path: str | os.PathLike) -> bool:
+    return str(path).lower().endswith(".gz")
+
+
+def data_suffix(path: str | os.PathLike) -> str:
+    """The suffix that says the format, lower case, under a `.gz`: `a.jsonl.gz` -> `.jsonl`."""
+    path = Path(path)
+    return (path.with_suffix("") if is_gzip(path) else path).suffix.lower()
+
+
+def open_data(path: str | os.PathLike, mode: str = "rb", **open_kwargs) -> IO:
+    """`open` for reading a data file, through gzip when its name ends in `.gz`."""
+    if is_gzip(path):
+        return gzip.open(path, mode if "b" in mode else mode.replace("r", "rt"), **open_kwargs)
+    return open(path, mode, **open_kwargs)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

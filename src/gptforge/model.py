@@ -861,8 +861,9 @@ def from_hf(hf_model, attention: str = "sdpa") -> GPT:
     return model
 
 
-def from_pretrained(name: str, attention: str = "sdpa") -> GPT:
-    """OpenAI's GPT-2 weights from the Hugging Face hub ("gpt2" ... "gpt2-xl")."""
+def from_pretrained(name: str, attention: str = "sdpa", *, param: str = "pretrain.init_from") -> GPT:
+    """OpenAI's GPT-2 weights from the Hugging Face hub ("gpt2" ... "gpt2-xl"); `param` is the
+    config key the offline message tells the user to change."""
     if name not in HF_PRETRAINED:
         raise BadInput(f"unknown pretrained model {name!r}; choose one of {', '.join(HF_PRETRAINED)}")
     try:
@@ -870,9 +871,97 @@ def from_pretrained(name: str, attention: str = "sdpa") -> GPT:
 
         hf = GPT2LMHeadModel.from_pretrained(name)
     except Exception as e:  # offline, hub errors, missing cache: all the same to the user
-        reason = " ".join(f"{type(e).__name__}: {e}".split())
-        reason = reason if len(reason) <= 160 else reason[:157] + "..."
         raise SourceUnreachable(
-            f"cannot load {name} from the Hugging Face hub ({reason}); set pretrain.init_from to a checkpoint folder"
+            f"cannot load {name} from the Hugging Face hub ({_reason(e, 160)}); set {param} to a checkpoint folder"
         ) from None
     return from_hf(hf, attention=attention)
+
+
+def _reason(e: Exception, limit: int) -> str:
+    """An exception from transformers as one line of at most `limit` characters."""
+    reason = " ".join(f"{type(e).__name__}: {e}".split())
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a run's weights start: pretrain.init_from, classify.init_from, instruct.init_from
+
+# What save_pretrained writes (one file, or shards and their index), newest format first.
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
+def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", missing: str = "") -> tuple[GPT, str]:
+    """The GPT that `init_from` names, and a few words saying what it is ("checkpoint DIR"), for
+    messages and logs. `init_from` is, in this order:
+
+    - a GPT-2 size on the Hugging Face hub: exactly one of HF_PRETRAINED (transformers' download
+      cache). Membership, not a prefix: a folder named `gpt2-run` is a folder, and `./gpt2`
+      names a folder called `gpt2`;
+    - a folder whose config.json is a gptforge model config (`save_model` output): `load_model`;
+    - a folder whose config.json is a Hugging Face one with `"model_type": "gpt2"`
+      (`save_pretrained` output, a hub snapshot, `gptforge export` output): read with
+      transformers' GPT2LMHeadModel and converted with `from_hf`, as the hub sizes are. Other
+      Hugging Face architectures are refused with a one-line BadInput (GPT-2 only, for now).
+
+    `param` is the config key (`pretrain.init_from`) that every error names; `missing` is advice
+    put first in the message for a folder that does not exist ("run `gptforge pretrain` first,
+    or "). `attention` is the backend of a converted hub / Hugging Face model; a gptforge
+    checkpoint keeps the one it was saved with. Raises BadInput (SourceUnreachable when the
+    hub cannot be reached).
+    """
+    if init_from in HF_PRETRAINED:
+        return from_pretrained(init_from, attention=attention, param=param), f"hub weights {init_from}"
+    folder = Path(init_from)
+    if not folder.is_dir():
+        raise BadInput(f"{param}: checkpoint folder {folder} not found; {missing}name a GPT-2 size "
+                       f"({', '.join(HF_PRETRAINED)}), a gptforge checkpoint folder or a Hugging Face GPT-2 folder")
+    hf_type = _hf_model_type(folder / CONFIG_FILE)
+    if hf_type is None:
+        try:
+            return load_model(folder), f"checkpoint {folder}"
+        except BadInput as e:
+            raise BadInput(f"{param}: {e}") from None
+    return _load_hf_gpt2(folder, hf_type, param=param, attention=attention), f"Hugging Face GPT-2 folder {folder}"
+
+
+def _hf_model_type(path: Path) -> tuple[str, str] | None:
+    """(model_type, what to call it) when `path` is a Hugging Face config.json; None for anything
+    else (a gptforge config, no file, not JSON: load_model names the file and its problem)."""
+    import json
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(d, dict) or "format" in d or not isinstance(d.get("model_type"), str):
+        return None
+    archs = d.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    return d["model_type"], ", ".join(archs) or d["model_type"]
+
+
+def _load_hf_gpt2(folder: Path, hf_type: tuple[str, str], *, param: str, attention: str) -> GPT:
+    model_type, arch = hf_type
+    config = folder / CONFIG_FILE
+    if model_type != "gpt2":
+        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); only GPT-2 "
+                       "folders (model_type 'gpt2') can be a starting point yet")
+    if not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
+        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config, but {folder} holds no weights "
+                       f"({' or '.join(HF_WEIGHT_FILES[::2])})")
+    try:
+        from transformers import GPT2LMHeadModel
+
+        # local_files_only: a folder never reaches for the hub, even for a missing file.
+        hf, info = GPT2LMHeadModel.from_pretrained(str(folder), local_files_only=True, output_loading_info=True)
+    except Exception as e:  # damaged weights, shapes that disagree with config.json, ...
+        raise BadInput(f"{param}: cannot read the Hugging Face GPT-2 folder {folder} ({_reason(e, 200)})") from None
+    # transformers fills tensors the files lack with random values and only logs it: refuse instead.
+    absent = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")  # the head is tied to wte
+    if absent:
+        raise BadInput(f"{param}: the Hugging Face GPT-2 folder {folder} lacks tensors {_few(absent)}")
+    try:
+        return from_hf(hf, attention=attention)
+    except BadInput as e:
+        raise BadInput(f"{param}: {folder}: {e}") from None

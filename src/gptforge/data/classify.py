@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from gptforge.config import Config
 from gptforge.errors import BadInput
+from gptforge.io import data_suffix, open_data
 from gptforge.steps import DIRECT, Steps
 from gptforge.tracking import NullRun, publish_metrics
 
@@ -95,7 +96,7 @@ def find_sms_file(path: str | os.PathLike, *, raw_dir: str | os.PathLike = "data
         return _sms_in(files, path)
     if path.is_dir():
         return _sms_in([p for p in path.rglob("*") if p.is_file()], path)
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
     if suffix not in SMS_SUFFIXES | RECORD_SUFFIXES:
         raise BadInput(f"{PARAM} {path}: unsupported file type {suffix!r}; expected the UCI zip, "
                        f"{SMS_FILE} (.tsv/.txt), .csv, .jsonl, .json or .parquet")
@@ -103,7 +104,7 @@ def find_sms_file(path: str | os.PathLike, *, raw_dir: str | os.PathLike = "data
 
 
 def _sms_in(files: list[Path], where: Path) -> Path:
-    found = sorted(p for p in files if p.name == SMS_FILE)
+    found = sorted(p for p in files if p.name in (SMS_FILE, SMS_FILE + ".gz"))
     if not found:
         names = ", ".join(sorted(p.name for p in files)[:10]) or "nothing"
         raise BadInput(f"{PARAM} {where}: no {SMS_FILE} file in it (found: {names})")
@@ -112,25 +113,28 @@ def _sms_in(files: list[Path], where: Path) -> Path:
 
 def read_labelled(path: str | os.PathLike) -> Labelled:
     path = Path(path)
-    if path.suffix.lower() in RECORD_SUFFIXES:
+    if data_suffix(path) in RECORD_SUFFIXES:
         return labelled_records(read_records(path, param=PARAM))
     return read_sms(path)
 
 
 def read_sms(path: str | os.PathLike) -> Labelled:
-    """UCI format: `ham` or `spam`, a TAB, the message; one message per line."""
+    """UCI format: `ham` or `spam`, a TAB, the message; one message per line (gzip: `.gz`)."""
     out = Labelled(unit="line")
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            line = _decode(raw).rstrip("\r\n")
-            if not line.strip():
-                continue  # blank lines (a trailing newline) are not messages
-            out.total += 1
-            label, tab, text = line.partition("\t")
-            if not tab or label.strip() not in LABELS or not text.strip():
-                out.skip(number)
-                continue
-            out.examples.append({"text": text, "label": LABELS[label.strip()]})
+    try:
+        with open_data(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                line = _decode(raw).rstrip("\r\n")
+                if not line.strip():
+                    continue  # blank lines (a trailing newline) are not messages
+                out.total += 1
+                label, tab, text = line.partition("\t")
+                if not tab or label.strip() not in LABELS or not text.strip():
+                    out.skip(number)
+                    continue
+                out.examples.append({"text": text, "label": LABELS[label.strip()]})
+    except (OSError, EOFError) as e:  # a damaged .gz (gzip.BadGzipFile is an OSError)
+        raise BadInput(f"{PARAM} {path}: cannot read it ({' '.join(str(e).split())})") from None
     return out
 
 

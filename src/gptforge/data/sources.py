@@ -33,7 +33,7 @@ from tqdm import tqdm
 import gptforge
 from gptforge.config import DownloadConfig
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.io import atomic_dir, atomic_file, sha256_file
+from gptforge.io import atomic_dir, atomic_file, data_suffix, is_gzip, open_data, sha256_file
 from gptforge.steps import DIRECT, Retry, Steps, retryable
 
 log = logging.getLogger("gptforge")
@@ -289,7 +289,8 @@ def _unsafe_member(info: zipfile.ZipInfo) -> str | None:
 
 
 def read_records(path: str | os.PathLike, *, param: str) -> list[Any]:
-    """Records from `.json` (a list), `.jsonl`, `.csv` (header row) or `.parquet`.
+    """Records from `.json` (a list), `.jsonl`, `.csv` (header row) or `.parquet`; the first
+    three also gzip-compressed (`.jsonl.gz`).
 
     The container is checked here; the fields of each record are the caller's to validate (a
     stage counts bad records rather than failing on the first), so items come back as parsed.
@@ -298,7 +299,9 @@ def read_records(path: str | os.PathLike, *, param: str) -> list[Any]:
     where = f"{param} {path}"
     if not path.is_file():
         raise BadInput(f"{where}: not a file")
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
+    if is_gzip(path) and suffix == ".parquet":
+        raise BadInput(f"{where}: parquet is compressed already; give the .parquet file itself")
     try:
         if suffix == ".json":
             return _read_json(path, where)
@@ -310,12 +313,16 @@ def read_records(path: str | os.PathLike, *, param: str) -> list[Any]:
             return _read_parquet(path, where)
     except UnicodeDecodeError as e:
         raise BadInput(f"{where}: not UTF-8 text ({one_line(e)})") from None
-    raise BadInput(f"{where}: unsupported file type {suffix or '(none)'!r}; expected .json, .jsonl, .csv or .parquet")
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise BadInput(f"{where}: cannot read it ({one_line(e)})") from None
+    raise BadInput(f"{where}: unsupported file type {suffix or '(none)'!r}; expected .json, .jsonl, .csv or "
+                   ".parquet (the first three may be .gz)")
 
 
 def _read_json(path: Path, where: str) -> list[Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
+        with open_data(path, "r", encoding="utf-8-sig") as f:
+            data = json.loads(f.read())
     except json.JSONDecodeError as e:
         raise BadInput(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     if not isinstance(data, list):
@@ -325,7 +332,7 @@ def _read_json(path: Path, where: str) -> list[Any]:
 
 def _read_jsonl(path: Path, where: str) -> list[Any]:
     records = []
-    with open(path, encoding="utf-8-sig") as f:
+    with open_data(path, "r", encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -337,7 +344,7 @@ def _read_jsonl(path: Path, where: str) -> list[Any]:
 
 
 def _read_csv(path: Path, where: str) -> list[Any]:
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with open_data(path, "r", encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         try:
             return [dict(row) for row in reader]

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
-from gptforge.model import CONFIG_FILE, GPT, HF_PRETRAINED, from_pretrained, load_model
+from gptforge.model import GPT, load_pretrained
 from gptforge.tracking import NullRun
 from gptforge.train import Runtime
 
@@ -74,45 +74,20 @@ def load_base(init_from: str, n_vocab: int, *, param: str) -> GPT:
     """The pretrained GPT a fine-tuning run starts from (on the CPU, in train mode).
 
     `init_from` is a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; transformers'
-    download cache) or a checkpoint folder written by `save_model` (`checkpoints/pretrain/final`).
-    `param` is its config key (`classify.init_from`) for the messages. Raises BadInput when the
-    folder is missing ("run `gptforge pretrain` first"), when its config.json is not a gptforge
-    GPT (a Hugging Face folder, another format: the message names the file), and when the
-    model's vocabulary differs from the tokenizer's `n_vocab`.
+    download cache), a checkpoint folder written by `save_model` (`checkpoints/pretrain/final`),
+    or a local Hugging Face GPT-2 folder (`gptforge export` output, `save_pretrained` output, a
+    hub snapshot), converted to our GPT: `model.load_pretrained` says which is which. `param` is
+    its config key (`classify.init_from`) for the messages. Raises BadInput when the folder is
+    missing ("run `gptforge pretrain` first"), when its config.json is neither a gptforge GPT nor
+    a Hugging Face GPT-2 (another architecture, another format: the message names the file), and
+    when the model's vocabulary differs from the tokenizer's `n_vocab`.
     """
-    if init_from in HF_PRETRAINED:
-        model, source = from_pretrained(init_from), f"hub weights {init_from}"
-    else:
-        folder = Path(init_from)
-        if not folder.is_dir():
-            raise BadInput(f"{param}: checkpoint folder {folder} not found; run `gptforge pretrain` first "
-                           f"(or name a GPT-2 size: {', '.join(HF_PRETRAINED)})")
-        _refuse_foreign_config(folder / CONFIG_FILE, param)
-        try:
-            model = load_model(folder)
-        except BadInput as e:
-            raise BadInput(f"{param}: {e}") from None
-        source = f"checkpoint {folder}"
+    model, source = load_pretrained(init_from, param=param, missing="run `gptforge pretrain` first, or ")
     if model.config.n_vocab != n_vocab:
         raise BadInput(f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
                        f"(tokenizer.path) {n_vocab}")
     log.info("fine-tuning from %s (%.2fM parameters)", source, model.num_params() / 1e6)
     return model.train()
-
-
-def _refuse_foreign_config(path: Path, param: str) -> None:
-    """A clearer message than load_model's for the common mistake of pointing at a Hugging
-    Face folder (`gptforge export` output, a hub snapshot): say what it is and what to do."""
-    import json
-
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # load_model names the file and the problem
-    if isinstance(d, dict) and "model_type" in d and "format" not in d:
-        arch = ", ".join(d.get("architectures") or []) or d["model_type"]
-        raise BadInput(f"{param}: {path} is a Hugging Face {arch} config, not a gptforge checkpoint "
-                       "(use a folder written by `gptforge pretrain`, or a GPT-2 hub name such as gpt2)")
 
 
 def check_max_length(max_length: int | None, model: GPT, param: str) -> int:
