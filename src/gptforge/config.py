@@ -11,6 +11,7 @@ import copy
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -321,6 +322,24 @@ class BenchmarkConfig(Section):
     peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
 
 
+class BaseModelsConfig(Section):
+    # NAME -> a Hugging Face hub id (gpt2, gpt2-medium, Qwen/...) or a local Hugging Face folder,
+    # fetched by the `prepare_base@NAME` stage into checkpoints/base/NAME (start fine-tuning
+    # from that folder). Empty: no such stage (the quickstart fine-tunes its own pretrained GPT).
+    models: dict[str, str] = {}
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, source in value.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", key):
+                raise ValueError(f"name {key!r} must be letters, digits, '.', '_' or '-' "
+                                 "(it names the folder checkpoints/base/NAME)")
+            if not isinstance(source, str) or not source.strip():
+                raise ValueError(f"base.models.{key}: expected a hub id or a local folder, got {source!r}")
+        return value
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -335,6 +354,7 @@ class Config(Section):
     instruct: InstructConfig = InstructConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
+    base: BaseModelsConfig = BaseModelsConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:

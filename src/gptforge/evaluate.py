@@ -805,10 +805,11 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
     """One model on every task: lm-eval results saved under results_dir/<name>/."""
     from lm_eval import simple_evaluate
 
-    from gptforge.model import load_model
+    from gptforge.model import load_pretrained
 
     ev = cfg.evaluate
-    model = load_model(folder, map_location=device)
+    # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted
+    model = load_pretrained(str(folder), param=f"evaluate.models.{name}")[0].to(device).eval()
     lm = GptforgeLM(model, enc, batch_size=ev.batch_size, device=device, name=name)
     tasks = load_task_objects(plan)
     start = time.perf_counter()

@@ -304,7 +304,53 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
     source = Path(params) if params is not None else target
     tree = read_params(source) if source.is_file() or params is not None else {}
     tree = apply_overrides(tree, list(overrides))
-    return tree, validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
+    cfg = validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
+    check_start_folders(cfg, target.parent)
+    return tree, cfg
+
+
+PRETRAIN_OUT = "checkpoints/pretrain"
+BASE_OUT = "checkpoints/base"
+PRETRAIN_STAGES = ("prepare_pretrain", "pretrain")
+
+
+def start_folders(cfg: Config) -> dict[str, str]:
+    """The folders the fine-tuning and evaluation stages start from, by param: dvc.yaml names
+    `classify.init_from` and `instruct.init_from` as dependencies."""
+    return {"classify.init_from": cfg.classify.init_from, "instruct.init_from": cfg.instruct.init_from,
+            **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()}}
+
+
+def _inside(path: str, folder: str) -> bool:
+    parts, top = Path(path).parts, Path(folder).parts
+    return parts[:len(top)] == top
+
+
+def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
+    """dvc.yaml makes `classify.init_from` and `instruct.init_from` dependencies, so each must
+    be a folder: made by a stage (checkpoints/pretrain/..., checkpoints/base/NAME for a NAME in
+    base.models) or already there. A hub name is refused with the way to fetch it."""
+    for param in ("classify.init_from", "instruct.init_from"):
+        value = start_folders(cfg)[param]
+        if _inside(value, PRETRAIN_OUT) or (root / value).exists():
+            continue
+        if _inside(value, BASE_OUT):
+            name = Path(value).relative_to(BASE_OUT).parts[0]
+            if name in cfg.base.models:
+                continue
+            raise BadInput(f"{param}: {value} is fetched by no stage: add `{name}: HUB_ID_OR_FOLDER` under "
+                           "base.models")
+        raise BadInput(f"{param}: {value!r} is not a folder, and dvc.yaml tracks it as the stage's input: for hub "
+                       f"weights add `NAME: {value}` under base.models and set {param} to {BASE_OUT}/NAME")
+
+
+def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:
+    """What `dvc repro` runs when no stage is named: every stage (none, meaning all) unless no
+    stage starts from the pretrained checkpoint, as when a config fine-tunes hub weights; then
+    every stage but the pretraining ones (prepare_base@NAME stages come in as dependencies)."""
+    if any(_inside(v, PRETRAIN_OUT) for v in start_folders(cfg).values()):
+        return []
+    return [name for name in known if name not in PRETRAIN_STAGES and "foreach" not in (known[name] or {})]
 
 
 def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
@@ -376,8 +422,11 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
         elif report.remote:
             report.pulled = "skipped (--no-pull)"
 
-        outcome = steps(dvc_repro, list(stages), child, force)
-        scope = list(stages) or list(known)
+        targets = list(stages) or default_targets(cfg, known)
+        if targets and not stages:
+            log.info("no stage starts from %s: not pretraining (dvc repro %s)", PRETRAIN_OUT, " ".join(targets))
+        outcome = steps(dvc_repro, targets, child, force)
+        scope = targets or [n for n in known if "foreach" not in (known[n] or {})]
         report.stages, report.failed_stage = stage_reports(outcome, scope)
         if outcome.returncode != 0:
             reason = best_error(outcome.errors) or f"dvc repro exited with code {outcome.returncode}"
@@ -404,6 +453,59 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
         log.info("%s", line)
     log.info("pipeline %s in %.1f s", "done" if report.ok else "FAILED", report.seconds)
     return report
+
+
+# (label, metrics file, key, format): the numbers `make run` closes with.
+HEADLINES = (
+    ("pretrain validation loss", "metrics/pretrain.json", "val_loss", "{:.3f}"),
+    ("pretrain training speed", "metrics/pretrain.json", "tokens_per_sec", "{:,.0f} tokens/s"),
+    ("spam test accuracy", "metrics/classify.json", "test_accuracy", "{:.4f}"),
+    ("spam test F1", "metrics/classify.json", "f1", "{:.4f}"),
+    ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}"),
+    ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s"),
+)
+REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/instruct_responses.jsonl", "plots/")
+
+
+def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None) -> list[str]:
+    """What a user wants after a run: headline numbers, where the reports are, how to open the
+    MLflow and Prefect UIs on it. Numbers come from the metrics files, so a run that re-ran
+    nothing shows the last results."""
+    def metric(path: str, key: str):
+        with contextlib.suppress(Exception):
+            value = read_json(root / path, missing="").get(key)
+            return value if isinstance(value, (int, float)) else None
+        return None
+
+    lines = ["", "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran")
+                              else "") + ":"]
+    for label, path, key, fmt in HEADLINES:
+        value = metric(path, key)
+        if value is not None:
+            lines.append(f"  {label:<28} {fmt.format(value)}")
+    with contextlib.suppress(Exception):
+        evaluated = read_json(root / "metrics/evaluate.json", missing="")
+        for key, value in evaluated.items():
+            model, _, rest = key.partition(".")
+            if rest in ("hellaswag.acc_norm", "mmlu.acc") and isinstance(value, (int, float)):
+                lines.append(f"  {model + ' ' + rest.replace('.', ' '):<28} {value:.4f}")
+    found = [r for r in REPORTS if (root / r).exists()]
+    if found:
+        lines.append("Reports: " + ", ".join(found))
+    uri = tracking.tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        lines.append(f"MLflow: {report.run_url or uri}")
+    else:
+        lines.append(f"MLflow: mlflow ui --backend-store-uri {uri}   then http://127.0.0.1:5000"
+                     + (f"  (pipeline run {report.run_id})" if report.run_id else ""))
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        ui = api.rstrip("/").removesuffix("/api")
+        lines.append(f"Prefect: {ui}/runs" + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
+    else:
+        lines.append("Prefect: prefect server start   then http://127.0.0.1:4200/runs"
+                     + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
+    return lines
 
 
 def _add_metrics_and_runs(report: PipelineReport, known: dict[str, dict], root: Path,

@@ -1,0 +1,71 @@
+"""`prepare base`: the Hugging Face models that fine-tuning starts from, fetched once into
+`checkpoints/base/NAME/`.
+
+`base.models` maps a short NAME to a hub id (`gpt2`, `gpt2-medium`) or a local Hugging Face
+folder. Each is loaded with transformers' Auto classes and written with `save_pretrained`
+(safetensors, plus its tokenizer when it has one) as one DVC output per NAME (a `foreach`
+stage in dvc.yaml). The fine-tuning stages then start from that local folder
+(`classify.init_from: checkpoints/base/gpt2`), so their DVC dependency is a real path: a config
+that starts from hub weights does not pretrain, the weights are pinned by their DVC hash, and an
+air-gapped cluster `dvc pull`s them instead of reaching the hub. Imports transformers only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.io import atomic_dir
+from gptforge.steps import DIRECT, Steps
+from gptforge.tracking import NullRun, publish_metrics
+
+log = logging.getLogger("gptforge")
+
+OUT_ROOT = Path("checkpoints/base")
+
+
+def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
+    """Load `source` (hub id or local folder) and save it to `dest` as a Hugging Face folder,
+    replacing `dest` as a whole. Returns what was written, in numbers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(source).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise BadInput(f"{param}: {local} is not a Hugging Face model folder (no config.json)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else source)
+    except (OSError, ValueError) as e:
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        if local.exists():
+            raise BadInput(f"{param}: cannot load {local} ({reason})") from None
+        raise SourceUnreachable(f"cannot load {source} from the Hugging Face hub ({reason}); set {param} to a "
+                                "local folder") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else source)
+    except Exception as e:  # a weights-only folder: fine-tuning uses tokenizer.path anyway
+        log.warning("%s: no tokenizer saved with %s (%s)", param, source, type(e).__name__)
+        tokenizer = None
+    with atomic_dir(dest) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("base model %s -> %s (%.1fM parameters, %s)", source, dest, n_params / 1e6, model.config.model_type)
+    return {"parameters": n_params, "has_tokenizer": int(tokenizer is not None)}
+
+
+def prepare_base(cfg, *, name: str | None = None, steps: Steps = DIRECT, run: NullRun = NullRun(),
+                 out_root: str | os.PathLike = OUT_ROOT, metrics_dir: str | os.PathLike = "metrics/base") -> dict:
+    """Fetch `base.models[name]` (every entry when `name` is None) into `out_root/NAME`."""
+    models = cfg.base.models
+    if name is not None and name not in models:
+        known = ", ".join(models) or "none"
+        raise BadInput(f"base.models has no entry {name!r} (entries: {known})")
+    metrics: dict[str, float] = {}
+    for key in [name] if name is not None else list(models):
+        got = steps(fetch, models[key], Path(out_root) / key, param=f"base.models.{key}")
+        publish_metrics(run, got, Path(metrics_dir) / f"{key}.json")
+        metrics.update({f"{key}.{k}": v for k, v in got.items()})
+    return metrics
