@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 
 from flows import flow_run_tags
-from gptforge.pipeline import PIPELINE_FLOW_ENV, run_pipeline
+from gptforge.pipeline import PIPELINE_FLOW_ENV, closing_summary, run_pipeline
 from tasks import PrefectSteps
 
 
@@ -37,4 +37,5 @@ def pipeline(
     create_markdown_artifact(key="pipeline-summary", markdown=report.markdown(),
                              description="each stage's status, duration, headline metrics and MLflow run")
     report.raise_for_failure()
-    return {s.name: s.status for s in report.stages}
+    return {"stages": {s.name: s.status for s in report.stages},
+            "summary": closing_summary(report, prefect_flow_run=str(runtime.flow_run.id))}

@@ -1,7 +1,8 @@
-"""The three data-preparation stages as Prefect flows (deployment entry points)."""
+"""The data-preparation stages (and the base-model fetch) as Prefect flows (deployment entry points)."""
 
 from flows import stage_flow
 
 prepare_pretrain = stage_flow("prepare_pretrain")
 prepare_classify = stage_flow("prepare_classify")
 prepare_instruct = stage_flow("prepare_instruct")
+prepare_base = stage_flow("prepare_base")

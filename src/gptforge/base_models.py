@@ -56,10 +56,11 @@ def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
     return {"parameters": n_params, "has_tokenizer": int(tokenizer is not None)}
 
 
-def prepare_base(cfg, *, name: str | None = None, steps: Steps = DIRECT, run: NullRun = NullRun(),
-                 out_root: str | os.PathLike = OUT_ROOT, metrics_dir: str | os.PathLike = "metrics/base") -> dict:
-    """Fetch `base.models[name]` (every entry when `name` is None) into `out_root/NAME`."""
-    models = cfg.base.models
+def prepare_base(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), out_root: str | os.PathLike = OUT_ROOT,
+                 metrics_dir: str | os.PathLike = "metrics/base") -> dict:
+    """Fetch `base.models[base.only]` (every entry when `base.only` is null) into `out_root/NAME`:
+    dvc.yaml's prepare_base@NAME runs `gptforge prepare base -S base.only=NAME`."""
+    models, name = cfg.base.models, cfg.base.only
     if name is not None and name not in models:
         known = ", ".join(models) or "none"
         raise BadInput(f"base.models has no entry {name!r} (entries: {known})")

@@ -327,6 +327,7 @@ class BaseModelsConfig(Section):
     # fetched by the `prepare_base@NAME` stage into checkpoints/base/NAME (start fine-tuning
     # from that folder). Empty: no such stage (the quickstart fine-tunes its own pretrained GPT).
     models: dict[str, str] = {}
+    only: Optional[str] = None  # `gptforge prepare base` fetches this entry alone (dvc.yaml sets it)
 
     @field_validator("models")
     @classmethod

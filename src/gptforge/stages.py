@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gptforge import locks, tracking
-from gptforge.config import Config
 from gptforge.steps import DIRECT, Steps
+
+if TYPE_CHECKING:  # the CLI reads this table for --help, which should not load pydantic
+    from gptforge.config import Config
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ STAGES: dict[str, Stage] = {
         Stage("prepare_instruct", "gptforge.data.instruct:prepare_instruct",
               ("data.download", "data.instruct"),
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
+        Stage("prepare_base", "gptforge.base_models:prepare_base", ("base",),
+              "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)"),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
               headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
