@@ -21,6 +21,7 @@ import numbers
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -138,12 +139,15 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
 
 
 def device_name() -> str:
+    """The device the run computes on. A stage that has not loaded torch (the data stages)
+    runs on the CPU: importing torch (seconds) only to name a GPU it does not use is waste."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "cpu"
     try:
-        import torch
-
         if torch.cuda.is_available():
             return f"cuda:{torch.cuda.get_device_name(0)}"
-    except Exception:  # torch missing or broken CUDA: tags are best effort
+    except Exception:  # broken CUDA: tags are best effort
         pass
     return "cpu"
 

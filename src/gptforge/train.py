@@ -139,14 +139,10 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
     if p.init_from == "scratch":
         torch.manual_seed(p.seed)
         return GPT(GPTConfig.from_model_config(m, n_vocab))
-    if p.init_from.startswith("gpt2"):
-        from gptforge.model import from_pretrained
+    from gptforge.model import load_pretrained
 
-        model = from_pretrained(p.init_from)
-        source = f"hub weights {p.init_from}"
-    else:
-        model = load_model(p.init_from)
-        source = f"checkpoint {p.init_from}"
+    # A GPT-2 hub size, a checkpoint folder, or a Hugging Face GPT-2 folder.
+    model, source = load_pretrained(p.init_from, param="pretrain.init_from")
     have = model.config.block_size
     if m.block_size > have:
         raise BadInput(f"model.block_size ({m.block_size}) is above the {have} positions of {source}")
@@ -301,7 +297,9 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     if p.hellaswag.source:
         from gptforge import hellaswag as hs
 
-        hellaswag = hs.load_examples(p.hellaswag.source, limit=p.hellaswag.limit)
+        path = hs.local_copy(p.hellaswag.source, split=p.hellaswag.split, sha256=p.hellaswag.sha256,
+                             download=cfg.data.download)
+        hellaswag = hs.load_examples(path, limit=p.hellaswag.limit)
 
     resume_from = find_resume(cfg, out_dir, fp)
     # A resumed run takes the architecture and weights from its checkpoint (no hub access).

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 import gptforge
 from gptforge.config import Config
 from gptforge.errors import BadInput
-from gptforge.io import atomic_dir, sha256_file, write_json
+from gptforge.io import atomic_dir, data_suffix, is_gzip, open_data, sha256_file, write_json
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import check_fits_uint16, describe, load_tokenizer
 from gptforge.tracking import NullRun, publish_metrics
@@ -85,12 +85,12 @@ def find_corpus(source: str, *, name: str | None, split: str, text_field: str, p
     if not path.exists():
         raise BadInput(f"{param}: local source not found: {source}")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | RECORD_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _format(p) in TEXT_SUFFIXES | RECORD_SUFFIXES)
         if not files:
             raise BadInput(f"{param}: folder {source} has no .txt, .jsonl or .parquet files")
     else:
-        if path.suffix not in TEXT_SUFFIXES | RECORD_SUFFIXES:
-            raise BadInput(f"{param}: {source} is not a .txt, .jsonl or .parquet file")
+        if _format(path) not in TEXT_SUFFIXES | RECORD_SUFFIXES:
+            raise BadInput(f"{param}: {source} is not a .txt, .jsonl or .parquet file (the first two may be .gz)")
         files = [path]
     return Corpus(files=tuple(str(p) for p in files), text_field=text_field, param=param)
 
@@ -108,21 +108,30 @@ def iter_documents(corpus: Corpus) -> Iterator[Iterator[str]]:
         return
     for file in corpus.files:
         path = Path(file)
-        if path.suffix == ".txt":
+        if _format(path) == ".txt":
             yield _read_blocks(path)
-        elif path.suffix == ".jsonl":
+        elif _format(path) == ".jsonl":
             yield from (iter((t,)) for t in _jsonl_texts(path, corpus.text_field))
         else:
             yield from (iter((t,)) for t in _parquet_texts(path, corpus.text_field))
 
 
+def _format(path: Path) -> str:
+    """.txt, .jsonl or .parquet (gzip-compressed text and jsonl count as their inner format);
+    anything else, such as a compressed parquet, is not a corpus file."""
+    suffix = data_suffix(path)
+    return "" if is_gzip(path) and suffix == ".parquet" else suffix
+
+
 def _read_blocks(path: Path) -> Iterator[str]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_data(path, "r", encoding="utf-8") as f:
             while block := f.read(READ_CHARS):
                 yield block
     except UnicodeDecodeError as e:
         raise BadInput(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (OSError, EOFError) as e:  # a damaged .gz (gzip.BadGzipFile is an OSError)
+        raise BadInput(f"{path}: cannot read it ({' '.join(str(e).split())})") from None
 
 
 def _text_of(record, text_field: str, where: str) -> str:
@@ -135,7 +144,7 @@ def _text_of(record, text_field: str, where: str) -> str:
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+    with open_data(path, "r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,0 +1,141 @@
+"""Start-up and wrap-up of the `gptforge` process: each DVC stage is its own process, so what a
+command imports before it works, and what it prints after, counts.
+
+Module checks run in a fresh interpreter (this test process has long imported torch): `--help`
+loads no torch, Prefect, MLflow, transformers or pydantic; the data stages never load torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, run_cli
+from gptforge.cli import main
+
+HEAVY = ("torch", "prefect", "mlflow", "transformers", "datasets", "pydantic")
+
+
+def loaded_after(calls: list[list[str]], cwd: Path, **env: str) -> dict:
+    """Run `gptforge.cli.main(args)` for each of `calls` in one fresh interpreter; return the exit
+    codes and which of HEAVY (top-level packages) were imported by the end."""
+    script = f"""
+import contextlib, io, json, sys
+from gptforge.cli import main
+codes = []
+for args in {calls!r}:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            codes.append(main(args))
+        except SystemExit as e:
+            codes.append(e.code)
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}))
+print(json.dumps({{"codes": codes, "loaded": loaded}}))
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=cli_env(**env), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# --help
+
+
+HELP_CALLS = [["--help"], ["--version"], ["prepare", "--help"], ["prepare", "pretrain", "--help"],
+              ["prepare", "classify", "--help"], ["prepare", "instruct", "--help"], ["pretrain", "--help"],
+              ["finetune", "classify", "--help"], ["finetune", "instruct", "--help"], ["evaluate", "--help"],
+              ["pipeline", "--help"], ["config", "show", "--help"], ["classify", "--help"], ["generate", "--help"],
+              ["export", "--help"]]
+
+
+def test_help_loads_no_heavy_package(tmp_path):
+    result = loaded_after(HELP_CALLS, tmp_path)
+    assert result["codes"] == [0] * len(HELP_CALLS)
+    assert result["loaded"] == []
+
+
+def test_benchmark_help_still_lists_the_variant_grid(capsys):
+    # Its grid comes from gptforge.bench (which imports torch), read only when this help is shown.
+    with pytest.raises(SystemExit) as e:
+        main(["benchmark", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Variants, each adding to the previous: baseline:" in out and "fused_ce:" in out
+
+
+def test_help_names_the_default_params_file(capsys):
+    from gptforge.cli import DEFAULT_PARAMS_HELP
+    from gptforge.config import DEFAULT_PARAMS
+
+    assert DEFAULT_PARAMS_HELP == DEFAULT_PARAMS
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--help"])
+    assert f"default: {DEFAULT_PARAMS}" in capsys.readouterr().out
+
+
+def test_a_usage_error_loads_nothing_heavy_either(tmp_path):
+    result = loaded_after([["prepare", "clasify"]], tmp_path)
+    assert result["codes"] == [2] and result["loaded"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Data stages: the real recipes, in-process, without Prefect
+
+
+def test_data_stages_never_load_torch(tmp_path, small_tokenizer, sms_file, alpaca_file):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat and the dog\n" * 200)
+    off = ["-S", "tracking.enabled=false"]
+    calls = [
+        ["prepare", "pretrain", *off, "-S", f"tokenizer.path={small_tokenizer}", "-S", f"data.pretrain.source={corpus}",
+         "-S", "data.pretrain.val_tokens=100", "-S", "data.pretrain.shard_tokens=1000", "-S", "data.pretrain.workers=1"],
+        ["prepare", "classify", *off, "-S", f"data.classify.source={sms_file}"],
+        ["prepare", "instruct", *off, "-S", f"data.instruct.source={alpaca_file}"],
+    ]
+    result = loaded_after(calls, tmp_path, GPTFORGE_PREFECT="0")
+    assert result["codes"] == [0, 0, 0]
+    for out in ("data/pretrain/manifest.json", "data/classify/train.jsonl", "data/instruct/train.jsonl"):
+        assert (tmp_path / out).is_file()
+    # No torch or transformers; no MLflow with tracking off; no Prefect with GPTFORGE_PREFECT=0.
+    assert result["loaded"] == ["pydantic"]
+
+
+@pytest.mark.slow
+def test_a_tracked_data_stage_loads_mlflow_but_not_torch(tmp_path, sms_file, mlflow_uri):
+    result = loaded_after([["prepare", "classify", "-S", f"data.classify.source={sms_file}"]], tmp_path,
+                          GPTFORGE_PREFECT="0", MLFLOW_TRACKING_URI=mlflow_uri)
+    assert result["codes"] == [0]
+    assert "mlflow" in result["loaded"] and "torch" not in result["loaded"]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name("gptforge")
+    [run] = client.search_runs([exp.experiment_id], f"params.`data.classify.source` = '{sms_file}'")
+    assert run.info.status == "FINISHED" and run.data.tags["device"] == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrap-up: the error is the last line
+
+
+@pytest.mark.slow
+def test_error_is_the_last_line_after_prefects_temporary_server_stops(tmp_path):
+    """With no PREFECT_API_URL the stage starts Prefect's temporary server (~15 s here), which
+    used to say "Stopping temporary server" at exit, after the CLI's error line."""
+    (tmp_path / "params.yaml").write_text("data:\n  classify:\n    source: broken.zip\ntracking:\n  enabled: false\n")
+    (tmp_path / "broken.zip").write_bytes(b"not a zip at all")
+    env = cli_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("GPTFORGE_PREFECT", None)
+    r = run_cli(["prepare", "classify"], cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "Stopping temporary server" in r.stderr  # the case under test: Prefect's own server ran
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "gptforge: error: broken.zip: not a valid zip archive (File is not a zip file)"
+    assert "Traceback" not in r.stderr
