@@ -177,7 +177,7 @@ def _benchmark_description(summary: str) -> str:
     from gptforge.bench import variant_grid  # imports torch: only for `gptforge benchmark --help`
 
     grid = "; ".join(f"{name}: {change}" for name, change, _ in variant_grid())
-    return f"DVC stage benchmark: {summary}. Variants, each adding to the previous: {grid}."
+    return f"DVC stage benchmark: {summary}. Variants, each adding its change to the fastest kept so far (one that slows the step is not kept): {grid}."
 
 
 def cmd_generate(args) -> int:

@@ -189,7 +189,7 @@ class PretrainConfig(Section):
     compile: Union[bool, Literal["auto"]] = "auto"
     seed: int = 1337
     # Where the weights start: scratch, a GPT-2 size from the hub (gpt2, gpt2-medium, ...),
-    # or a checkpoint folder.
+    # a checkpoint folder, or a local Hugging Face GPT-2 folder (save_pretrained, `gptforge export`).
     init_from: str = "scratch"
     batch_size: int = Field(12, gt=0, description="micro-batch, sequences per process")
     batch_tokens: int = Field(768, gt=0, description="tokens per optimizer step, all processes together")
@@ -251,7 +251,7 @@ class LoraConfig(Section):
 
 
 class FinetuneCommon(Section):
-    init_from: str = "checkpoints/pretrain/final"  # a checkpoint folder, or gpt2 / gpt2-medium / ...
+    init_from: str = "checkpoints/pretrain/final"  # a checkpoint folder, a local Hugging Face GPT-2 folder, or gpt2 / gpt2-medium / ...
     device: str = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     seed: int = 123
