@@ -95,10 +95,12 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
     assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout
 
 
-def test_default_sources_offline_fail_fast_naming_the_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
-    # The tokenizer is local so that the first remote source met is the FineWeb-Edu dataset;
-    # HF_HUB_OFFLINE (set by conftest) makes `datasets` fail without any network call.
-    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer)})
+def test_hub_sources_offline_fail_fast_naming_the_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
+    # The real runs' FineWeb-Edu source (configs/gpt2-124m-fineweb.yaml) on a machine with no
+    # network; HF_HUB_OFFLINE (set by conftest) makes `datasets` fail without any network call.
+    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer),
+                             "data.pretrain.source": "hf://HuggingFaceFW/fineweb-edu",
+                             "data.pretrain.name": "sample-10BT"})
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     start = time.monotonic()
     r = dvc(repo_copy, "repro", env=env, timeout=120)

@@ -160,6 +160,18 @@ def test_output_goes_raw_to_stderr_and_line_by_line_to_the_log(monkeypatch, caps
     assert out.last_error == "boom \u2713"
 
 
+def test_a_line_another_rank_left_unterminated_does_not_hide_a_log_line(capsys, collected):
+    # One rank's exit message (nanobind's leak report ends without a newline) runs into the
+    # next rank's log line or error line: each still reaches the log as its own record.
+    out = launch._Output()
+    out.feed(b"See https://nanobind.readthedocs.io/refleaks.html12:00:09 INFO gptforge: pretrain done: step 6\n"
+             b"leak reportgptforge: error: boom\n")
+    assert collected == [("INFO", "See https://nanobind.readthedocs.io/refleaks.html"),
+                         ("INFO", "pretrain done: step 6"),
+                         ("INFO", "leak report"), ("ERROR", "boom")]
+    assert out.last_error == "boom"
+
+
 def test_progress_bar_reaches_the_log_at_most_every_progress_every(capsys, collected):
     out = launch._Output()  # PROGRESS_EVERY = 30 s: the redraws in between are not sent
     for i in range(1, 50):

@@ -57,7 +57,7 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
     out = run_cli(["pipeline", "prepare_classify", "nosuchstage"], repo_copy, cli_env(), timeout=120)
     assert out.returncode == 2, out.stderr
     assert error_lines(out.stderr) == ["gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
-                                       "prepare_pretrain, prepare_classify, prepare_instruct, pretrain, "
+                                       "prepare_base, prepare_pretrain, prepare_classify, prepare_instruct, pretrain, "
                                        "finetune_classify, finetune_instruct, evaluate, benchmark"]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
 
@@ -162,10 +162,12 @@ def test_failed_stage_fails_the_pipeline_naming_it(repo_copy, prefect_api, mlflo
 
 
 @pytest.mark.slow
-def test_offline_defaults_fail_naming_stage_and_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
-    """`make run` offline: the pipeline stops at the first remote source, one line naming the
-    stage, the source and the param to set."""
-    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer)})
+def test_offline_hub_source_fails_naming_stage_and_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
+    """A real run's config offline: the pipeline stops at the first remote source, one line
+    naming the stage, the source and the param to set."""
+    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer),
+                             "data.pretrain.source": "hf://HuggingFaceFW/fineweb-edu",
+                             "data.pretrain.name": "sample-10BT"})
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     out = run_cli(["pipeline", "prepare_pretrain"], repo_copy, env, timeout=300)
     assert out.returncode == 1

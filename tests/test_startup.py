@@ -65,7 +65,7 @@ def test_benchmark_help_still_lists_the_variant_grid(capsys):
         main(["benchmark", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "Variants, each adding to the previous: baseline:" in out and "fused_ce:" in out
+    assert "Variants" in out and "baseline: fp32" in out and "fused_ce:" in out
 
 
 def test_help_names_the_default_params_file(capsys):

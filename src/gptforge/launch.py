@@ -40,7 +40,9 @@ from gptforge.tracking import TAGS_ENV, env_tags
 log = logging.getLogger("gptforge")
 
 PROGRESS_EVERY = 30.0  # seconds between progress-bar lines sent to the log handlers (Prefect's UI)
-_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) gptforge: (.*)$")
+# Anywhere in a line: another rank's unterminated output (a message printed at interpreter exit,
+# say) can run into the start of a worker's log line.
+_LOG_LINE = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) gptforge: (.*)$")
 _ERROR_PREFIX = "gptforge: error: "
 
 
@@ -188,11 +190,17 @@ class _Output:
         if not line:
             return
         level, message = logging.INFO, line
-        if line.startswith(_ERROR_PREFIX):
-            level, message = logging.ERROR, line[len(_ERROR_PREFIX):]
+        start = line.find(_ERROR_PREFIX)
+        m = _LOG_LINE.search(line)
+        if m and (start < 0 or m.start() < start):  # a worker's gptforge log line: its level, not its prefix
+            start, level, message = m.start(), logging.getLevelName(m.group(1)), m.group(2)
+        elif start >= 0:
+            level, message = logging.ERROR, line[start + len(_ERROR_PREFIX):]
             self.last_error = message
-        elif m := _LOG_LINE.match(line):  # a worker's own gptforge log line: its level, not its prefix
-            level, message = logging.getLevelName(m.group(1)), m.group(2)
+        else:
+            start = 0
+        if start:  # another rank's unterminated output ran into this line: its own record first
+            self._line(line[:start])
         _to_log_handlers(level, message)
 
 
