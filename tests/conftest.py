@@ -214,6 +214,14 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("gptforge: error:")]
 
 
+def last_error_line(stderr: str) -> str:
+    """The last line printed, which must be the command's error. Under the pipeline, the failed
+    stage's own error line comes before it, as `dvc repro` shows it."""
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("gptforge: error:"), stderr[-2000:]
+    return last
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` with its bytes, to show that a failed run changed nothing."""
     if not folder.exists():

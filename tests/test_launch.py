@@ -22,7 +22,7 @@ import pytest
 from torch.distributed.run import parse_args as torchrun_args
 
 from conftest import BIN, cli_env, error_lines, free_port, run_cli
-from gptforge import launch
+from gptforge import child_output, launch
 from gptforge.config import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.tracking import env_tags
@@ -139,8 +139,8 @@ def collected():
 
 
 def test_output_goes_raw_to_stderr_and_line_by_line_to_the_log(monkeypatch, capsys, collected):
-    monkeypatch.setattr(launch, "PROGRESS_EVERY", 0.0)
-    out = launch._Output()
+    monkeypatch.setattr(child_output, "PROGRESS_EVERY", 0.0)
+    out = child_output.ChildOutput()
     error = "gptforge: error: boom \u2713\n".encode()  # a 3-byte character, cut between two reads
     raw = [b"W0101 torchrun warning\n12:00:01 INFO gptforge: pretraining 0.10M para", b"meters on cpu\n",
            b"\rpretrain:  10%|#   | 1/10", b"\rpretrain:  20%|##  | 2/10", b"\rpretrain: 100%|####| 10/10\n",
@@ -163,7 +163,7 @@ def test_output_goes_raw_to_stderr_and_line_by_line_to_the_log(monkeypatch, caps
 def test_a_line_another_rank_left_unterminated_does_not_hide_a_log_line(capsys, collected):
     # One rank's exit message (nanobind's leak report ends without a newline) runs into the
     # next rank's log line or error line: each still reaches the log as its own record.
-    out = launch._Output()
+    out = child_output.ChildOutput()
     out.feed(b"See https://nanobind.readthedocs.io/refleaks.html12:00:09 INFO gptforge: pretrain done: step 6\n"
              b"leak reportgptforge: error: boom\n")
     assert collected == [("INFO", "See https://nanobind.readthedocs.io/refleaks.html"),
@@ -173,7 +173,7 @@ def test_a_line_another_rank_left_unterminated_does_not_hide_a_log_line(capsys, 
 
 
 def test_progress_bar_reaches_the_log_at_most_every_progress_every(capsys, collected):
-    out = launch._Output()  # PROGRESS_EVERY = 30 s: the redraws in between are not sent
+    out = child_output.ChildOutput()  # PROGRESS_EVERY = 30 s: the redraws in between are not sent
     for i in range(1, 50):
         out.feed(f"\rpretrain: {i}/50".encode())
     out.feed(b"\rpretrain: 50/50\n")

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, cli_env, error_lines, free_port, run_cli, set_params, snapshot
+from conftest import BIN, cli_env, error_lines, free_port, last_error_line, run_cli, set_params, snapshot
 from gptforge.errors import BadInput
 from gptforge.pipeline import PipelineReport, ReproOutcome, StageReport, check_stage_names, stage_reports
 
@@ -147,7 +147,7 @@ def test_failed_stage_fails_the_pipeline_naming_it(repo_copy, prefect_api, mlflo
     # The source is checked by the stage itself (it exists, so the pre-check passes).
     out = run_cli(["pipeline", "prepare_classify", "-S", f"data.classify.source={bad}"], repo_copy, env, timeout=400)
     assert out.returncode == 1, out.stderr[-2000:]
-    [line] = error_lines(out.stderr)
+    line = last_error_line(out.stderr)
     assert line.startswith("gptforge: error: stage prepare_classify failed: ")
     assert "Traceback" not in out.stderr
     assert not (repo_copy / "data" / "classify").exists()
@@ -171,7 +171,7 @@ def test_offline_hub_source_fails_naming_stage_and_param(repo_copy, small_tokeni
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     out = run_cli(["pipeline", "prepare_pretrain"], repo_copy, env, timeout=300)
     assert out.returncode == 1
-    [line] = error_lines(out.stderr)
+    line = last_error_line(out.stderr)
     assert line.startswith("gptforge: error: stage prepare_pretrain failed: cannot load hf://HuggingFaceFW/fineweb-edu")
     assert line.endswith("set data.pretrain.source to a local copy")
     assert "Traceback" not in out.stderr

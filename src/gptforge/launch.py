@@ -18,20 +18,18 @@ written to a temporary file for the job's duration: every worker trains with exa
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from gptforge.child_output import ChildOutput
 from gptforge.config import Config, dump_yaml
 from gptforge.errors import BadInput, StageFailed
 from gptforge.signals import forwarded_to
@@ -39,11 +37,6 @@ from gptforge.tracking import TAGS_ENV, env_tags
 
 log = logging.getLogger("gptforge")
 
-PROGRESS_EVERY = 30.0  # seconds between progress-bar lines sent to the log handlers (Prefect's UI)
-# Anywhere in a line: another rank's unterminated output (a message printed at interpreter exit,
-# say) can run into the start of a worker's log line.
-_LOG_LINE = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) gptforge: (.*)$")
-_ERROR_PREFIX = "gptforge: error: "
 
 
 def needs_launch(cfg: Config) -> bool:
@@ -139,7 +132,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, str | No
     # torchrun answers SIGINT/SIGTERM by stopping its workers and exiting; we keep reading until
     # it has, then act on the signal ourselves.
     with forwarded_to(proc) as received:
-        output = _Output()
+        output = ChildOutput()
         try:
             assert proc.stdout is not None
             while chunk := os.read(proc.stdout.fileno(), 65536):
@@ -149,72 +142,3 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, str | No
         finally:
             proc.stdout.close()
     return rc, (received[0] if received else None), output.last_error
-
-
-class _Output:
-    """The workers' output (torchrun's and every rank's, merged).
-
-    Written through to this process's stderr as it comes, so the terminal and `dvc repro` show
-    it as if the workers ran here (rank 0's progress bar included). Each complete line also
-    goes, as a log record, to the `gptforge` logger's handlers other than consoles: in a Prefect
-    flow run that is Prefect's API handler, so the flow run's logs in the UI show the workers'
-    log lines and, every PROGRESS_EVERY seconds, rank 0's progress bar.
-    """
-
-    def __init__(self) -> None:
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.pending = ""  # the current line: a progress bar redraws it after each "\r"
-        self.last_progress = time.monotonic()
-        self.last_error: str | None = None
-
-    def feed(self, chunk: bytes, final: bool = False) -> None:
-        text = self.decoder.decode(chunk, final=final)
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        *lines, self.pending = (self.pending + text).split("\n")
-        for line in lines:
-            self._line(_last_redraw(line))
-        if "\r" in self.pending:
-            self.pending = "\r" + _last_redraw(self.pending)  # keep only the newest redraw
-            if time.monotonic() - self.last_progress >= PROGRESS_EVERY:
-                self.last_progress = time.monotonic()
-                _to_log_handlers(logging.INFO, self.pending.strip())
-
-    def close(self) -> None:
-        self.feed(b"", final=True)
-        if self.pending.strip():
-            self._line(_last_redraw(self.pending))
-
-    def _line(self, line: str) -> None:
-        line = line.strip()
-        if not line:
-            return
-        level, message = logging.INFO, line
-        start = line.find(_ERROR_PREFIX)
-        m = _LOG_LINE.search(line)
-        if m and (start < 0 or m.start() < start):  # a worker's gptforge log line: its level, not its prefix
-            start, level, message = m.start(), logging.getLevelName(m.group(1)), m.group(2)
-        elif start >= 0:
-            level, message = logging.ERROR, line[start + len(_ERROR_PREFIX):]
-            self.last_error = message
-        else:
-            start = 0
-        if start:  # another rank's unterminated output ran into this line: its own record first
-            self._line(line[:start])
-        _to_log_handlers(level, message)
-
-
-def _last_redraw(line: str) -> str:
-    parts = [part for part in line.split("\r") if part.strip()]
-    return parts[-1] if parts else ""
-
-
-def _to_log_handlers(level: int, message: str) -> None:
-    if not message or not log.isEnabledFor(level):
-        return
-    record = log.makeRecord(log.name, level, "torchrun", 0, "%s", (message,), None)
-    for handler in log.handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            continue  # a console: it has shown the raw output already
-        if record.levelno >= handler.level:
-            handler.handle(record)

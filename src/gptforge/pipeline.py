@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from gptforge import locks, tracking
+from gptforge.child_output import ChildOutput
 from gptforge.config import DEFAULT_PARAMS, Config, apply_overrides, read_params, validate
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
@@ -237,24 +238,31 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
     # Its own process group: Ctrl-C or SIGTERM (a worker cancelling the run, `docker stop`) is
     # forwarded to dvc and the stage it runs, so a training stage checkpoints before it stops.
     proc = subprocess.Popen(dvc_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
-                            text=True, errors="replace", bufsize=1, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     events: list[tuple[float, str, str]] = []
     errors: list[str] = []
+
+    def note(line: str) -> None:
+        now = time.monotonic()
+        for kind, pattern in (("running", _RUNNING), ("skipped", _SKIPPED), ("restored", _RESTORED)):
+            if m := pattern.match(line):
+                events.append((now, kind, m.group(1)))
+        if _LOCKED.match(line):
+            events.append((now, "locked", ""))
+        if _ERROR.match(line):
+            errors.append(line)
+
+    # Shown as it comes (progress bars redraw in place, as under `dvc repro`); whole lines go to
+    # the flow run's log in Prefect's UI.
+    output = ChildOutput(on_line=note)
     with forwarded_to(proc) as received:
         assert proc.stdout is not None
-        for raw in proc.stdout:  # until dvc and the stage it runs have both exited
-            line = raw.rstrip("\n").split("\r")[-1].rstrip()  # a progress bar's last state
-            if not line:
-                continue
-            log.info("%s", line)
-            now = time.monotonic()
-            for kind, pattern in (("running", _RUNNING), ("skipped", _SKIPPED), ("restored", _RESTORED)):
-                if m := pattern.match(line):
-                    events.append((now, kind, m.group(1)))
-            if _LOCKED.match(line):
-                events.append((now, "locked", ""))
-            if _ERROR.match(line):
-                errors.append(line)
+        try:
+            while chunk := os.read(proc.stdout.fileno(), 65536):  # until dvc and its stage have exited
+                output.feed(chunk)
+            output.close()
+        finally:
+            proc.stdout.close()
         returncode = proc.wait()
     if received:
         name = signal.Signals(received[0]).name
