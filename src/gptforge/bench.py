@@ -37,6 +37,7 @@ from gptforge.config import Config
 from gptforge.errors import BadInput
 from gptforge.io import atomic_file
 from gptforge.model import GPT, GPTConfig
+from gptforge.optim import adamw, fused_adamw_supported
 from gptforge.steps import DIRECT, Steps
 from gptforge.tracking import NullRun, publish_metrics
 
@@ -89,17 +90,9 @@ def skip_reason(change: dict, device: torch.device) -> str | None:
         return "TF32 is a CUDA tensor-core mode"
     if change.get("attention") == "triton" or change.get("fused_ce"):
         return _kernels_available()
-    if change.get("fused_adamw") and device.type == "cpu" and not _fused_adamw_on_cpu():
+    if change.get("fused_adamw") and device.type == "cpu" and not fused_adamw_supported("cpu"):
         return "this torch has no fused AdamW for the CPU"
     return None
-
-
-def _fused_adamw_on_cpu() -> bool:
-    try:
-        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
-        return True
-    except (RuntimeError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,10 +215,9 @@ def build_step(v: Variant, cfg: Config, device: torch.device, B: int, T: int):
     torch.manual_seed(0)
     raw = GPT(gcfg).to(device)
     model = torch.compile(raw) if v.compile else raw
-    decay = [p for p in raw.parameters() if p.dim() >= 2]
-    no_decay = [p for p in raw.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), fused=v.fused_adamw or None)
+    # Unfused until the fused_adamw variant, whatever the training loops pick on this device.
+    opt = adamw(raw.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), device_type=device.type,
+                fused=bool(v.fused_adamw))
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)
     y = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)

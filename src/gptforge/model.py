@@ -365,16 +365,10 @@ class GPT(nn.Module):
     # -- optimizer --------------------------------------------------------------------------
 
     def configure_optimizer(self, weight_decay: float, lr: float, betas, device_type: str) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices and embeddings (dim >= 2) only: decaying biases and
-        LayerNorm gains just pulls them toward 0 without regularizing anything useful."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        # The fused CUDA kernel updates every parameter in one launch.
-        fused = device_type == "cuda"
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
+        """AdamW with decay on matrices and embeddings only, fused where supported (`gptforge.optim`)."""
+        from gptforge.optim import adamw
+
+        return adamw(self.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, device_type=device_type)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
 from gptforge.model import GPT, load_pretrained
+from gptforge.optim import adamw
 from gptforge.tracking import NullRun
 from gptforge.train import Runtime
 
@@ -161,15 +162,12 @@ def trainable_params(model: nn.Module) -> tuple[int, int]:
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters only, with weight decay on matrices (dim >= 2) and
-    none on biases and LayerNorm gains (pretraining's split, for any module: a classifier or a
-    peft model, not only a GPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("make_optimizer: the model has no trainable parameters")
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=device.type == "cuda")
+    """AdamW over the trainable parameters only, with pretraining's decay split and fused kernel
+    (`gptforge.optim`), for any module: a classifier or a peft model, not only a GPT."""
+    try:
+        return adamw(model.parameters(), lr=lr, weight_decay=weight_decay, device_type=device.type)
+    except ValueError as e:
+        raise ValueError(f"make_optimizer: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
