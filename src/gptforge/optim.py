@@ -3,9 +3,8 @@
 Weight decay on matrices and embeddings (dim >= 2) only: decaying biases and LayerNorm gains
 just pulls them toward 0 without regularizing anything useful. The fused kernel (one launch
 for every parameter) is used wherever this torch has it for the device: on CUDA, and on the
-CPU since torch 2.4, where `gptforge benchmark` measured the tiny model's whole training step
-1.35x faster with it (reports/benchmark.md, variant fused_adamw), its 6.4M embedding
-parameters making the optimizer a large share of the step. Imports torch only.
+CPU since torch 2.4; `gptforge benchmark`'s fused_adamw variant measures what it does to the
+whole training step on the device at hand. Imports torch only.
 """
 
 from __future__ import annotations
