@@ -1,4 +1,4 @@
-"""The benchmark scripts that README figures come from still run and report what they say they
+"""The benchmark scripts that the figures in docs/ come from still run and report what they say they
 report (smallest settings; the timings themselves are not asserted: a unit test is no
 benchmark)."""
 
