@@ -23,7 +23,7 @@ def fused_adamw_supported(device_type: str) -> bool:
         param.grad = torch.zeros_like(param)
         torch.optim.AdamW([param], fused=True).step()
         return True
-    except (RuntimeError, ValueError, NotImplementedError):
+    except Exception:  # a probe: no such device, no kernel for it (torch raises several kinds)
         return False
 
 
