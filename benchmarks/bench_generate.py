@@ -11,9 +11,9 @@ pad/eos set so it cannot stop early; ours runs `generate(temperature=0)` with no
 The JSON printed at the end has both speeds, the ratio, and whether the two produced the same
 tokens.
 
-What makes ours faster (see gptforge.model): each decode step runs as straight functional
-calls over weights gathered once (`_Decoder`), and greedy steps find the argmax through an
-int8 copy of the head whose candidates are then checked exactly (`_GreedyHead`), so a token
+What makes ours faster (see gptforge.decoding): each decode step runs as straight functional
+calls over weights gathered once (`Decoder`), and greedy steps find the argmax through an
+int8 copy of the head whose candidates are then checked exactly (`GreedyHead`), so a token
 reads ~40 MB of head instead of 154 MB at GPT-2 124M. `ours_full_head` is the same run with
 that screen off (the float32 head read at every token), to show what each part brings.
 
@@ -40,7 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from gptforge.model import GPT, GPTConfig, _GreedyHead, generate, to_hf  # noqa: E402
+from gptforge.decoding import GreedyHead, generate  # noqa: E402
+from gptforge.hf_convert import to_hf  # noqa: E402
+from gptforge.model import GPT, GPTConfig  # noqa: E402
 
 CONFIGS = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256),
@@ -91,10 +93,10 @@ def main() -> int:
                            max_new_tokens=n, min_new_tokens=n, pad_token_id=eos, eos_token_id=eos)
 
     def ours_full_head():  # the same, with the greedy int8 head screen switched off
-        with mock.patch.object(_GreedyHead, "for_model", classmethod(lambda cls, m, build=True: None)):
+        with mock.patch.object(GreedyHead, "for_model", classmethod(lambda cls, m, build=True: None)):
             return generate(model, prompt, n, temperature=0)
 
-    screen_used = _GreedyHead.for_model(model) is not None
+    screen_used = GreedyHead.for_model(model) is not None
     res = timed_interleaved({"ours": ours, "ours_full_head": ours_full_head, "hf": theirs}, args.repeats)
     (t_ours, all_ours, out_ours), (t_hf, all_hf, out_hf) = res["ours"], res["hf"]
     t_full, _, out_full = res["ours_full_head"]

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from gptforge import flops
-from gptforge.model import GPT, GPTConfig, generate
+from gptforge.decoding import generate
+from gptforge.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,8 @@ import torch
 from conftest import REPO, SMS_LINES, error_lines, snapshot, write_tiktoken
 from gptforge import checkpoint as ckpt
 from gptforge.cli import main
-from gptforge.model import GPT, GPTConfig, save_model
+from gptforge.model import GPT, GPTConfig
+from gptforge.weights import save_model
 
 # The working directory's own params: a small model on the small test tokenizer, no MLflow.
 WORKDIR_PARAMS = """\

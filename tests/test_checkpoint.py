@@ -28,7 +28,7 @@ FILES = ("model.safetensors", "config.json", "state.pt")
 
 
 def fake_model(tag: str):
-    """A `write_model` that writes what model.save_model would: weights and their config."""
+    """A `write_model` that writes what weights.save_model would: weights and their config."""
 
     def write(folder: Path) -> None:
         (folder / "model.safetensors").write_bytes(f"weights of {tag}".encode() * 100)

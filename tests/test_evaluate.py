@@ -22,9 +22,11 @@ from conftest import FakeRun
 from gptforge import evaluate as ev
 from gptforge import hellaswag as hs
 from gptforge.config import validate
+from gptforge.decoding import generate
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.model import GPT, GPTConfig, generate, load_model, save_model
+from gptforge.model import GPT, GPTConfig
 from gptforge.tokenizer import load_tokenizer
+from gptforge.weights import load_model, save_model
 
 BLOCK = 64
 

@@ -9,7 +9,8 @@ import torch
 
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.export import export_hf
-from gptforge.model import GPT, GPTConfig, save_model
+from gptforge.model import GPT, GPTConfig
+from gptforge.weights import save_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,9 +16,10 @@ from gptforge.config import validate
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
 from gptforge.finetune.common import merge_lora
-from gptforge.model import GPT, GPTConfig, load_model, save_model
+from gptforge.model import GPT, GPTConfig
 from gptforge.steps import Steps
 from gptforge.tokenizer import load_tokenizer
+from gptforge.weights import load_model, save_model
 
 BLOCK = 32
 # Two disjoint marker alphabets and a filler alphabet shared by both classes: every text has

@@ -19,8 +19,10 @@ from gptforge.config import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import instruct as I
 from gptforge.finetune.templates import collate, encode, encode_all, render
-from gptforge.model import GPT, GPTConfig, load_model, save_model, to_hf
+from gptforge.hf_convert import to_hf
+from gptforge.model import GPT, GPTConfig
 from gptforge.tokenizer import load_tokenizer
+from gptforge.weights import load_model, save_model
 
 E = 50256  # GPT-2's <|endoftext|>, the pad id in the hand-computed batches
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gptforge.decoding import generate
 from gptforge.errors import BadInput
-from gptforge.model import GPT, GPTConfig, KVCache, generate
+from gptforge.model import GPT, GPTConfig, KVCache
 
 
 def model(attention="sdpa", block_size=24, n_vocab=100, seed=0) -> GPT:
@@ -155,9 +156,9 @@ def test_generate_restores_training_mode():
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 @pytest.mark.parametrize("B, bias", [(1, True), (2, False)])
 def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
-    """_Decoder is the same operations as GPT.hidden_states without the module calls: the hidden
+    """Decoder is the same operations as GPT.hidden_states without the module calls: the hidden
     states and the cache contents it leaves must be identical, not merely close."""
-    from gptforge.model import _Decoder
+    from gptforge.decoding import Decoder
 
     torch.manual_seed(3)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=128, n_vocab=100,
@@ -168,7 +169,7 @@ def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
         c1, c2 = KVCache(cfg, B), KVCache(cfg, B)
         m.hidden_states(idx[:, :5], c1)
         m.hidden_states(idx[:, :5], c2)
-        step = _Decoder(m, c2)
+        step = Decoder(m, c2)
         for t in range(5, 9):
             ref = m.hidden_states(idx[:, t:t + 1], c1)[:, -1, :]
             got = step(idx[:, t])
@@ -188,20 +189,20 @@ def _reference_argmax(W: torch.Tensor, x: torch.Tensor) -> int:
 def test_greedy_head_screen_finds_the_float64_argmax():
     """The int8 screen must return exactly the argmax of W·x (computed here in float64), on
     random heads and hidden states, and on rows built to be nearly tied with the winner."""
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
-    if not _GreedyHead.usable(torch.zeros(64, 16)):
+    if not GreedyHead.usable(torch.zeros(64, 16)):
         pytest.skip("this torch build has no _weight_int8pack_mm")
     g = torch.Generator().manual_seed(0)
     for C, scale in [(32, 0.02), (128, 0.02), (128, 1.0), (96, 0.3)]:
         W = torch.randn(3000, C, generator=g) * scale
-        screen = _GreedyHead(W)
+        screen = GreedyHead(W)
         for i in range(40):
             x = torch.randn(C, generator=g) * (1 + i % 5)
             assert screen.argmax(x) == _reference_argmax(W, x)
     # the quantization's own error stays within the constant the bound uses, unclamped
     W = torch.randn(5000, 48, generator=g) * torch.rand(5000, 1, generator=g) * 3
-    screen = _GreedyHead(W, chunk_rows=777)
+    screen = GreedyHead(W, chunk_rows=777)
     q = screen.q.double()
     assert int(screen.q.abs().max()) <= 127
     assert float((W.double() - q * screen.scale.double()[:, None]).abs().max()) <= screen.err_w
@@ -217,68 +218,68 @@ def test_greedy_head_screen_finds_the_float64_argmax():
         k = int(torch.argmax(x.abs()))
         toward = torch.tensor(float("inf") if (x[k] > 0) == (direction > 0) else float("-inf"))
         W2[row, k] = torch.nextafter(W2[row, k], toward)
-        assert _GreedyHead(W2).argmax(x) == _reference_argmax(W2, x), (row, direction)
+        assert GreedyHead(W2).argmax(x) == _reference_argmax(W2, x), (row, direction)
     # an exact tie goes to the lower index, as torch.argmax
     W2 = W.clone()
     W2[3] = W[win]
-    assert _GreedyHead(W2).argmax(x) == min(3, win)
+    assert GreedyHead(W2).argmax(x) == min(3, win)
 
 
 def test_greedy_head_screen_declines_what_it_cannot_bound():
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
-    if not _GreedyHead.usable(torch.zeros(64, 16)):
+    if not GreedyHead.usable(torch.zeros(64, 16)):
         pytest.skip("this torch build has no _weight_int8pack_mm")
     W = torch.randn(500, 32)
-    screen = _GreedyHead(W)
+    screen = GreedyHead(W)
     assert screen.argmax(torch.full((32,), float("nan"))) is None
     x = torch.randn(32)
     x[3] = float("inf")
     assert screen.argmax(x) is None
-    same = _GreedyHead(torch.randn(1, 32).expand(2000, 32).contiguous())  # every row ties
+    same = GreedyHead(torch.randn(1, 32).expand(2000, 32).contiguous())  # every row ties
     assert same.argmax(torch.randn(32)) is None  # > MAX_CANDIDATES: the caller takes the full head
     # only where it pays: float32 on the CPU
-    assert not _GreedyHead.usable(W.double())
-    assert not _GreedyHead.usable(W.bfloat16())
+    assert not GreedyHead.usable(W.double())
+    assert not GreedyHead.usable(W.bfloat16())
 
 
 def test_greedy_head_copy_follows_the_weights():
     """The int8 copy is kept on the model until its head changes: an in-place update (an
     optimizer step between two generations during training) must make a new one."""
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
     m = model()
-    a = _GreedyHead.for_model(m)
+    a = GreedyHead.for_model(m)
     if a is None:
         pytest.skip("this torch build has no _weight_int8pack_mm")
-    assert _GreedyHead.for_model(m) is a
+    assert GreedyHead.for_model(m) is a
     with torch.no_grad():
         m.transformer.wte.weight.mul_(-1.0)
-    b = _GreedyHead.for_model(m)
+    b = GreedyHead.for_model(m)
     assert b is not a
     W = m.transformer.wte.weight[:100]
     x = torch.randn(32)
     assert b.argmax(x) == _reference_argmax(W, x)
     m.double()  # not float32: no screen, and the stale copy is dropped
-    assert _GreedyHead.for_model(m) is None
+    assert GreedyHead.for_model(m) is None
     assert "_greedy_head" not in m.__dict__
 
 
 def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     """Long greedy runs with the int8 screen give the tokens of the plain float32 head."""
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
     m = model(block_size=64)
     idx = prompt(T=3)
     answered = []
-    real_argmax = _GreedyHead.argmax
-    monkeypatch.setattr(_GreedyHead, "argmax", lambda self, x: answered.append(real_argmax(self, x)) or answered[-1])
+    real_argmax = GreedyHead.argmax
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, x: answered.append(real_argmax(self, x)) or answered[-1])
     with_screen = generate(m, idx, 60, temperature=0)
     if not answered:
         pytest.skip("this torch build has no _weight_int8pack_mm")
     assert len(answered) == 60 and None not in answered  # the screen chose every token
     calls = []
-    monkeypatch.setattr(_GreedyHead, "for_model", classmethod(lambda cls, m, build=True: calls.append(m) or None))
+    monkeypatch.setattr(GreedyHead, "for_model", classmethod(lambda cls, m, build=True: calls.append(m) or None))
     without = generate(m, idx, 60, temperature=0)
     assert calls  # the patched lookup really was the one consulted
     assert torch.equal(with_screen, without)
@@ -288,17 +289,17 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
 def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(monkeypatch):
     """The bound assumes the int8 kernel's own rounding; a kernel 1% off must not be trusted:
     no screen, and greedy decoding falls back to the float32 head with the same tokens."""
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
     m = model()
-    if _GreedyHead.for_model(m) is None:
+    if GreedyHead.for_model(m) is None:
         pytest.skip("this torch build has no _weight_int8pack_mm")
     idx = prompt()
     expected = generate(m, idx, 20, temperature=0)
     real = torch._weight_int8pack_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, q, s: real(x, q, s) * 1.01)
     m2 = model()
-    assert _GreedyHead.for_model(m2) is None
+    assert GreedyHead.for_model(m2) is None
     assert torch.equal(generate(m2, idx, 20, temperature=0), expected)
 
 
@@ -308,7 +309,7 @@ def test_unmerged_lora_layers_decode_through_the_modules():
     peft = pytest.importorskip("peft")
     import copy
 
-    from gptforge.model import _Decoder
+    from gptforge.decoding import Decoder
 
     m = model(block_size=64)
     lora = peft.get_peft_model(copy.deepcopy(m), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"]))
@@ -317,7 +318,7 @@ def test_unmerged_lora_layers_decode_through_the_modules():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
     inner = lora.base_model.model
-    assert not _Decoder.supports(inner) and _Decoder.supports(m)
+    assert not Decoder.supports(inner) and Decoder.supports(m)
     idx = prompt(T=4)
     adapted = generate(inner, idx, 30, temperature=0)
     uncached = generate(inner, idx, 30, temperature=0, use_cache=False)
@@ -329,21 +330,21 @@ def test_unmerged_lora_layers_decode_through_the_modules():
 
 
 def test_a_forward_hook_keeps_decoding_on_the_modules():
-    from gptforge.model import _Decoder
+    from gptforge.decoding import Decoder
 
     m = model()
     seen = []
     m.transformer.h[0].mlp.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
-    assert not _Decoder.supports(m)
+    assert not Decoder.supports(m)
     generate(m, prompt(), 6, temperature=0)
     assert len(seen) == 6  # the prefill and 5 decode steps all ran the hooked module
 
 
 def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
-    from gptforge.model import _GreedyHead
+    from gptforge.decoding import GreedyHead
 
     m = model(block_size=64)
-    if not _GreedyHead.usable(m.transformer.wte.weight):
+    if not GreedyHead.usable(m.transformer.wte.weight):
         pytest.skip("this torch build has no _weight_int8pack_mm")
     generate(m, prompt(), 5, temperature=0)
     assert "_greedy_head" not in m.__dict__
@@ -351,21 +352,21 @@ def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
     screen = m.__dict__["_greedy_head"][1]
     assert screen is not None
     used = []
-    real = _GreedyHead.argmax
-    monkeypatch.setattr(_GreedyHead, "argmax", lambda self, x: used.append(self) or real(self, x))
+    real = GreedyHead.argmax
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, x: used.append(self) or real(self, x))
     generate(m, prompt(), 5, temperature=0)  # an up-to-date copy is used even for a few tokens
     assert used and all(u is screen for u in used)
 
 
 def test_directed_bfloat16_rounding_brackets_each_value():
-    from gptforge.model import _to_bf16
+    from gptforge.decoding import to_bf16
 
     v = torch.cat([torch.randn(5000) * 1e3, torch.randn(5000) * 1e-3, torch.tensor([0.0, 1.0, -2.5])])
-    up, down = _to_bf16(v, up=True), _to_bf16(v, up=False)
+    up, down = to_bf16(v, up=True), to_bf16(v, up=False)
     assert up.dtype == down.dtype == torch.bfloat16
     assert bool((up.double() >= v.double()).all()) and bool((down.double() <= v.double()).all())
     # adjacent bfloat16 numbers (or the value itself when it is one)
     exact = up == down
     assert bool((up[~exact] == torch.nextafter(down[~exact], torch.tensor(float("inf"), dtype=torch.bfloat16))).all())
     assert bool(exact[-3:].all())
-    assert _to_bf16(torch.tensor(float("nan")), up=False).isnan()
+    assert to_bf16(torch.tensor(float("nan")), up=False).isnan()

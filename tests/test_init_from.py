@@ -15,8 +15,10 @@ from gptforge.config import load_config
 from gptforge.errors import BadInput
 from gptforge.export import export_hf
 from gptforge.finetune.common import load_base
-from gptforge.model import GPT, GPTConfig, load_pretrained, save_model
+from gptforge.hf_convert import load_pretrained
+from gptforge.model import GPT, GPTConfig
 from gptforge.train import build_model
+from gptforge.weights import save_model
 
 transformers = pytest.importorskip("transformers")
 

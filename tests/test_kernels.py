@@ -37,8 +37,9 @@ if not ON_GPU:
 
 import pytest  # noqa: E402
 
+from gptforge.decoding import generate  # noqa: E402
 from gptforge.errors import BadInput  # noqa: E402
-from gptforge.model import GPT, GPTConfig, KVCache, generate  # noqa: E402
+from gptforge.model import GPT, GPTConfig, KVCache  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 EPS32 = torch.finfo(torch.float32).eps

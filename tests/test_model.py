@@ -12,16 +12,9 @@ import torch.nn.functional as F
 
 from gptforge.config import ModelConfig
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.model import (
-    GPT,
-    GPTConfig,
-    from_hf,
-    from_pretrained,
-    hf_state_dict,
-    load_model,
-    save_model,
-    to_hf,
-)
+from gptforge.hf_convert import from_hf, from_pretrained, hf_state_dict, to_hf
+from gptforge.model import GPT, GPTConfig
+from gptforge.weights import load_model, save_model
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)
 
@@ -327,7 +320,7 @@ def test_save_is_atomic_on_failure(saved, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("gptforge.model.write_json", boom)
+    monkeypatch.setattr("gptforge.weights.write_json", boom)
     with pytest.raises(OSError):
         save_model(GPT(small()), saved)
     # the weights were replaced as a whole or not at all, and no temporary file is left
@@ -352,11 +345,12 @@ def test_from_pretrained_offline_is_source_unreachable(monkeypatch):
 
 
 def test_model_module_imports_no_transformers():
-    """The model runs on a bare GPU machine: transformers only inside the conversion functions."""
+    """The model, decoding and weights I/O run on a bare GPU machine: transformers only inside
+    the conversion functions."""
     import subprocess
     import sys
 
-    code = ("import sys, gptforge.model, gptforge.export; "
+    code = ("import sys, gptforge.model, gptforge.decoding, gptforge.weights, gptforge.hf_convert, gptforge.export; "
             "bad = [m for m in ('transformers', 'pydantic', 'yaml', 'mlflow', 'prefect') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

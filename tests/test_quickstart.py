@@ -172,7 +172,7 @@ def test_prepare_base_fetches_a_local_hf_folder(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from gptforge.base_models import prepare_base
-    from gptforge.model import load_pretrained
+    from gptforge.hf_convert import load_pretrained
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()

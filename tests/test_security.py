@@ -99,7 +99,8 @@ def test_no_unsafe_deserialisation_in_the_shipped_code():
 
 def test_checkpoints_hold_safetensors_weights_only(tmp_path, small_tokenizer):
     from gptforge import checkpoint as ckpt
-    from gptforge.model import GPT, GPTConfig, save_model
+    from gptforge.model import GPT, GPTConfig
+    from gptforge.weights import save_model
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=320, n_vocab=281))
     folder = ckpt.save_checkpoint(tmp_path, 1, write_model=lambda d: save_model(model, d), state={"step": 1},

@@ -81,7 +81,7 @@ def test_batch_tokens_must_divide():
 
 
 def test_run_writes_metrics_plots_and_a_loadable_final_model(tmp_path, shards, small_tokenizer):
-    from gptforge.model import load_model
+    from gptforge.weights import load_model
 
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=12")
     metrics = run_pretrain(cfg, shards, tmp_path)
@@ -323,7 +323,7 @@ def test_block_size_above_the_models_positions(tmp_path, shards, small_tokenizer
 
 
 def test_init_from_a_checkpoint_with_more_positions_crops_them(tmp_path, shards, small_tokenizer):
-    from gptforge.model import load_model
+    from gptforge.weights import load_model
 
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=2", "model.block_size=32", "pretrain.batch_tokens=128")
     run_pretrain(cfg, shards, tmp_path / "a")

@@ -185,8 +185,9 @@ def cmd_generate(args) -> int:
 
     import torch
 
-    from gptforge.model import generate, load_model
+    from gptforge.decoding import generate
     from gptforge.tokenizer import load_tokenizer
+    from gptforge.weights import load_model
 
     if args.max_new_tokens <= 0:
         raise BadInput(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")

@@ -257,7 +257,7 @@ class GptforgeLM(TemplateLM):
 
     @torch.inference_mode()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from gptforge.model import generate
+        from gptforge.decoding import generate
 
         self.counts["generate_until"] += len(requests)
         eot_text = "<|endoftext|>"
@@ -805,7 +805,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
     """One model on every task: lm-eval results saved under results_dir/<name>/."""
     from lm_eval import simple_evaluate
 
-    from gptforge.model import load_pretrained
+    from gptforge.hf_convert import load_pretrained
 
     ev = cfg.evaluate
     # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted

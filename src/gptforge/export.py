@@ -2,7 +2,7 @@
 
 The folder loads with `AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)`: HF's config.json, model.safetensors (HF layout, see
-`model.to_hf`), generation_config.json, and the GPT-2 tokenizer files: vocab.json (OpenAI's
+`hf_convert.to_hf`), generation_config.json, and the GPT-2 tokenizer files: vocab.json (OpenAI's
 encoder.json), merges.txt (vocab.bpe), tokenizer.json, tokenizer_config.json and
 special_tokens_map.json with `<|endoftext|>` as bos/eos/unk. The whole folder appears at once
 (io.atomic_dir): a failure leaves the previous folder, or none, never half of one.
@@ -15,9 +15,10 @@ import shutil
 from pathlib import Path
 
 from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.hf_convert import to_hf
 from gptforge.io import atomic_dir, write_json
-from gptforge.model import load_model, to_hf
 from gptforge.tokenizer import EOT_TOKEN, load_tokenizer
+from gptforge.weights import load_model
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

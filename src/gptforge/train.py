@@ -31,14 +31,16 @@ import torch.distributed as dist
 from gptforge import checkpoint as ckpt
 from gptforge import flops
 from gptforge.config import Config
+from gptforge.decoding import generate
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.loader import ShardLoader
-from gptforge.model import GPT, GPTConfig, generate, load_model, save_model
+from gptforge.model import GPT, GPTConfig
 from gptforge.signals import stop_requested
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import describe, load_tokenizer
 from gptforge.tracking import NullRun, publish_metrics
+from gptforge.weights import load_model, save_model
 
 log = logging.getLogger("gptforge")
 
@@ -139,7 +141,7 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
     if p.init_from == "scratch":
         torch.manual_seed(p.seed)
         return GPT(GPTConfig.from_model_config(m, n_vocab))
-    from gptforge.model import load_pretrained
+    from gptforge.hf_convert import load_pretrained
 
     # A GPT-2 hub size, a checkpoint folder, or a Hugging Face GPT-2 folder.
     model, source = load_pretrained(p.init_from, param="pretrain.init_from")

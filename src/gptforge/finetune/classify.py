@@ -41,11 +41,12 @@ from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, epoch_batches, load_base, make_optimizer,
                                       merge_lora, plot_curves, runtime, train_epochs, trainable_params)
 from gptforge.io import atomic_dir, atomic_file, write_json
-from gptforge.model import GPT, load_model, save_model
+from gptforge.model import GPT
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import load_tokenizer
 from gptforge.tracking import NullRun, publish_metrics
 from gptforge.train import Runtime
+from gptforge.weights import load_model, save_model
 
 log = logging.getLogger("gptforge")
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
-from gptforge.model import GPT, load_pretrained
+from gptforge.hf_convert import load_pretrained
+from gptforge.model import GPT
 from gptforge.optim import adamw
 from gptforge.tracking import NullRun
 from gptforge.train import Runtime
@@ -77,7 +78,7 @@ def load_base(init_from: str, n_vocab: int, *, param: str) -> GPT:
     `init_from` is a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; transformers'
     download cache), a checkpoint folder written by `save_model` (`checkpoints/pretrain/final`),
     or a local Hugging Face GPT-2 folder (`gptforge export` output, `save_pretrained` output, a
-    hub snapshot), converted to our GPT: `model.load_pretrained` says which is which. `param` is
+    hub snapshot), converted to our GPT: `hf_convert.load_pretrained` says which is which. `param` is
     its config key (`classify.init_from`) for the messages. Raises BadInput when the folder is
     missing ("run `gptforge pretrain` first"), when its config.json is neither a gptforge GPT nor
     a Hugging Face GPT-2 (another architecture, another format: the message names the file), and

@@ -7,7 +7,7 @@ greedy answers to the first test instructions -> the model.
 
 What it writes:
 - `checkpoints/instruct/final/`: the fine-tuned GPT (LoRA folded into the weights), loadable
-  with `model.load_model` like any checkpoint;
+  with `weights.load_model` like any checkpoint;
 - `checkpoints/instruct/adapter/` (lora only): the adapter in peft's own format
   (adapter_config.json + adapter_model.safetensors). Our module names are Hugging Face GPT-2's,
   so it also applies to the exported base model:
@@ -38,16 +38,18 @@ import torch.nn as nn
 
 from gptforge.config import Config
 from gptforge.data.sources import read_records
+from gptforge.decoding import generate
 from gptforge.errors import BadInput
 from gptforge.finetune.common import (History, apply_lora, check_max_length, epoch_batches, load_base,
                                       make_optimizer, merge_lora, runtime, train_epochs, trainable_params)
 from gptforge.finetune.templates import IGNORE_INDEX, Example, collate, encode_all
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.model import GPT, generate, save_model
+from gptforge.model import GPT
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import load_tokenizer
 from gptforge.tracking import NullRun, publish_metrics
 from gptforge.train import Runtime
+from gptforge.weights import save_model
 
 log = logging.getLogger("gptforge")
 
