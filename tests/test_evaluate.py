@@ -24,6 +24,7 @@ from gptforge import hellaswag as hs
 from gptforge.config import validate
 from gptforge.decoding import generate
 from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.evaluate.lm import GptforgeLM
 from gptforge.model import GPT, GPTConfig
 from gptforge.tokenizer import load_tokenizer
 from gptforge.weights import load_model, save_model
@@ -190,7 +191,7 @@ def instances(pairs):
 
 
 def test_loglikelihood_matches_direct_computation(model, enc):
-    lm = ev.GptforgeLM(model, enc, batch_size=3, name="t")
+    lm = GptforgeLM(model, enc, batch_size=3, name="t")
     long_ctx = "The quick brown fox jumps over the lazy dog and then runs far away into the deep forest. " * 2
     pairs = [("The cat sat on the", " mat."), ("The cat sat on the", " hat and the dog sat on the log."),
              ("Question: 2 + 2?\nAnswer:", " B"), ("Question: 2 + 2?\nAnswer:", " C"),
@@ -205,7 +206,7 @@ def test_loglikelihood_matches_direct_computation(model, enc):
         assert lp == pytest.approx(ref_lp, abs=1e-4), pair
         assert greedy == ref_greedy
     # A different batch size gives the same numbers (padding does not leak into real positions).
-    lm1 = ev.GptforgeLM(model, enc, batch_size=1)
+    lm1 = GptforgeLM(model, enc, batch_size=1)
     again = lm1.loglikelihood(instances(pairs), disable_tqdm=True)
     assert [a for a, _ in again] == pytest.approx([a for a, _ in got], abs=1e-5)
 
@@ -214,7 +215,7 @@ def test_greedy_flag_is_true_for_the_model_s_own_argmax(model, enc):
     ctx = enc.encode_ordinary("Once upon a time")
     with torch.no_grad():
         nxt = int(model(torch.tensor([ctx]))[0][0, -1, : enc.n_vocab].argmax())
-    lm = ev.GptforgeLM(model, enc)
+    lm = GptforgeLM(model, enc)
     (lp_best, greedy_best), (lp_other, greedy_other) = lm.score_tokens(
         [(ctx, [nxt]), (ctx, [(nxt + 1) % enc.n_vocab])], disable_tqdm=True)
     assert greedy_best and not greedy_other
@@ -224,7 +225,7 @@ def test_greedy_flag_is_true_for_the_model_s_own_argmax(model, enc):
 def test_loglikelihood_rolling_scores_every_token_once(model, enc):
     from lm_eval.api.instance import Instance
 
-    lm = ev.GptforgeLM(model, enc, batch_size=4)
+    lm = GptforgeLM(model, enc, batch_size=4)
     short, long = "A short text.", "A longer text that goes on and on, well past one window of the model. " * 3
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (s,), 0) for s in (short, long)],
                                    disable_tqdm=True)
@@ -247,7 +248,7 @@ def test_loglikelihood_rolling_scores_every_token_once(model, enc):
 def test_generate_until_is_greedy_and_stops_at_until(model, enc):
     from lm_eval.api.instance import Instance
 
-    lm = ev.GptforgeLM(model, enc)
+    lm = GptforgeLM(model, enc)
     prompt = "Once upon a time"
     ids = torch.tensor([enc.encode_ordinary(prompt)])
     full = generate(model, ids, 12, temperature=0, eot_id=enc.eot_token)[0, ids.size(1):].tolist()
@@ -267,7 +268,7 @@ def test_generate_until_is_greedy_and_stops_at_until(model, enc):
 def test_vocabulary_mismatch_is_bad_input(enc):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=512, n_vocab=500))
     with pytest.raises(BadInput, match="vocabulary of 500 tokens.*has 281"):
-        ev.GptforgeLM(model, enc)
+        GptforgeLM(model, enc)
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_embedded_samples_are_small_and_documented():
 
 
 def test_embedded_mmlu_covers_all_subjects():
-    from gptforge.evaluate import load_mmlu, mmlu_files
+    from gptforge.evaluate.task_data import load_mmlu, mmlu_files
 
     files = mmlu_files(samples.resolve("sample://mmlu"))
     test, dev = load_mmlu(files["test"]), load_mmlu(files["dev"])
