@@ -26,11 +26,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/gptforge pipeline
 
+# Two workers of one thread each (tests/conftest.py sets the threads): most of the suite's time
+# is single-threaded (CLI processes starting, Prefect and MLflow servers, dvc), so two workers
+# beat one worker with two threads on 2 cores. `worksteal` evens out the long tests.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

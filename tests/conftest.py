@@ -35,6 +35,10 @@ os.environ.update(
     HF_DATASETS_OFFLINE="1",
     TOKENIZERS_PARALLELISM="false",
 )
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on 2 cores: one thread each, for the worker and every process
+    # it starts (CLI stages, torchrun ranks), or OpenMP oversubscribes the cores tenfold.
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 from gptforge.tracking import NullRun  # noqa: E402  (after the environment is set)
 
