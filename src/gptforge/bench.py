@@ -88,8 +88,8 @@ def skip_reason(change: dict, device: torch.device) -> str | None:
         return "TF32 is a CUDA tensor-core mode"
     if change.get("attention") == "triton" or change.get("fused_ce"):
         return _kernels_available()
-    if change.get("fused_adamw") and device.type == "cpu" and not fused_adamw_supported("cpu"):
-        return "this torch has no fused AdamW for the CPU"
+    if change.get("fused_adamw") and not fused_adamw_supported(device.type):
+        return f"this torch has no fused AdamW for {device.type}"
     return None
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import codecs
 import logging
+import os
 import re
 import sys
 import time
-from typing import Callable
+from typing import IO, Callable
 
 log = logging.getLogger("gptforge")
 
@@ -42,6 +43,16 @@ class ChildOutput:
         self.pending = ""  # the current line: a progress bar redraws it after each "\r"
         self.last_progress = time.monotonic()
         self.last_error: str | None = None
+
+    def drain(self, stream: IO[bytes]) -> None:
+        """Feed everything `stream` (the child's stdout pipe) yields until its end, then close
+        both: the end comes when the child and every process that shares the pipe have exited."""
+        try:
+            while chunk := os.read(stream.fileno(), 65536):
+                self.feed(chunk)
+            self.close()
+        finally:
+            stream.close()
 
     def feed(self, chunk: bytes, final: bool = False) -> None:
         text = self.decoder.decode(chunk, final=final)

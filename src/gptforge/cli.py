@@ -443,25 +443,17 @@ def _silence_module_teardown() -> None:
     """Keep the last line printed the command's own: once every exit handler has run, stderr
     goes to /dev/null for the interpreter's module teardown, where Triton's bindings (imported
     by torch's optimizers) print a 70-line nanobind "leaked instances" report on every exit.
-    Registered first, so it runs after every other exit handler."""
-    def silence() -> None:
-        if "triton._C.libtriton" not in sys.modules:
-            return
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-
-    for handler in _EXIT_SILENCERS:
-        atexit.unregister(handler)  # main() may run more than once in a process
-    _EXIT_SILENCERS[:] = [silence]
-    atexit.register(silence)
-
-
-_EXIT_SILENCERS: list = []
+    Registered first (by `main`), so it runs after every other exit handler."""
+    if "triton._C.libtriton" not in sys.modules:
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _silence_module_teardown()
+    atexit.unregister(_silence_module_teardown)  # main() may run more than once in a process
+    atexit.register(_silence_module_teardown)
     _skip_exit_gc()
     _setup_logging()
     debug = bool(os.environ.get("GPTFORGE_DEBUG"))

@@ -133,12 +133,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, str | No
     # it has, then act on the signal ourselves.
     with forwarded_to(proc) as received:
         output = ChildOutput()
-        try:
-            assert proc.stdout is not None
-            while chunk := os.read(proc.stdout.fileno(), 65536):
-                output.feed(chunk)
-            output.close()
-            rc = proc.wait()
-        finally:
-            proc.stdout.close()
+        assert proc.stdout is not None
+        output.drain(proc.stdout)
+        rc = proc.wait()
     return rc, (received[0] if received else None), output.last_error

@@ -257,12 +257,7 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
     output = ChildOutput(on_line=note)
     with forwarded_to(proc) as received:
         assert proc.stdout is not None
-        try:
-            while chunk := os.read(proc.stdout.fileno(), 65536):  # until dvc and its stage have exited
-                output.feed(chunk)
-            output.close()
-        finally:
-            proc.stdout.close()
+        output.drain(proc.stdout)  # until dvc and the stage it runs have both exited
         returncode = proc.wait()
     if received:
         name = signal.Signals(received[0]).name
