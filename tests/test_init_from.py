@@ -112,7 +112,7 @@ def test_other_architectures_are_refused_in_one_line(tmp_path):
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith(f"instruct.init_from: {tmp_path / 'llama' / 'config.json'} is a Hugging Face "
-                          "LlamaForCausalLM config (model_type 'llama'); only GPT-2")
+                          "LlamaForCausalLM config (model_type 'llama'); gptforge's GPT starts only from GPT-2")
 
 
 def test_hf_gpt2_config_without_weights_names_what_is_missing(tmp_path):

@@ -245,13 +245,15 @@ class LoraConfig(Section):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    # Our module names are GPT-2's (Hugging Face's too), so an adapter trained here loads on the
-    # exported model.
-    target_modules: list[str] = ["c_attn", "c_proj", "c_fc"]
+    # auto: every nn.Linear inside the transformer blocks (GPT-2's c_attn, c_proj, c_fc; Llama's
+    # and Qwen's q/k/v/o_proj, gate/up/down_proj: peft's all-linear), or a list of module names.
+    target_modules: Union[Literal["auto"], list[str]] = "auto"
 
 
 class FinetuneCommon(Section):
-    init_from: str = "checkpoints/pretrain/final"  # a checkpoint folder, a local Hugging Face GPT-2 folder, or gpt2 / gpt2-medium / ...
+    # a gptforge checkpoint folder, gpt2 / gpt2-medium / ... (converted to gptforge's GPT), or any
+    # Hugging Face causal LM: a local folder or a hub id (Qwen/Qwen2.5-0.5B-Instruct), kept as it is
+    init_from: str = "checkpoints/pretrain/final"
     device: str = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     seed: int = 123
@@ -263,6 +265,8 @@ class FinetuneCommon(Section):
     eval_batches: int = Field(5, gt=0, description="validation batches per evaluation")
     max_length: Optional[int] = Field(None, gt=1, description="null: the model's block_size")
     lora: LoraConfig = LoraConfig()
+    # recompute each block's activations in the backward pass: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False
 
 
 class ClassifyConfig(FinetuneCommon):
@@ -273,9 +277,34 @@ class ClassifyConfig(FinetuneCommon):
     epochs: int = Field(5, gt=0)
 
 
+class JudgeConfig(Section):
+    # An OpenAI-compatible endpoint (Ollama http://127.0.0.1:11434/v1, vLLM, gptforge serve) and
+    # its model: scores each test response 0-100 (LLMs-from-scratch ch. 7). Unset: no judge.
+    # The API key, if the server needs one, comes from the environment: GPTFORGE_JUDGE_API_KEY.
+    url: Optional[str] = None
+    model: Optional[str] = None
+
+
 class InstructConfig(FinetuneCommon):
-    template: Literal["alpaca", "phi3"] = "alpaca"
+    # alpaca | phi3 (any model) | chat (the tokenizer's own chat template: Hugging Face models)
+    template: Literal["alpaca", "phi3", "chat"] = "alpaca"
     method: Literal["full", "lora"] = "full"
+    # 4bit: QLoRA (bitsandbytes NF4 weights, bf16 compute; method lora, CUDA only)
+    quantize: Optional[Literal["4bit"]] = None
+    # batches of similar lengths (shuffled in groups of 50 batches), so little compute goes to padding
+    group_by_length: bool = True
+    judge: JudgeConfig = JudgeConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.quantize is not None and self.method != "lora":
+            raise ValueError(f"instruct.quantize: {self.quantize} (QLoRA) trains LoRA adapters on frozen quantized "
+                             f"weights: it needs instruct.method: lora, not {self.method}")
+        if (self.judge.url is None) != (self.judge.model is None):
+            raise ValueError("instruct.judge.url and instruct.judge.model go together: set both, or neither")
+        if self.judge.url is not None and not self.judge.url.startswith(("http://", "https://")):
+            raise ValueError(f"instruct.judge.url must be an http:// or https:// URL, got {self.judge.url!r}")
+        return self
     mask_prompt: bool = False
     epochs: int = Field(2, gt=0)
     n_responses: Optional[int] = Field(20, gt=0, description="test examples answered at the end; null: all")
@@ -297,7 +326,7 @@ class EvaluateConfig(Section):
     limit: Optional[int] = Field(None, gt=0, description="examples per task (per MMLU subject); null: all")
     batch_size: int = Field(16, gt=0)
     device: str = "auto"
-    # Models evaluated, each when its checkpoint exists: name -> checkpoint folder.
+    # Models evaluated, each when its folder exists: name -> gptforge checkpoint or Hugging Face causal-LM folder.
     models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}
     hellaswag: EvalSource = EvalSource()
     mmlu: EvalSource = EvalSource()

@@ -1,8 +1,9 @@
 """KV-cached decoding of a `gptforge.model.GPT`: `generate` (greedy, temperature, top-k, stop at
 end-of-text), the lean batch-1 decode step (`Decoder`) and the exact int8 screen of the head
-for greedy decoding on the CPU (`GreedyHead`). It imports the model from `gptforge.model` (and
-torch, numpy, `gptforge.errors`); the model never imports it, and neither do the weights or
-conversion modules.
+for greedy decoding on the CPU (`GreedyHead`); and `generate_hf`, the same decoding choices for
+a Hugging Face causal LM through transformers' own `generate`. It imports the model from
+`gptforge.model` (and torch, numpy, `gptforge.errors`; `gptforge.hf_causal` inside
+`generate_hf`); the model never imports it, and neither do the weights or conversion modules.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import torch.nn.functional as F
 
 from gptforge.errors import BadInput
 from gptforge.model import GPT, CausalSelfAttention, KVCache, head_logits
+
+# Decoding settings a Hugging Face model's generation_config.json may hold (Qwen2.5-Instruct: top_p
+# 0.8, repetition_penalty 1.05) and `generate_hf` sets to transformers' neutral values: there, as
+# for our GPT, temperature and top-k are the whole recipe.
+_HF_NEUTRAL = dict(num_beams=1, top_p=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+                   no_repeat_ngram_size=0)
 
 
 class Decoder:
@@ -164,6 +171,52 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
     finally:
         for m in swapped:
             m.backend = "triton"
+        model.train(was_training)
+
+
+@torch.inference_mode()
+def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                top_k: int | None = None, seed: int | None = None,
+                stop: list[int] | None = None) -> torch.Tensor:
+    """`generate` for a transformers causal LM (`hf_causal.load_causal_lm`), through its own
+    `model.generate`: continue `prompt_ids` (B, T) on the model's device by up to
+    `max_new_tokens`; returns (B, T + n_new), the stop token kept as `generate` keeps eot.
+
+    The same choices as `generate`: temperature 0 is greedy, otherwise sampling at `temperature`
+    from the `top_k` most likely tokens (None: all). The model's generation_config.json may add
+    top_p, a repetition penalty and the like: those are set to their neutral values, so what
+    decodes is exactly what the arguments say. Generation stops at any of `stop` (default: the
+    tokenizer's and the model's eos ids, `hf_causal.stop_ids`; an empty list leaves it to the
+    model's generation_config); finished rows of a batch are
+    padded with the tokenizer's pad id. transformers samples with torch's global generator:
+    `seed` seeds it (it is left alone when None).
+    """
+    from gptforge.hf_causal import stop_ids
+
+    if prompt_ids.dim() != 2 or prompt_ids.size(1) == 0:
+        raise BadInput(f"generate needs a (batch, tokens) prompt of at least one token, got shape "
+                       f"{tuple(prompt_ids.shape)}")
+    if temperature < 0:
+        raise BadInput(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise BadInput(f"top_k must be a positive integer, got {top_k}")
+    if max_new_tokens <= 0:
+        return prompt_ids
+    eos = stop if stop is not None else stop_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+    if temperature == 0:  # sampling settings at transformers' defaults: no "unused flag" warnings
+        sampling = dict(do_sample=False, temperature=1.0, top_k=50)
+    else:
+        sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0)  # 0: no cut
+    if seed is not None:
+        torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        return model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                              max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
+                              **sampling, **_HF_NEUTRAL)
+    finally:
         model.train(was_training)
 
 

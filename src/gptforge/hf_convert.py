@@ -147,7 +147,8 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
     - a folder whose config.json is a Hugging Face one with `"model_type": "gpt2"`
       (`save_pretrained` output, a hub snapshot, `gptforge export` output): read with
       transformers' GPT2LMHeadModel and converted with `from_hf`, as the hub sizes are. Other
-      Hugging Face architectures are refused with a one-line BadInput (GPT-2 only, for now).
+      Hugging Face architectures are refused with a one-line BadInput: they cannot become our GPT (the
+      fine-tuning stages keep them as transformers models: `gptforge.hf_causal`).
 
     `param` is the config key (`pretrain.init_from`) that every error names; `missing` is advice
     put first in the message for a folder that does not exist ("run `gptforge pretrain` first,
@@ -173,13 +174,10 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
 def _hf_model_type(path: Path) -> tuple[str, str] | None:
     """(model_type, what to call it) when `path` is a Hugging Face config.json; None for anything
     else (a gptforge config, no file, not JSON: load_model names the file and its problem)."""
-    import json
+    from gptforge.hf_causal import hf_config_dict
 
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(d, dict) or "format" in d or not isinstance(d.get("model_type"), str):
+    d = hf_config_dict(path)
+    if d is None:
         return None
     archs = d.get("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
@@ -190,8 +188,8 @@ def _load_hf_gpt2(folder: Path, hf_type: tuple[str, str], *, param: str, attenti
     model_type, arch = hf_type
     config = folder / CONFIG_FILE
     if model_type != "gpt2":
-        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); only GPT-2 "
-                       "folders (model_type 'gpt2') can be a starting point yet")
+        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); gptforge's GPT "
+                       "starts only from GPT-2 folders (model_type 'gpt2'); the fine-tuning stages take any causal LM")
     if not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
         raise BadInput(f"{param}: {config} is a Hugging Face {arch} config, but {folder} holds no weights "
                        f"({' or '.join(HF_WEIGHT_FILES[::2])})")

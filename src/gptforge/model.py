@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from gptforge.errors import BadInput
 
@@ -243,6 +244,9 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # True: training forwards recompute each block's activations in the backward pass
+        # (less memory for ~a third more compute); set by fine-tuning's gradient_checkpointing.
+        self.gradient_checkpointing = False
         # Weight tying (GPT-2): one matrix is both the input embedding and the output head.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -315,7 +319,11 @@ class GPT(nn.Module):
         # wpe rows by slicing, not an index tensor: a view, nothing allocated per decode step.
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos:pos + T])
         for i, block in enumerate(self.transformer.h):
-            x = block(x, mask, kv_cache, i)
+            if self.gradient_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
+                # Recompute the block in the backward pass instead of keeping its activations.
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.pos = pos + T
         return self.transformer.ln_f(x)

@@ -54,6 +54,10 @@ class NullRun:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
 
+    def log_hf_model(self, folder: str | os.PathLike, name: str = "model") -> str | None:
+        """Log a Hugging Face causal-LM folder as an MLflow model (see MlflowRun); here nothing."""
+        return None
+
     def mark_failed(self) -> None:
         """End as FAILED although the body returns (a pipeline reports its failed stage first)."""
         self.failed = True
@@ -86,6 +90,55 @@ class MlflowRun(NullRun):
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._mlflow.set_tags({k: str(v) for k, v in tags.items() if v is not None})
+
+    def log_hf_model(self, folder: str | os.PathLike, name: str = "model") -> str | None:
+        """Log a Hugging Face causal-LM folder (save_pretrained's files and its tokenizer) as an
+        MLflow model `name` of this run, with MLflow's transformers flavor, task text-generation:
+        `mlflow.transformers.load_model(uri)` gives a text-generation pipeline back, and
+        `mlflow.pyfunc.load_model(uri)` a model that serves it. Returns the model's URI, or None
+        when the flavor cannot log it: a warning says why and the run goes on (a stage's result
+        does not hang on its copy in MLflow).
+
+        The model and tokenizer are loaded from the folder (on the CPU) and handed to the flavor:
+        its path-only form does not work with transformers 5 (MLflow 3.17). The pip requirements
+        are written here, the installed transformers/torch/accelerate versions, because the
+        flavor's default list names torchvision, which this stack does not install, and its
+        inference would load the model again in a subprocess. The model card is the folder's
+        README.md when it has one (the flavor would otherwise look the path up on the hub).
+        """
+        folder = Path(folder)
+        try:
+            import huggingface_hub
+
+            from gptforge.hf_causal import load_causal_lm
+
+            model, tokenizer = load_causal_lm(str(folder), param="model")
+            readme = folder / "README.md"
+            card = (huggingface_hub.ModelCard.load(readme) if readme.is_file() else
+                    huggingface_hub.ModelCard(f"# {folder.name}\n\nA Hugging Face causal LM logged by gptforge "
+                                              f"{gptforge.__version__} from {folder}.\n"))
+            info = self._mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task="text-generation",
+                pip_requirements=_hf_requirements(), model_card=card)
+        except Exception as e:  # noqa: BLE001 - any failure of the flavor: warn, never fail the stage
+            reason = " ".join(f"{type(e).__name__}: {e}".split())
+            log.warning("MLflow: %s not logged as a transformers model (%.300s)", folder, reason)
+            return None
+        return info.model_uri
+
+
+def _hf_requirements() -> list[str]:
+    """Pinned pip requirements of a transformers model: the installed transformers, torch and
+    accelerate, local version labels (+cpu) dropped."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for pkg in ("transformers", "torch", "accelerate"):
+        try:
+            pins.append(f"{pkg}=={version(pkg).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return pins
 
 
 def metric_name(name: str) -> str:

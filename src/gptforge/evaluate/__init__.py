@@ -1,20 +1,25 @@
 """Stage `evaluate`: every model the pipeline made, on HellaSwag and MMLU, with lm-evaluation-harness.
 
 The stage's entry point (`evaluate(cfg)`, what `gptforge evaluate`, `flows/` and `tasks/` run
-through `gptforge.stages`) and its recipe: for each model in `evaluate.models` whose checkpoint
-folder exists, call `lm_eval.simple_evaluate` in-process with our model wrapped as an lm-eval
-`LM`, then write the flat metrics, lm-eval's results, one MLflow run per model and the report.
+through `gptforge.stages`) and its recipe: for each model in `evaluate.models` whose folder
+exists, call `lm_eval.simple_evaluate` in-process with the model as an lm-eval `LM`, then write
+the flat metrics, lm-eval's results, one MLflow run per model and the report. A model folder is
+a gptforge checkpoint or a Hugging Face GPT-2 folder (our `GPT`, as `GptforgeLM`), or any other
+Hugging Face causal-LM folder (Llama, Qwen2, ...: `hf_causal.hf_source`), which lm-eval's own
+`HFLM` scores with the folder's tokenizer.
 May import the modules beside it and gptforge's shared ones; torch, lm-eval and the model code
 only when the stage runs, so importing the package stays cheap.
 
 The parts: `lm` (`GptforgeLM`: our GPT behind lm-eval's LM interface, and why it is not the
-`hf` model), `task_data` (which tasks, local HellaSwag and MMLU checked and written as task
-configs), `report` (results flattened and saved, the markdown report).
+`hf` model; `measured`: HFLM's throughput figures), `task_data` (which tasks, local HellaSwag
+and MMLU checked and written as task configs), `report` (results flattened and saved, the
+markdown report).
 
 Outputs (`<model>` is the key in `evaluate.models`, `<task>` an lm-eval task or group name):
 - `metrics/evaluate.json`: `<model>.<task>.<metric>` (acc, acc_norm, ...), `..._stderr`,
   `<model>.<task>.n` (examples scored), `<model>.examples_per_sec` and `<model>.seconds` (the
-  whole lm-eval call: data, prompts, scoring, metrics), `<model>.model_seconds` (inside our model);
+  whole lm-eval call: data, prompts, scoring, metrics), `<model>.model_seconds` (inside the model's
+  scoring and generation: `GptforgeLM.seconds`, or HFLM's as `lm.measured` times them);
 - `reports/evaluate/<model>/results.json` (lm-eval's results, samples removed) and
   `samples_<task>.jsonl` (every request and response, lm-eval's `log_samples`);
 - one MLflow run per model (`evaluate:<model>`, nested under the stage's run when there is
@@ -50,8 +55,9 @@ log = logging.getLogger("gptforge")
 
 
 def existing_models(models: Mapping[str, str]) -> dict[str, Path]:
-    """The listed checkpoint folders that exist; a missing one is skipped with a log line, but
-    when none exists it is a BadInput naming them."""
+    """The listed model folders that exist (gptforge checkpoints, Hugging Face GPT-2 or causal-LM
+    folders); a missing one is skipped with a log line, but when none exists it is a BadInput
+    naming them."""
     if not models:
         raise BadInput("evaluate.models: no models listed (name: checkpoint folder)")
     found = {name: Path(folder) for name, folder in models.items() if Path(folder).is_dir()}
@@ -94,16 +100,35 @@ def _child_of(run: NullRun):
 
 def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: torch.device,
                    results_dir: Path) -> dict:
-    """One model on every task: lm-eval results saved under results_dir/<name>/."""
+    """One model on every task: lm-eval results saved under results_dir/<name>/.
+
+    `folder`: a gptforge checkpoint or a Hugging Face GPT-2 folder (checkpoints/base/NAME,
+    converted), scored as our `GPT` with `enc` (`GptforgeLM`); or another Hugging Face causal-LM
+    folder (`hf_causal.hf_source`), scored by lm-eval's `HFLM` with the folder's own tokenizer
+    (`enc` unused)."""
     from lm_eval import simple_evaluate
 
-    from gptforge.evaluate.lm import GptforgeLM
-    from gptforge.hf_convert import load_pretrained
+    from gptforge.hf_causal import hf_source
 
     ev = cfg.evaluate
-    # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted
-    model = load_pretrained(str(folder), param=f"evaluate.models.{name}")[0].to(device).eval()
-    lm = GptforgeLM(model, enc, batch_size=ev.batch_size, device=device, name=name)
+    param = f"evaluate.models.{name}"
+    if hf_source(str(folder)) is not None:
+        from lm_eval.models.huggingface import HFLM
+
+        from gptforge.evaluate.lm import measured
+        from gptforge.hf_causal import load_causal_lm
+
+        model, tokenizer = load_causal_lm(str(folder), param=param)
+        model = model.to(device).eval()  # HFLM takes a loaded model where it is (its device= is for a name)
+        lm = measured(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size, device=str(device)),
+                      name)
+    else:
+        from gptforge.evaluate.lm import GptforgeLM
+        from gptforge.hf_convert import load_pretrained
+
+        # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted
+        model = load_pretrained(str(folder), param=param)[0].to(device).eval()
+        lm = GptforgeLM(model, enc, batch_size=ev.batch_size, device=device, name=name)
     tasks = load_task_objects(plan)
     start = time.perf_counter()
     results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=ev.num_fewshot, limit=ev.limit,

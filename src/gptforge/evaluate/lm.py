@@ -2,8 +2,11 @@
 
 It wraps a loaded `gptforge.model.GPT` (a gptforge checkpoint, or a Hugging Face GPT-2 folder
 converted on load) and its tiktoken tokenizer, and answers lm-eval's loglikelihood,
-loglikelihood_rolling and generate_until requests. It may import torch, lm-eval's model API,
-`gptforge.errors` and the model code; nothing from the other `gptforge.evaluate` modules.
+loglikelihood_rolling and generate_until requests. Every other Hugging Face causal LM (Llama,
+Qwen2, ...: a transformers model with its own tokenizer, for which none of the reasons below
+holds) is scored by lm-eval's own `HFLM`; `measured` adds to it the throughput figures
+`GptforgeLM` keeps. It may import torch, lm-eval's model API, `gptforge.errors` and the model
+code; nothing from the other `gptforge.evaluate` modules.
 
 Why a registered `LM` subclass rather than exporting to a Hugging Face folder and using
 lm-eval's `hf` model:
@@ -27,9 +30,10 @@ lm-eval figures.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -231,6 +235,50 @@ class GptforgeLM(TemplateLM):
             results.append(text)
         self.seconds += time.perf_counter() - t0
         return results
+
+
+def measured(lm: Any, name: str) -> Any:
+    """`lm` (lm-eval's `HFLM`), counting what `GptforgeLM` counts of itself, for the stage's
+    throughput figures: `seconds` spent scoring and generating (its `_loglikelihood_tokens`,
+    which loglikelihood and loglikelihood_rolling requests go through once tokenized, and
+    `generate_until`) and `counts` of requests per type. `cut_continuations` stays 0: HFLM cuts a
+    long context on the left as GptforgeLM does, but a continuation longer than the model's
+    window is an assertion there, which this turns into a one-line BadInput.
+
+    The methods are wrapped on the instance: lm-eval still gets the `HFLM` it is.
+    """
+    lm.name = name
+    lm.seconds = 0.0
+    lm.counts = {"loglikelihood": 0, "loglikelihood_rolling": 0, "generate_until": 0}
+    lm.cut_continuations = 0
+
+    def counted(method, kind: str):
+        @functools.wraps(method)
+        def call(requests, *args, **kwargs):
+            lm.counts[kind] += len(requests)
+            return method(requests, *args, **kwargs)
+        return call
+
+    def timed(method, scoring: bool = False):
+        @functools.wraps(method)
+        def call(requests, *args, **kwargs):
+            if scoring:  # ((context, continuation), context_ids, continuation_ids)
+                longest = max((len(cont) for _, _, cont in requests), default=0)
+                if longest > lm.max_length:
+                    raise BadInput(f"evaluate.models.{name}: a continuation of {longest} tokens does not fit the "
+                                   f"model's {lm.max_length} positions (lm-eval's HFLM scores it whole or not at all)")
+            t0 = time.perf_counter()
+            try:
+                return method(requests, *args, **kwargs)
+            finally:
+                lm.seconds += time.perf_counter() - t0
+        return call
+
+    lm._loglikelihood_tokens = timed(lm._loglikelihood_tokens, scoring=True)
+    lm.loglikelihood = counted(lm.loglikelihood, "loglikelihood")
+    lm.loglikelihood_rolling = counted(lm.loglikelihood_rolling, "loglikelihood_rolling")
+    lm.generate_until = counted(timed(lm.generate_until), "generate_until")
+    return lm
 
 
 class _NoBar:

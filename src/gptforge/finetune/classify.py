@@ -1,22 +1,38 @@
-"""`gptforge finetune classify`: a pretrained GPT turned into a text classifier (spam/ham).
+"""`gptforge finetune classify`: a pretrained causal LM turned into a text classifier (spam/ham).
 
 Raschka's LLMs-from-scratch chapter 6, as a recipe: the language-model head is replaced by a
-`Linear(n_embd, n_classes)` that reads the final hidden state of the *last real token* of each
-text. The model is causal, so that token is the only one that has seen the whole text; right
-padding comes after it and cannot change it. What trains is `classify.trainable`:
+`Linear(hidden size, n_classes)` that reads the final hidden state (after the final norm) of the
+*last real token* of each text. The model is causal, so that token is the only one that has seen
+the whole text; right padding comes after it and cannot change it (no attention mask needed).
+
+`classify.init_from` is our own GPT (a gptforge checkpoint, a GPT-2 size, a Hugging Face GPT-2
+folder) or any other Hugging Face causal LM (Llama, Qwen, SmolLM, ...: a folder or a hub id,
+`hf_causal.hf_source`), which stays a transformers model and brings its own tokenizer
+(`tokenizer.path` applies to our GPT only). What trains is `classify.trainable`, the same for
+both kinds:
 
 - `head`: the new head only (a linear probe of the pretrained features);
-- `last_block`: the head, the last transformer block and the final LayerNorm (Raschka's choice:
-  most of the accuracy of full fine-tuning for a fraction of the gradients);
+- `last_block`: the head, the last transformer block and the final norm (Raschka's choice:
+  most of the accuracy of full fine-tuning for a fraction of the gradients). The blocks are
+  found by structure, not by name (`hf_causal.find_blocks`): the longest `nn.ModuleList` in the
+  backbone (our `transformer.h`, Llama's and Qwen's `model.layers`), its last entry the last
+  block, and the final norm the module named `norm`/`ln_f`/`final_layernorm`/`final_layer_norm`
+  outside it;
 - `all`: every weight;
-- `lora`: peft LoRA adapters on `classify.lora.target_modules`, plus the head in full.
+- `lora`: peft LoRA adapters on `classify.lora.target_modules` (`auto`: every Linear inside the
+  blocks), plus the head in full.
 
+`classify.gradient_checkpointing` recomputes the blocks' activations in the backward pass.
 Texts longer than `max_length` tokens keep their first `max_length` tokens (as Raschka does);
-batches are right-padded with the tokenizer's end-of-text id to their longest row.
+batches are right-padded with the tokenizer's end-of-text (eos) id to their longest row.
 
-The result, `checkpoints/classify/final/`, is a gptforge model folder (`model.safetensors` +
-`config.json`; LoRA merged into the weights, so `gptforge export` and `load_model` read it)
-plus the head: `classifier.safetensors` and `classifier.json` (n_classes, labels, max_length).
+The result, `checkpoints/classify/final/`, holds the backbone with LoRA merged into its weights
+plus the head: `classifier.safetensors` and `classifier.json` (n_classes, labels, max_length,
+`backbone`: `gpt` or `hf`). For our GPT the backbone is a gptforge model folder
+(`model.safetensors` + `config.json`, which `gptforge export` and `load_model` read); for a
+Hugging Face backbone it is an ordinary Hugging Face folder of the whole causal LM and its
+tokenizer (`save_pretrained`; `AutoModelForCausalLM.from_pretrained` reads it), which
+`load_classifier` recognises and whose tokenizer `classify_texts` then uses.
 """
 
 from __future__ import annotations
@@ -38,8 +54,11 @@ from safetensors.torch import save as _safetensors_bytes
 from gptforge.config import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (apply_lora, check_max_length, epoch_batches, load_base, make_optimizer,
-                                      merge_lora, plot_curves, runtime, train_epochs, trainable_params)
+from gptforge.finetune.common import (apply_lora, check_max_length, enable_gradient_checkpointing, epoch_batches,
+                                      load_base, load_hf_base, make_optimizer, merge_lora, model_positions,
+                                      plot_curves, runtime, train_epochs, trainable_params)
+from gptforge.finetune.hf_models import save_hf_model
+from gptforge.hf_causal import HFTokenizer, find_blocks, hf_source, load_causal_lm
 from gptforge.io import atomic_dir, atomic_file, write_json
 from gptforge.model import GPT
 from gptforge.steps import DIRECT, Steps
@@ -61,38 +80,91 @@ POSITIVE = 1  # precision/recall/F1 are for "spam"
 # The model
 
 
-class GPTClassifier(nn.Module):
-    """A GPT backbone and a linear head on the hidden state of each row's last real token.
+class LastTokenClassifier(nn.Module):
+    """A causal backbone and a linear head on the final hidden state of each row's last real token.
 
     `forward(idx, lengths)`: idx (B, T) token ids right-padded to T, lengths (B,) the real
     token counts (>= 1) -> logits (B, n_classes). The index comes from the lengths, not from
-    looking for the padding id, which a text may contain. The backbone's own `lm_head` stays
-    (tied to the embedding, unused here) so the backbone remains a plain GPT that `save_model`
-    writes and `load_model` reads.
+    looking for the padding id, which a text may contain. Subclasses hold the backbone (as
+    `backbone`) and say how to read its hidden states (`hidden_states(idx)` -> (B, T, C), after
+    the final norm); `tokenizer` is the tokenizer the classifier must be used with when it
+    brings its own (a Hugging Face model's `HFTokenizer`), None when the caller's is the one.
     """
+
+    tokenizer: Any = None
+
+    def _add_head(self, hidden_size: int, n_classes: int, labels: Sequence[str] | None, max_length: int) -> None:
+        self.head = nn.Linear(hidden_size, n_classes)
+        self.n_classes = n_classes
+        self.labels = list(labels) if labels is not None else default_labels(n_classes)
+        self.max_length = max_length
+
+    @property
+    def backbone(self) -> nn.Module:
+        raise NotImplementedError
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden_states(idx)  # (B, T, C)
+        last = hidden[torch.arange(idx.size(0), device=idx.device), lengths.to(idx.device) - 1]
+        # The head only ever sees B vectors, never B*T: a (B, T, n_classes) output would be
+        # wasted work for every position but one. A bf16 backbone (LoRA on CUDA) still feeds
+        # the float32 head outside autocast.
+        return self.head(last.to(self.head.weight.dtype))
+
+
+class GPTClassifier(LastTokenClassifier):
+    """The classifier on our own GPT (`self.gpt`). The backbone's own `lm_head` stays (tied to
+    the embedding, unused here) so the backbone remains a plain GPT that `save_model` writes and
+    `load_model` reads."""
 
     def __init__(self, gpt: GPT, n_classes: int, labels: Sequence[str] | None = None, max_length: int | None = None):
         super().__init__()
         self.gpt = gpt
-        self.head = nn.Linear(gpt.config.n_embd, n_classes)
-        self.n_classes = n_classes
-        self.labels = list(labels) if labels is not None else default_labels(n_classes)
-        self.max_length = max_length if max_length is not None else gpt.config.block_size
+        self._add_head(gpt.config.n_embd, n_classes, labels, max_length if max_length is not None
+                       else gpt.config.block_size)
 
-    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        hidden = self.gpt.hidden_states(idx)  # (B, T, C)
-        last = hidden[torch.arange(idx.size(0), device=idx.device), lengths.to(idx.device) - 1]
-        # The head only ever sees B vectors, never B*T: a (B, T, n_classes) output would be
-        # wasted work for every position but one.
-        return self.head(last)
+    @property
+    def backbone(self) -> nn.Module:
+        return self.gpt
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt.hidden_states(idx)
+
+
+class HFClassifier(LastTokenClassifier):
+    """The classifier on a Hugging Face causal LM (`self.lm`: LlamaForCausalLM, Qwen2ForCausalLM,
+    ...), with the model's own tokenizer (`tokenizer`, an `HFTokenizer`). The hidden states come
+    from its decoder (`get_decoder()`: the LlamaModel inside, whose `last_hidden_state` is after
+    the final norm), so the vocabulary logits are never computed; the LM head stays, unused, so
+    the backbone is saved as an ordinary causal LM."""
+
+    def __init__(self, lm: nn.Module, n_classes: int, labels: Sequence[str] | None = None,
+                 max_length: int | None = None, tokenizer: HFTokenizer | None = None):
+        super().__init__()
+        self.lm = lm
+        self._add_head(lm.config.hidden_size, n_classes, labels,
+                       max_length if max_length is not None else model_positions(lm))
+        self.tokenizer = tokenizer
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.lm
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        # Right padding needs no attention mask (causal); no cache in a classifier.
+        return self.lm.get_decoder()(input_ids=idx, use_cache=False).last_hidden_state
 
 
 def default_labels(n_classes: int) -> list[str]:
     return list(BINARY_LABELS) if n_classes == 2 else [str(i) for i in range(n_classes)]
 
 
-def set_trainable(model: GPTClassifier, trainable: str) -> None:
-    """Freeze everything, then unfreeze what `trainable` (head | last_block | all) names.
+def set_trainable(model: LastTokenClassifier, trainable: str) -> None:
+    """Freeze everything, then unfreeze what `trainable` (head | last_block | all) names: for
+    `last_block` the last of the backbone's blocks and its final norm (`find_blocks`).
     `lora` is set up by `apply_lora` instead (it freezes the base itself)."""
     if trainable == "all":
         model.requires_grad_(True)
@@ -100,26 +172,41 @@ def set_trainable(model: GPTClassifier, trainable: str) -> None:
     model.requires_grad_(False)
     parts: list[nn.Module] = [model.head]
     if trainable == "last_block":
-        parts += [model.gpt.transformer.h[-1], model.gpt.transformer.ln_f]
+        blocks, norm = find_blocks(model.backbone)
+        parts += [blocks[-1]] + ([norm] if norm is not None else [])
     elif trainable != "head":
         raise ValueError(f"set_trainable: unknown trainable {trainable!r}")
     for part in parts:
         part.requires_grad_(True)
 
 
-def build_classifier(cfg: Config, n_vocab: int) -> tuple[nn.Module, GPTClassifier]:
-    """(model to train, the GPTClassifier inside it): the base GPT from `classify.init_from`
-    with a fresh head, on the CPU, with `classify.trainable` applied. For `lora` the model to
-    train is the peft wrapper; otherwise both are the same module."""
+def build_classifier(cfg: Config, rt: Runtime) -> tuple[nn.Module, LastTokenClassifier, Any]:
+    """(model to train, the classifier inside it, tokenizer): the base model from
+    `classify.init_from` with a fresh head, with `classify.trainable` and
+    `classify.gradient_checkpointing` applied. Our GPT comes with `tokenizer.path`'s tiktoken
+    tokenizer and on the CPU; any other Hugging Face causal LM with its own tokenizer (an
+    `HFTokenizer`) and on `rt.device`. For `lora` the model to train is the peft wrapper;
+    otherwise both are the same module."""
     c = cfg.classify
-    gpt = load_base(c.init_from, n_vocab, param="classify.init_from")
-    max_length = check_max_length(c.max_length, gpt, "classify.max_length")
+    source = hf_source(c.init_from)
+    if source is None:  # our GPT: a checkpoint, a GPT-2 size or a Hugging Face GPT-2 folder
+        enc = load_tokenizer(cfg.tokenizer.path)
+        backbone = load_base(c.init_from, enc.n_vocab, param="classify.init_from")
+    else:  # any other causal LM, with its own tokenizer (tokenizer.path does not apply)
+        backbone, tokenizer = load_hf_base(source, rt, param="classify", lora=c.trainable == "lora")
+        enc = HFTokenizer(tokenizer)
+    max_length = check_max_length(c.max_length, backbone, "classify.max_length")
     torch.manual_seed(c.seed)  # the head's init
-    classifier = GPTClassifier(gpt, c.n_classes, max_length=max_length)
+    if source is None:
+        classifier: LastTokenClassifier = GPTClassifier(backbone, c.n_classes, max_length=max_length)
+    else:
+        classifier = HFClassifier(backbone, c.n_classes, max_length=max_length, tokenizer=enc)
+    if c.gradient_checkpointing:
+        enable_gradient_checkpointing(backbone)
     if c.trainable == "lora":
-        return apply_lora(classifier, c.lora, extra_trainable=["head"]), classifier
+        return apply_lora(classifier, c.lora, extra_trainable=["head"]), classifier, enc
     set_trainable(classifier, c.trainable)
-    return classifier, classifier
+    return classifier, classifier, enc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,22 +323,32 @@ def binary_report(pred: Sequence[int], gold: Sequence[int], positive: int = POSI
 # Saving and loading the result
 
 
-def save_classifier(classifier: GPTClassifier, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the backbone (`save_model`: model.safetensors + config.json) and the head
-    (classifier.safetensors + classifier.json) into `folder`."""
+def save_classifier(classifier: LastTokenClassifier, folder: str | os.PathLike,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write the backbone and the head (classifier.safetensors + classifier.json) into `folder`.
+    Our GPT's backbone as `save_model` writes it (model.safetensors + config.json); a Hugging
+    Face backbone as an ordinary Hugging Face folder of the causal LM and its tokenizer
+    (`save_hf_model`: safetensors, config.json, generation_config.json, tokenizer files)."""
     folder = Path(folder)
-    save_model(classifier.gpt, folder)
+    if isinstance(classifier, HFClassifier):
+        save_hf_model(classifier.lm, classifier.tokenizer.tokenizer, folder)
+        backbone = "hf"
+    else:
+        save_model(classifier.gpt, folder)
+        backbone = "gpt"
     head = {k: v.detach().contiguous().cpu() for k, v in classifier.head.state_dict().items()}
     with atomic_file(folder / HEAD_FILE, "wb") as f:
         f.write(_safetensors_bytes(head, metadata={"format": "pt"}))
     write_json(folder / HEAD_CONFIG, {"n_classes": classifier.n_classes, "labels": classifier.labels,
-                                      "max_length": classifier.max_length, **(extra or {})})
+                                      "max_length": classifier.max_length, "backbone": backbone, **(extra or {})})
     return folder
 
 
-def load_classifier(folder: str | os.PathLike, map_location="cpu") -> GPTClassifier:
-    """A GPTClassifier from a folder written by the recipe (eval mode). Any problem is a
-    one-line BadInput naming the file."""
+def load_classifier(folder: str | os.PathLike, map_location="cpu") -> LastTokenClassifier:
+    """The classifier in a folder written by the recipe (eval mode): a GPTClassifier, or an
+    HFClassifier (float32, with the folder's own tokenizer as `tokenizer`) when the folder is a
+    Hugging Face causal-LM folder (`hf_source`). Any problem is a one-line BadInput naming the
+    file."""
     folder = Path(folder)
     if not folder.is_dir():
         raise BadInput(f"classifier folder not found: {folder} (run `gptforge finetune classify` first)")
@@ -267,10 +364,21 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> GPTClassif
         raise BadInput(f"{meta_path}: not a classifier description ({type(e).__name__}: {e})") from None
     if len(labels) != n_classes:
         raise BadInput(f"{meta_path}: {len(labels)} labels for {n_classes} classes")
-    gpt = load_model(folder, map_location=map_location)
-    if max_length > gpt.config.block_size:
-        raise BadInput(f"{meta_path}: max_length ({max_length}) is above the model's {gpt.config.block_size} positions")
-    classifier = GPTClassifier(gpt, n_classes, labels, max_length).to(map_location)
+    if hf_source(str(folder)) is not None:
+        # float32 whatever the saved dtype (transformers 5 loads the saved one by default):
+        # classify_texts runs without autocast, where exact probabilities matter.
+        lm, tokenizer = load_causal_lm(str(folder), param="classifier", dtype=torch.float32)
+        classifier: LastTokenClassifier = HFClassifier(lm, n_classes, labels, max_length,
+                                                       tokenizer=HFTokenizer(tokenizer))
+    else:
+        if meta.get("backbone", "gpt") != "gpt":
+            raise BadInput(f"{meta_path}: the backbone is a {meta['backbone']!r} model, but {folder / 'config.json'} "
+                           "is not a Hugging Face causal LM's config")
+        classifier = GPTClassifier(load_model(folder, map_location=map_location), n_classes, labels, max_length)
+    positions = model_positions(classifier.backbone)
+    if max_length > positions:
+        raise BadInput(f"{meta_path}: max_length ({max_length}) is above the model's {positions} positions")
+    classifier.to(map_location)
     try:
         head = _load_safetensors(str(head_path), device=str(map_location))
         classifier.head.load_state_dict(head, strict=True)
@@ -280,10 +388,13 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> GPTClassif
 
 
 @torch.no_grad()
-def classify_texts(classifier: GPTClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
+def classify_texts(classifier: LastTokenClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
                    ) -> list[tuple[int, float]]:
     """(label index, its softmax probability) for each text, in order; texts are cut to the
-    classifier's max_length tokens as in training."""
+    classifier's max_length tokens as in training. A classifier that brings its own tokenizer
+    (`classifier.tokenizer`: a Hugging Face backbone's) is used with it, and `enc` is ignored."""
+    if getattr(classifier, "tokenizer", None) is not None:
+        enc = classifier.tokenizer
     device = torch.device(device)
     rt = Runtime(device=device)  # fp32: a few texts, where exact probabilities matter more than speed
     examples, _ = encode([{"text": t, "label": 0} for t in texts], enc, classifier.max_length)
@@ -304,7 +415,7 @@ class Session:
     """What the recipe's steps hand each other."""
 
     model: nn.Module  # what trains: the classifier, or its peft wrapper
-    classifier: GPTClassifier
+    classifier: LastTokenClassifier
     data: dict[str, list[Example]]
     rt: Runtime
     pad_id: int
@@ -316,8 +427,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     c = cfg.classify
     rt = runtime(c.device, c.precision, param="classify")
     records = load_splits(data_dir, c.n_classes)  # bad data fails before the model is loaded
-    enc = load_tokenizer(cfg.tokenizer.path)
-    model, classifier = build_classifier(cfg, enc.n_vocab)
+    model, classifier, enc = build_classifier(cfg, rt)
     model.to(rt.device)
     data, cut = {}, 0
     for name, recs in records.items():

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
 from gptforge.hf_convert import load_pretrained
-from gptforge.model import GPT
+from gptforge.model import GPT, GPTConfig
 from gptforge.optim import adamw
 from gptforge.tracking import NullRun
 from gptforge.train import Runtime
@@ -92,11 +92,86 @@ def load_base(init_from: str, n_vocab: int, *, param: str) -> GPT:
     return model.train()
 
 
-def check_max_length(max_length: int | None, model: GPT, param: str) -> int:
-    """The sequence length to use: None -> the model's block_size; above it -> BadInput
-    "`param` (N) is above the model's M positions" (positions past block_size have no
-    embedding, so they cannot be trained or run)."""
-    positions = model.config.block_size
+def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: str | None = None):
+    """(model, tokenizer) of a Hugging Face causal LM (`hf_causal.hf_source`) to fine-tune, in
+    train mode on `rt.device`, and its transformers tokenizer.
+
+    Weights load in float32 (autocast computes in bf16 on CUDA) except under LoRA with bf16 on
+    CUDA, where the frozen base loads in bf16 (half the memory; peft keeps the adapters in
+    float32). `quantize: 4bit` is QLoRA: the base in bitsandbytes NF4 with double quantization
+    and bf16 compute, prepared with peft's `prepare_model_for_kbit_training`; it needs CUDA and
+    the bitsandbytes package, and says so in one line (BadInput) before anything is loaded.
+    `param` is the config section (`instruct`) the messages name.
+    """
+    from gptforge.hf_causal import load_causal_lm
+
+    kwargs: dict[str, Any] = {}
+    if quantize is not None:
+        if rt.device.type != "cuda":
+            raise BadInput(f"{param}.quantize: {quantize} (QLoRA) needs CUDA: bitsandbytes' NF4 kernels; "
+                           f"this run is on the {rt.device.type}: set {param}.quantize to null")
+        try:
+            import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
+        except ImportError:
+            raise BadInput(f"{param}.quantize: {quantize} needs the bitsandbytes package "
+                           "(pip install bitsandbytes; the GPU worker image has it)") from None
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": rt.device.index or 0}
+        kwargs["dtype"] = torch.bfloat16
+    elif lora and rt.device.type == "cuda" and rt.precision == "bf16":
+        kwargs["dtype"] = torch.bfloat16
+    model, tokenizer = load_causal_lm(source, param=f"{param}.init_from", **kwargs)
+    if quantize is not None:
+        import peft
+
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model.to(rt.device)
+    n = sum(p.numel() for p in model.parameters())
+    log.info("fine-tuning from Hugging Face %s %s (%.2fM parameters%s)", model.config.model_type, source, n / 1e6,
+             ", 4-bit NF4" if quantize else "")
+    return model.train(), tokenizer
+
+
+def is_gpt(model: nn.Module) -> bool:
+    """True for gptforge's own GPT (also inside a peft wrapper, whose `.config` is the GPT's),
+    False for a transformers model."""
+    return isinstance(getattr(model, "config", None), GPTConfig)
+
+
+def model_positions(model: nn.Module) -> int:
+    """How many positions the model has: our GPT's block_size, a Hugging Face model's
+    max_position_embeddings (through a peft wrapper too)."""
+    config = model.config
+    if is_gpt(model):
+        return config.block_size
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not positions:
+        raise BadInput(f"{type(model).__name__}: its config names no maximum number of positions")
+    return int(positions)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass: transformers' own switch for its models
+    (non-reentrant, which needs no input gradients under LoRA), ours for the GPT."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name is deprecated there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # a cache is useless in training and clashes with recomputing
+    else:
+        model.gradient_checkpointing = True
+
+
+def check_max_length(max_length: int | None, model: nn.Module, param: str) -> int:
+    """The sequence length to use: None -> the model's positions (`model_positions`); above
+    them -> BadInput "`param` (N) is above the model's M positions" (positions past the last
+    one have no embedding, so they cannot be trained or run)."""
+    positions = model_positions(model)
     if max_length is None:
         return positions
     if max_length > positions:
@@ -108,13 +183,16 @@ def check_max_length(max_length: int | None, model: GPT, param: str) -> int:
 # LoRA (peft)
 
 
-def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = ()) -> nn.Module:
+def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = (), task_type: str | None = None
+               ) -> nn.Module:
     """Wrap `model` in peft LoRA adapters; return the `peft.PeftModel`.
 
     `lora` is a config's LoRA section (`cfg.classify.lora`, `cfg.instruct.lora`: r, alpha,
-    dropout, target_modules). `target_modules` are nn.Linear module-name suffixes (GPT-2's
-    c_attn, c_proj, c_fc, as in Hugging Face's GPT-2, so an adapter trained here also applies
-    to the exported model).
+    dropout, target_modules). `target_modules` are nn.Linear module-name suffixes; `auto` is
+    every Linear inside the transformer blocks (`hf_causal.block_linear_names`: GPT-2's c_attn,
+    c_proj, c_fc, named as in Hugging Face's GPT-2 so an adapter trained here also applies to
+    the exported model; Llama's and Qwen's q/k/v/o_proj, gate/up/down_proj). `task_type`
+    ("CAUSAL_LM" for a transformers model) is recorded in the adapter's config.
     Every original weight is frozen; the adapters (`lora_A`, `lora_B`) train, and so do the
     parameters of the modules named (exactly, relative to `model`) in `extra_trainable`, e.g.
     `["head"]` for a new classifier head.
@@ -131,8 +209,11 @@ def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = ()) -> n
     """
     import peft
 
-    targets = list(lora.target_modules)
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    from gptforge.hf_causal import block_linear_names
+
+    targets = block_linear_names(model) if lora.target_modules == "auto" else list(lora.target_modules)
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                             task_type=task_type)
     try:
         peft_model = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matched target_modules
@@ -308,3 +389,23 @@ def epoch_batches(examples: Sequence[Any], batch_size: int, seed: int, epoch: in
     order = list(examples)
     random.Random(f"{seed}:{epoch}").shuffle(order)
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def length_grouped_batches(examples: Sequence[Any], batch_size: int, seed: int, epoch: int,
+                           length: Callable[[Any], int], group: int = 50) -> list[list[Any]]:
+    """`epoch_batches` with little padding: the shuffled examples are cut into groups of
+    `group` batches, each group sorted by `length` (longest first) and cut into batches, and the
+    batches shuffled again, so a batch holds examples of similar length while the order still
+    depends only on (seed, epoch) and changes every epoch. transformers' LengthGroupedSampler
+    does the same (megabatches of 50 batches); a group is far smaller than the dataset, so the
+    batches are not sorted across the epoch, which would bias the step-to-step gradient."""
+    rng = random.Random(f"{seed}:{epoch}:grouped")
+    order = list(examples)
+    rng.shuffle(order)
+    size = batch_size * group
+    batches: list[list[Any]] = []
+    for start in range(0, len(order), size):
+        chunk = sorted(order[start:start + size], key=length, reverse=True)
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches

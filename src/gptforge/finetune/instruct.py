@@ -1,21 +1,32 @@
 """`gptforge finetune instruct`: instruction fine-tuning on Alpaca-style records, read top to bottom.
 
 LLMs-from-scratch ch. 7 as a recipe: records -> prompt template (templates.py) -> token ids ->
-padded next-token batches -> AdamW epochs over the whole model (`method: full`) or over LoRA
-adapters only (`method: lora`, peft) -> losses on the full validation and test splits ->
-greedy answers to the first test instructions -> the model.
+batches of similar lengths, right-padded -> AdamW epochs over the whole model (`method: full`)
+or over LoRA adapters only (`method: lora`, peft; `quantize: 4bit` for QLoRA) -> losses on the
+full validation and test splits -> greedy answers to the first test instructions, scored against
+their references (answer_quality.py) -> the model.
+
+The starting point (`instruct.init_from`) is gptforge's own GPT (a checkpoint, a GPT-2 size or a
+Hugging Face GPT-2 folder, converted) or any other Hugging Face causal LM, a local folder or a hub
+id, which stays a transformers model with its own tokenizer and chat template
+(`gptforge.hf_causal`; hf_models.py holds the few steps it does its own way).
 
 What it writes:
-- `checkpoints/instruct/final/`: the fine-tuned GPT (LoRA folded into the weights), loadable
-  with `weights.load_model` like any checkpoint;
+- `checkpoints/instruct/final/`: the fine-tuned model with LoRA folded into the weights: a
+  gptforge checkpoint (loadable with `weights.load_model`) for our GPT, an ordinary Hugging Face
+  folder (safetensors, config, generation config, tokenizer with its chat template) for a
+  transformers model, which `AutoModelForCausalLM.from_pretrained` loads;
 - `checkpoints/instruct/adapter/` (lora only): the adapter in peft's own format
-  (adapter_config.json + adapter_model.safetensors). Our module names are Hugging Face GPT-2's,
-  so it also applies to the exported base model:
-  `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(export_of_init_from), adapter)`
-  (peft sees HF's Conv1D layers and switches `fan_in_fan_out` on by itself);
+  (adapter_config.json + adapter_model.safetensors), which `PeftModel.from_pretrained` applies
+  to the model the run started from. For our GPT the module names are Hugging Face GPT-2's, so
+  it applies to the exported base model (peft sees HF's Conv1D layers and switches
+  `fan_in_fan_out` on by itself);
 - `reports/instruct_responses.jsonl`: instruction, input, reference, response per test example;
 - `metrics/instruct.json`: val_loss, test_loss, val_perplexity, test_perplexity,
-  response_tokens_per_sec, trainable_params, total_params, skipped_too_long, steps.
+  response_tokens_per_sec, trainable_params, total_params, skipped_too_long, steps,
+  train_tokens (not padding), train_tokens_per_sec, padding_fraction (of the positions the
+  training batches processed), the answers' exact_match, token_f1, rouge_l, and judge_score
+  when `instruct.judge` names an endpoint.
 
 Losses are per target token (padding and, with `mask_prompt`, the prompt are not targets), and
 the split losses weight every target token alike, not every batch. Examples whose prompt alone
@@ -40,9 +51,14 @@ from gptforge.config import Config
 from gptforge.data.sources import read_records
 from gptforge.decoding import generate
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (History, apply_lora, check_max_length, epoch_batches, load_base,
-                                      make_optimizer, merge_lora, runtime, train_epochs, trainable_params)
-from gptforge.finetune.templates import IGNORE_INDEX, Example, collate, encode_all
+from gptforge.finetune.answer_quality import score_file
+from gptforge.finetune.common import (History, apply_lora, check_max_length, enable_gradient_checkpointing,
+                                      epoch_batches, is_gpt, length_grouped_batches, load_base, load_hf_base,
+                                      make_optimizer, merge_lora, model_positions, runtime, train_epochs,
+                                      trainable_params)
+from gptforge.finetune.hf_models import greedy_answers, lm_loss, merged_qlora, save_hf_model
+from gptforge.finetune.templates import IGNORE_INDEX, Example, chat_template_tokenizer, collate, encode_all
+from gptforge.hf_causal import HFTokenizer, hf_source
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.model import GPT
 from gptforge.steps import DIRECT, Steps
@@ -83,6 +99,18 @@ def read_split(path: str | os.PathLike) -> list[dict]:
 # Losses and answers
 
 
+def batch_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy per target token of one batch: our GPT computes it itself (over the
+    real vocabulary), a transformers model through `hf_models.lm_loss`."""
+    return model(inputs, targets)[1] if is_gpt(model) else lm_loss(model, inputs, targets)
+
+
+def padding_stats(batch: Sequence[Example], width: int) -> tuple[int, int]:
+    """(real tokens, padded positions) of a collated batch of `width` positions per row."""
+    real = sum(min(len(p) + len(r) - 1, width) for p, r in batch)
+    return real, len(batch) * width - real
+
+
 @torch.no_grad()
 def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int, pad_id: int, max_length: int,
                mask_prompt: bool, rt: Runtime, max_batches: int | None = None) -> float:
@@ -99,8 +127,8 @@ def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int
                                       mask_prompt=mask_prompt)
             n = int((targets != IGNORE_INDEX).sum())
             with rt.autocast():
-                _, loss = model(inputs.to(rt.device), targets.to(rt.device))
-            total += loss.float().item() * n  # the model's loss is the mean over these n targets
+                loss = batch_loss(model, inputs.to(rt.device), targets.to(rt.device))
+            total += loss.float().item() * n  # the loss is the mean over these n targets
             count += n
     finally:
         model.train(was_training)
@@ -142,15 +170,18 @@ def respond(model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int
 class Session:
     """What the recipe's steps hand each other."""
 
-    model: nn.Module  # what trains: the GPT, or its peft wrapper
+    model: nn.Module  # what trains: the GPT or a transformers model, or its peft wrapper
     records: dict[str, list[dict]]
     data: dict[str, list[Example]]
     kept: dict[str, list[int]]  # record index of each example (responses pair them back)
-    enc: Any
+    enc: Any  # tiktoken's Encoding for our GPT, hf_causal.HFTokenizer for a transformers model
     rt: Runtime
     max_length: int
     skipped: int
+    hf_source: str | None = None  # the Hugging Face model it started from (None: our GPT)
     history: History | None = None
+    real_tokens: int = 0  # training tokens that were not padding
+    padded: int = 0  # training positions that were padding
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
@@ -158,8 +189,18 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     c = cfg.instruct
     rt = runtime(c.device, c.precision, param=PARAM)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the model
-    enc = load_tokenizer(cfg.tokenizer.path)
-    model = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
+    source = hf_source(c.init_from)
+    if source is None:  # our GPT: a checkpoint, a GPT-2 size or a Hugging Face GPT-2 folder
+        if c.quantize is not None:
+            raise BadInput(f"{PARAM}.quantize: {c.quantize} applies to Hugging Face models; {c.init_from} is a "
+                           "gptforge GPT (small enough to train unquantized): set it to null")
+        enc = load_tokenizer(cfg.tokenizer.path)
+        model = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
+        if c.template == "chat":
+            chat_template_tokenizer(enc)  # raises: tiktoken has no chat template
+    else:  # any other causal LM, with its own tokenizer (tokenizer.path does not apply)
+        model, tokenizer = load_hf_base(source, rt, param=PARAM, lora=c.method == "lora", quantize=c.quantize)
+        enc = HFTokenizer(tokenizer)
     max_length = check_max_length(c.max_length, model, f"{PARAM}.max_length")
 
     data, kept, skipped = {}, {}, {}
@@ -173,15 +214,18 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
         log.warning("instruct: skipped %s prompt(s) of %d tokens or more (no room for the response)",
                     ", ".join(f"{n} {k}" for k, n in skipped.items() if n), max_length)
 
-    model.to(rt.device)
+    if source is None:  # load_hf_base placed a transformers model (a quantized one on its GPU)
+        model.to(rt.device)
+    if c.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if c.method == "lora":
-        model = apply_lora(model, c.lora)
+        model = apply_lora(model, c.lora, task_type=None if source is None else "CAUSAL_LM")
     n_train, n_total = trainable_params(model)
     log.info("instruct: %s fine-tuning, %d of %d parameters train (%.2f%%); template %s, max_length %d; %s",
              c.method, n_train, n_total, 100 * n_train / n_total, c.template, max_length,
              ", ".join(f"{len(v)} {k}" for k, v in data.items()))
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
-    return Session(model, records, data, kept, enc, rt, max_length, sum(skipped.values()))
+    return Session(model, records, data, kept, enc, rt, max_length, sum(skipped.values()), source)
 
 
 def train(s: Session, cfg: Config, run=NullRun()) -> Session:
@@ -193,7 +237,16 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
 
     def loss_fn(batch):
         inputs, targets = collate(batch, **shape)
-        return s.model(inputs.to(s.rt.device), targets.to(s.rt.device))[1]
+        real, padded = padding_stats(batch, inputs.size(1))
+        s.real_tokens += real
+        s.padded += padded
+        return batch_loss(s.model, inputs.to(s.rt.device), targets.to(s.rt.device))
+
+    def batches(epoch: int) -> list[list[Example]]:
+        if c.group_by_length:
+            return length_grouped_batches(s.data["train"], c.batch_size, c.seed, epoch,
+                                          length=lambda e: len(e[0]) + len(e[1]))
+        return epoch_batches(s.data["train"], c.batch_size, c.seed, epoch)
 
     def evaluate():
         loss = split_loss(s.model, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches,
@@ -201,8 +254,8 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
 
     s.history = train_epochs(
-        s.model, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
-        rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="instruct")
+        s.model, optimizer, loss_fn, batches, rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval,
+        evaluate=evaluate, run=run, desc="instruct")
     return s
 
 
@@ -219,7 +272,10 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             s.model.save_pretrained(str(tmp))
     # What is measured is what is saved: the merged weights (and the merged model decodes
     # without the adapters' extra matmuls).
-    model = merge_lora(s.model)
+    if c.quantize is not None:
+        model = merged_qlora(s.hf_source, adapter, param=f"{PARAM}.init_from", device=s.rt.device)
+    else:
+        model = merge_lora(s.model)
     model.eval()
 
     shape = dict(batch_size=c.batch_size, pad_id=s.enc.eot_token, max_length=s.max_length,
@@ -228,30 +284,48 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     test_loss = split_loss(model, s.data["test"], **shape)
 
     n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
-    texts, tokens_per_sec = respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens, rt=s.rt)
+    if s.hf_source is None:
+        texts, tokens_per_sec = respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
+                                        rt=s.rt)
+    else:
+        texts, tokens_per_sec = greedy_answers(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
+                                               positions=model_positions(model), rt=s.rt)
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
         for index, text in zip(s.kept["test"], texts):
             rec = s.records["test"][index]
             f.write(json.dumps({"instruction": rec["instruction"], "input": rec["input"],
                                 "reference": rec["output"], "response": text}, ensure_ascii=False) + "\n")
 
+    quality = score_file(responses_path, judge_url=c.judge.url, judge_model=c.judge.model)
+
     final = out_dir / "final"
     with atomic_dir(final) as tmp:
-        save_model(model, tmp)
+        if s.hf_source is None:
+            save_model(model, tmp)
+        else:
+            save_hf_model(model, s.enc.tokenizer, tmp)
 
     seconds = s.history.epoch_seconds if s.history else []
+    processed = s.real_tokens + s.padded
     metrics = {"val_loss": val_loss, "test_loss": test_loss, "val_perplexity": math.exp(min(val_loss, 80.0)),
                "test_perplexity": math.exp(min(test_loss, 80.0)), "response_tokens_per_sec": tokens_per_sec,
                "trainable_params": n_train, "total_params": n_total, "skipped_too_long": s.skipped,
                "steps": s.history.step if s.history else 0,
-               "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0}
+               "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0,
+               "train_tokens": s.real_tokens, "padding_fraction": s.padded / processed if processed else 0.0,
+               "train_tokens_per_sec": s.real_tokens / sum(seconds) if sum(seconds) > 0 else 0.0,
+               **quality}
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(responses_path)
-    run.log_artifact(final, "checkpoint")
+    if s.hf_source is None:
+        run.log_artifact(final, "checkpoint")
+    else:  # an MLflow model (transformers flavor, with its tokenizer): loadable, servable
+        run.log_hf_model(final, "model")
     if adapter is not None:
         run.log_artifact(adapter, "adapter")
-    log.info("instruct done: val loss %.4f (perplexity %.2f), test loss %.4f; %d responses at %.1f tokens/s",
-             val_loss, metrics["val_perplexity"], test_loss, n, tokens_per_sec)
+    log.info("instruct done: val loss %.4f (perplexity %.2f), test loss %.4f; %d responses at %.1f tokens/s; "
+             "padding %.1f%% of the training positions", val_loss, metrics["val_perplexity"], test_loss, n,
+             tokens_per_sec, 100 * metrics["padding_fraction"])
     return metrics
 
 

@@ -22,7 +22,16 @@ Templates:
   the markers are ordinary text to it (a few BPE pieces each). The response ends with GPT-2's
   `<|endoftext|>` (not Phi-3's `<|end|>`) because that is the id generation stops on.
 
-The end-of-text id is appended as an id, never encoded from text, and every text field is
+- `chat`: the tokenizer's own chat template (`apply_chat_template`, Hugging Face models: Qwen's
+  ChatML, Llama 3's headers, ...), the record as one user turn (content as for phi3) and the
+  output as the assistant's turn. The prompt is the conversation up to the generation prompt,
+  the response the rest of the rendered conversation: the answer and the template's own end of
+  turn (`<|im_end|>`, `<|eot_id|>`), which is an id generation stops on, so nothing is appended.
+  The template's text is encoded as the model's tokenizer encodes a chat (its markers become
+  their special ids); a record that itself contains such a marker is rendered into the chat as
+  the template does it, which is what every trainer built on `apply_chat_template` does.
+
+For alpaca and phi3, the end-of-text id is appended as an id, never encoded from text, and every text field is
 encoded with special tokens disabled: a record that happens to contain the string
 "<|endoftext|>" cannot end a sequence early (it becomes plain BPE pieces).
 """
@@ -35,7 +44,7 @@ import torch
 
 from gptforge.errors import BadInput
 
-TEMPLATES = ("alpaca", "phi3")
+TEMPLATES = ("alpaca", "phi3", "chat")
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 ALPACA_WITH_INPUT = (
@@ -61,14 +70,57 @@ def render(example: Mapping[str, str], template: str) -> tuple[str, str]:
         prompt = (ALPACA_WITH_INPUT.format(instruction=instruction, input=inp) if inp
                   else ALPACA_NO_INPUT.format(instruction=instruction))
     elif template == "phi3":
-        prompt = PHI3.format(content=f"{instruction}\n\n{inp}" if inp else instruction)
+        prompt = PHI3.format(content=user_content(example))
     else:
         raise BadInput(f"instruct.template: unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
     return prompt, output
 
 
+def user_content(example: Mapping[str, str]) -> str:
+    """The user's turn of a chat template: the instruction, then a blank line and the input when
+    there is one (phi3's content too)."""
+    instruction, inp = example["instruction"], example.get("input") or ""
+    return f"{instruction}\n\n{inp}" if inp else instruction
+
+
+def chat_template_tokenizer(enc):
+    """The transformers tokenizer behind `enc` when it has a chat template; BadInput otherwise
+    (a gptforge model's tiktoken tokenizer, or a Hugging Face tokenizer without one)."""
+    tokenizer = getattr(enc, "tokenizer", None)
+    if tokenizer is None:
+        raise BadInput("instruct.template: chat uses the model's own chat template; gptforge's GPT models have "
+                       "none (their tokenizer is tiktoken's): use alpaca or phi3")
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadInput(f"instruct.template: chat: the tokenizer of {tokenizer.name_or_path} has no chat template "
+                       "(a base model's often has none): use alpaca or phi3, or start from an instruct model")
+    return tokenizer
+
+
+def encode_chat(example: Mapping[str, str], enc) -> Example:
+    """(prompt_ids, response_ids) of a record rendered with the tokenizer's chat template."""
+    tokenizer = chat_template_tokenizer(enc)
+    user = [{"role": "user", "content": user_content(example)}]
+    conversation = user + [{"role": "assistant", "content": example["output"]}]
+    prompt = _ids(tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True))
+    full = _ids(tokenizer.apply_chat_template(conversation, tokenize=True))
+    if full[:len(prompt)] != prompt:
+        raise BadInput(f"instruct.template: chat: the chat template of {tokenizer.name_or_path} does not render a "
+                       "conversation as its generation prompt followed by the answer; use alpaca or phi3")
+    return prompt, full[len(prompt):]
+
+
+def _ids(rendered) -> list[int]:
+    """Token ids from apply_chat_template(tokenize=True): a list in transformers 4, a
+    BatchEncoding in 5."""
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]
+
+
 def encode(example: Mapping[str, str], template: str, enc) -> Example:
-    """(prompt_ids, response_ids) with response_ids = output tokens + [eot]."""
+    """(prompt_ids, response_ids) with response_ids = output tokens + [eot] (chat: the rest of
+    the rendered conversation, see `encode_chat`)."""
+    if template == "chat":
+        return encode_chat(example, enc)
     prompt, response = render(example, template)
     # disallowed_special=(): special-token strings inside the data are text, not control ids.
     return (enc.encode(prompt, disallowed_special=()),

@@ -1,0 +1,93 @@
+"""What fine-tuning does differently for a Hugging Face causal LM (Qwen, Llama, SmolLM, ...).
+
+The recipes treat both kinds of model alike (`common.is_gpt` tells them apart) and call in here
+for the three things a transformers model does its own way: the loss over our already-shifted
+targets (`lm_loss`), greedy answers with transformers' `generate` (`greedy_answers`), and the
+result as a standard Hugging Face folder (`save_hf_model`, `merged_qlora`). Loading lives in
+`gptforge.hf_causal` (shared with `gptforge generate` and the evaluate stage) and
+`common.load_hf_base`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptforge.finetune.templates import IGNORE_INDEX, Example
+from gptforge.hf_causal import HFTokenizer, stop_ids
+from gptforge.train import Runtime
+
+log = logging.getLogger("gptforge")
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the positions whose target is not IGNORE_INDEX, in float32.
+
+    `targets` are already shifted (targets[t] is the token after inputs[t]), so the model is
+    called without `labels=` (transformers would shift them again). Right padding needs no
+    attention mask: a causal model's real positions never see the padding after them.
+    """
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@torch.no_grad()
+def greedy_answers(model: nn.Module, examples: Sequence[Example], *, enc: HFTokenizer, max_new_tokens: int,
+                   positions: int, rt: Runtime) -> tuple[list[str], float]:
+    """Greedy answers to each prompt with transformers' `generate` (its KV cache), one prompt
+    at a time as the GPT path does, stopping at any of the model's stop ids (`stop_ids`).
+    Returns (texts, generated tokens per second of generation)."""
+    from tqdm.auto import tqdm
+
+    stops = stop_ids(enc.tokenizer, model)
+    texts, generated, seconds = [], 0, 0.0
+    for prompt_ids, _ in tqdm(examples, desc="instruct responses", unit="resp", leave=False):
+        idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
+        room = min(max_new_tokens, positions - len(prompt_ids))
+        rt.sync()
+        t0 = time.perf_counter()
+        with rt.autocast():
+            out = model.generate(input_ids=idx, attention_mask=torch.ones_like(idx), max_new_tokens=room,
+                                 do_sample=False, eos_token_id=stops, pad_token_id=enc.tokenizer.pad_token_id)
+        rt.sync()
+        seconds += time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        generated += len(new)
+        end = next((i for i, t in enumerate(new) if t in stops), len(new))
+        texts.append(enc.decode(new[:end]).strip())
+    return texts, generated / seconds if seconds > 0 else 0.0
+
+
+def save_hf_model(model: nn.Module, tokenizer, folder: str | os.PathLike) -> Path:
+    """The model as an ordinary Hugging Face folder: safetensors weights, config.json,
+    generation_config.json (its eos ids: every id generation should stop on) and the tokenizer
+    with its chat template. `AutoModelForCausalLM.from_pretrained(folder)` loads it."""
+    folder = Path(folder)
+    stops = stop_ids(tokenizer, model)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.use_cache = True  # training may have turned it off (gradient checkpointing)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def merged_qlora(source: str, adapter: str | os.PathLike, *, param: str, device: torch.device) -> nn.Module:
+    """A QLoRA run's result merged into bf16 weights: the base reloaded unquantized in bf16 and
+    the saved adapter folded into it (merging into 4-bit weights would round the sum to NF4
+    again: peft's and the QLoRA paper's advice is to merge into the 16-bit base)."""
+    import peft
+
+    from gptforge.hf_causal import load_causal_lm
+
+    base, _ = load_causal_lm(source, param=param, dtype=torch.bfloat16)
+    log.info("QLoRA: merging the adapter into the bf16 base %s", source)
+    return peft.PeftModel.from_pretrained(base.to(device), str(adapter)).merge_and_unload()
