@@ -39,3 +39,22 @@ def test_bench_train_step_reports_the_median_of_the_timed_steps():
     assert r["timed_steps"] == 3 and r["warmup_steps"] == 1
     assert r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
     assert r["tokens_per_sec"] > 0
+
+
+@pytest.mark.slow
+def test_bench_lora_trains_both_recipes_on_the_same_real_tokens():
+    pytest.importorskip("peft")
+    r = run_script("bench_lora.py", "--recipes", "ours,stock", "--steps", "3", "--warmup", "1", "--repeats", "1",
+                   "--hidden", "32", "--layers", "1", "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
+                   "--heldout", "8")
+    assert set(r["recipes"]) == {"ours", "stock"}
+    for key in ("speedup", "heldout_loss_ratio", "heldout_loss_initial", "target_met", "machine", "settings"):
+        assert key in r
+    assert r["same_real_tokens"] and r["same_data"] and r["same_lora_init"] and r["same_lora_config"]
+    ours, stock = r["recipes"]["ours"], r["recipes"]["stock"]
+    assert ours["real_tokens"] == stock["real_tokens"] > 0 and ours["steps"] == stock["steps"] == 3
+    for recipe in (ours, stock):
+        (run,) = recipe["runs"]
+        assert run["timed_steps"] == 2 and run["tokens_per_sec"] > 0 and 0 <= run["padding_fraction"] < 1
+        assert run["heldout_loss"] > 0 and run["peak_rss_mb"] > 0
+    assert r["speedup"] == pytest.approx(ours["median"]["tokens_per_sec"] / stock["median"]["tokens_per_sec"], rel=0.01)

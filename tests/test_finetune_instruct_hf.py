@@ -281,3 +281,23 @@ def test_gradient_checkpointing_of_our_gpt_gives_the_same_gradients():
         model(idx[:, :-1], idx[:, 1:])[1].backward()
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_loss_on_targeted_positions_only_equals_the_full_logits_loss(llama):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from gptforge.finetune.hf_models import full_logits_loss, lm_loss, targeted_logits
+
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(llama)),
+                                peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    inputs = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(0))
+    targets = inputs.roll(-1, 1).clone()
+    targets[:, :7] = IGNORE_INDEX  # a masked prompt
+    targets[2, 15:] = IGNORE_INDEX  # padding
+    assert targeted_logits(model, inputs, targets != IGNORE_INDEX).shape == (3 * 13 - 5, 50257)
+    fast, plain = lm_loss(model, inputs, targets), full_logits_loss(model, inputs, targets)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(fast, trained), torch.autograd.grad(plain, trained)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -27,15 +27,53 @@ from gptforge.train import Runtime
 log = logging.getLogger("gptforge")
 
 
+# Config attributes of models whose logits are more than the output head's matmul (Gemma's
+# soft-capping, Cohere's and Granite's scaling): `lm_loss` takes their logits whole.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions whose target is not IGNORE_INDEX, in float32.
 
     `targets` are already shifted (targets[t] is the token after inputs[t]), so the model is
     called without `labels=` (transformers would shift them again). Right padding needs no
     attention mask: a causal model's real positions never see the padding after them.
+
+    The output head runs only on the positions that have a target (`targeted_logits`): with a
+    vocabulary of 50k-150k ids the head is most of a small model's compute, and the prompt (under
+    mask_prompt) and the padding would only have their logits thrown away. `full_logits_loss` is
+    the plain version it replaces (a test holds them equal).
     """
+    keep = targets != IGNORE_INDEX
+    logits = targeted_logits(model, inputs, keep)
+    if logits is None:
+        return full_logits_loss(model, inputs, targets)
+    return F.cross_entropy(logits.float(), targets[keep])
+
+
+def full_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`lm_loss` the plain way: the model's logits at every position, then the masked mean."""
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def targeted_logits(model: nn.Module, inputs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """(N, vocab) logits of the N positions where `keep` is True: the decoder's final hidden
+    states (through a peft wrapper: its LoRA layers sit inside the same modules) and the output
+    head on those rows only. None when the model's logits are not just its head's matmul or it
+    does not expose its decoder and head (the caller then computes them whole)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    try:
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is base:
+        return None
+    hidden = decoder(input_ids=inputs, use_cache=False).last_hidden_state
+    return head(hidden[keep])
 
 
 @torch.no_grad()

@@ -1,0 +1,639 @@
+"""LoRA instruction fine-tuning on the CPU: gptforge's instruct recipe against transformers' Trainer + peft.
+
+    python benchmarks/bench_lora.py [--steps N] [--repeats 3] [--threads 2] [--warmup 3]
+        [--hidden 256 --layers 4 --intermediate 688 --heads 4 --kv-heads 2]
+        [--recipes ours,stock,stock_grouped] [--out docs/results/lora_tiny_llama_cpu.json]
+
+The model is a random Llama (transformers' LlamaConfig, default hidden 256, 4 layers,
+intermediate 688, 4 heads / 2 KV heads, 256 positions, untied head) with the GPT-2 tokenizer of
+tests/hf_models.py (`make_tokenizer`), saved once in a temporary folder. The data are the
+package's 1,100 embedded Alpaca records (LLMs-from-scratch ch. 7), shuffled with `--seed` and
+split into `--heldout` held-out records and the training records (the first `--steps` x
+`--batch-size` of them when `--steps` is given; all 1,000 otherwise), written as jsonl.
+Every recipe trains one epoch over exactly those training examples, so all of them take the
+same number of optimizer steps on the same real tokens (in their own order).
+
+Recipes (each LoRA r 16, alpha/dropout from params.yaml unless given, on q/k/v/o/gate/up/down
+projections, Alpaca template, loss on the response only, AdamW fused, constant lr, no warm-up,
+no gradient clipping, fp32, one epoch of `--batch-size`):
+- `ours`: `gptforge.finetune.instruct.setup` + `train`, configured from params.yaml with -S
+  overrides (init_from the folder, method lora, target_modules auto, group_by_length true,
+  mask_prompt true, device cpu, precision fp32, tracking off, no evaluation during training);
+  its loss runs the output head only at the positions that have a target (`hf_models.lm_loss`),
+  and its batches are grouped by length (`common.length_grouped_batches`);
+- `stock`: what a user writes with transformers and peft: `get_peft_model` (the same LoraConfig),
+  the same token ids (input_ids = prompt + response + eos, labels -100 on the prompt),
+  `DataCollatorForSeq2Seq` (pads each batch to its longest row), `Trainer` with its defaults
+  except: the same lr, weight decay, constant schedule, `max_grad_norm=0` (ours does not clip),
+  `save_strategy="no"`, `report_to=[]`, no eval, `dataloader_num_workers=0`, `use_cpu=True`,
+  random order (`train_sampling_strategy="random"`, the default);
+- `stock_grouped`: `stock` with `train_sampling_strategy="group_by_length"`, the one switch a
+  Trainer user flips to cut padding (transformers' LengthGroupedSampler): how much of the
+  difference is padding alone. Its megabatches are min(50, examples / (4 x batch)) batches,
+  ours' groups 50 batches: on a short `--steps` run ours sorts over more examples, so the full
+  epoch (no `--steps`) is the fairest comparison of the two groupings.
+
+Each run is its own subprocess (this script with `--recipe NAME`), `torch.set_num_threads
+(--threads)`, and the runs alternate ours / stock / stock_grouped for `--repeats` rounds, so a
+slow spell of the machine hits them alike; the JSON reports medians and every run.
+
+What is measured, per run:
+- real tokens/s: a global `torch.optim` step post-hook stamps `time.perf_counter()` after every
+  optimizer step of the run's optimizer; the timed window runs from the end of step `--warmup`
+  to the end of the last step (the first steps, with their one-off allocations, are left out).
+  Real tokens are the positions that predict a next token (len(prompt + response) - 1 per
+  example, the count ours logs as `train_tokens`), counted per step for the timed steps. The
+  stock rows carry one more position each (the final eos, whose prediction is unused): counted
+  as processed, not as real;
+- padding fraction: padded positions / positions the model processed, over the whole epoch
+  (the stock rows' extra eos position counts as processed, not as padding);
+- peak memory: the subprocess's RSS high-water mark during training minus its resident set
+  right after the model (with its adapters) and the tokenized data were loaded
+  (`rss_after_load_mb`; `peak_while_loading_mb`: loading's own peak). The high-water mark is
+  the address space's VmHWM, reset after loading (see `PeakRSS`: `ru_maxrss` inherits the
+  parent's peak across fork/exec); `ru_maxrss_mb` is recorded too;
+- held-out loss: mean cross-entropy per response token over the held-out split, computed by one
+  function (`heldout_loss`: gptforge's `split_loss`, batches of 8 in file order) on both trained
+  peft models; `heldout_loss_initial` is the base model's (LoRA starts as the identity), so
+  `heldout_loss_drop` is what each run learned: on random weights every loss is near ln 50257,
+  and the ratio of the drops is the sharper check that the recipes train alike.
+Both recipes start from the same LoRA initialisation (`torch.manual_seed(--seed)` before the
+model loads; the JSON records a checksum of the initial adapters) and the same token ids
+(digest recorded), and the parent checks that every recipe saw the same number of real tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("ours", "stock", "stock_grouped")
+RESULT_MARK = "BENCH_LORA_RESULT "  # the child's result line (Trainer prints its logs on stdout too)
+SAMPLE = "sample://instruction-data.json.gz"
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET = {"speedup_min": 1.3, "heldout_loss_rel_diff_max": 0.02}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by every recipe: the model folder, the data, the encoding, the held-out loss
+
+
+def build_model(folder: Path, args) -> Path:
+    """A random Llama of the requested shape with the GPT-2 tokenizer (tests/hf_models.py)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("_bench_hf_models", ROOT / "tests" / "hf_models.py")
+    hf_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_models)
+    config = LlamaConfig(vocab_size=50257, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.positions,
+                         bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    hf_models.make_tokenizer(folder)
+    return folder
+
+
+def write_splits(data_dir: Path, args) -> dict:
+    """train/val/test jsonl from the embedded records: `--heldout` shuffled records are the
+    held-out split (val), the next `--steps` x `--batch-size` (all the rest
+    without `--steps`) the training split."""
+    from gptforge.data.sources import read_records
+    from gptforge.samples import resolve
+
+    records = [{"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"]}
+               for r in read_records(resolve(SAMPLE), param="bench_lora")]
+    random.Random(args.seed).shuffle(records)
+    heldout, train = records[:args.heldout], records[args.heldout:]
+    if args.steps is not None:
+        if args.steps * args.batch_size > len(train):
+            raise SystemExit(f"--steps {args.steps} x --batch-size {args.batch_size} is more than the "
+                             f"{len(train)} training records")
+        train = train[:args.steps * args.batch_size]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # test: a few records only, which `setup` wants and nothing here uses
+    for name, recs in (("train", train), ("val", heldout), ("test", heldout[:8])):
+        with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+    return {"train_records": len(train), "heldout_records": len(heldout)}
+
+
+def encode_split(tokenizer, records, max_length: int):
+    """gptforge's encoding (Alpaca template, response + eos) of `records`; every one must fit
+    whole, so that no recipe truncates."""
+    from gptforge.finetune.templates import encode_all
+    from gptforge.hf_causal import HFTokenizer
+
+    examples, kept = encode_all(records, "alpaca", HFTokenizer(tokenizer), max_length)
+    longest = max(len(p) + len(r) for p, r in examples)
+    if len(kept) != len(records) or longest > max_length:
+        raise SystemExit(f"bench_lora: an example does not fit {max_length} positions (longest {longest}); "
+                         "raise --positions")
+    return examples
+
+
+def digest(examples) -> str:
+    """A short hash of (prompt ids, response ids) pairs in order."""
+    return hashlib.sha256(json.dumps([[list(p), list(r)] for p, r in examples]).encode()).hexdigest()[:16]
+
+
+def heldout_loss(model, examples, pad_id: int, max_length: int) -> tuple[float, int]:
+    """(mean cross-entropy per response token, response tokens) over `examples`: the one
+    function both trained models are scored with (gptforge's split_loss, batches of 8 in order)."""
+    from gptforge.finetune.common import runtime
+    from gptforge.finetune.instruct import split_loss
+
+    loss = split_loss(model, examples, batch_size=8, pad_id=pad_id, max_length=max_length, mask_prompt=True,
+                      rt=runtime("cpu", "fp32", param="bench_lora"))
+    return loss, sum(len(r) for _, r in examples)
+
+
+def initial_heldout_loss(model_dir: Path, data_dir: Path) -> float:
+    """The held-out loss before training: the base model's (LoRA starts with B = 0, so the
+    adapted model computes the base model's function)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptforge.finetune.instruct import read_split
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    max_length = model.config.max_position_embeddings
+    heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
+    return round(heldout_loss(model, heldout, tokenizer.eos_token_id, max_length)[0], 5)
+
+
+def lora_checksum(model) -> float:
+    """Sum of |w| over the LoRA A matrices: equal when two runs start from the same adapters."""
+    return round(float(sum(p.detach().abs().sum() for n, p in model.named_parameters() if "lora_A" in n)), 4)
+
+
+def rss_mb() -> float:
+    """Resident set size now (Linux /proc; the high-water mark elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return maxrss_mb()
+
+
+def maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def hwm_mb() -> float | None:
+    """The address space's RSS high-water mark (VmHWM), None where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+class PeakRSS:
+    """The subprocess's peak RSS during training, above its RSS after loading.
+
+    `ru_maxrss` alone would not do: Linux carries a process's maximum RSS across fork and exec,
+    so a child starts with its parent's high-water mark (the parent here held the model for the
+    initial held-out loss). So `loaded()` resets the address space's own high-water mark
+    (VmHWM; writing 5 to /proc/self/clear_refs, Linux >= 4.0) and the peak is VmHWM at the end;
+    where that cannot be done, it falls back to ru_maxrss and says so in `peak_source`."""
+
+    def loaded(self) -> None:
+        self.rss_after_load, self.hwm_after_load, self.maxrss_after_load = rss_mb(), hwm_mb(), maxrss_mb()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset = hwm_mb() is not None
+        except OSError:
+            self.reset = False
+
+    def result(self) -> dict:
+        peak = hwm_mb() if self.reset else maxrss_mb()
+        return {"rss_after_load_mb": round(self.rss_after_load, 1),
+                "peak_while_loading_mb": round(self.hwm_after_load or self.maxrss_after_load, 1),
+                "peak_rss_mb": round(peak, 1), "peak_rss_growth_mb": round(peak - self.rss_after_load, 1),
+                "ru_maxrss_mb": round(maxrss_mb(), 1),
+                "peak_source": "VmHWM reset after loading" if self.reset else "ru_maxrss (VmHWM not resettable)"}
+
+
+class StepClock:
+    """perf_counter stamps after every step of the optimizer that trains `param` (a global
+    torch.optim post-hook, so it sees Trainer's optimizer as well as ours), with the real
+    tokens so far from `real_tokens()`."""
+
+    def __init__(self, param, real_tokens=None) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.param, self.real_tokens, self.optimizer = param, real_tokens, None
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.handle = register_optimizer_step_post_hook(self._hook)
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        if self.optimizer is None and any(p is self.param for g in optimizer.param_groups for p in g["params"]):
+            self.optimizer = optimizer
+        if optimizer is self.optimizer:
+            self.times.append(time.perf_counter())
+            if self.real_tokens is not None:
+                self.tokens.append(self.real_tokens())
+
+    def window(self, per_step_tokens: list[int], warmup: int) -> dict:
+        """Real tokens/s over the steps after `warmup` (from the end of step `warmup`)."""
+        self.handle.remove()
+        steps = len(self.times)
+        if steps != len(per_step_tokens):
+            raise RuntimeError(f"bench_lora: {steps} optimizer steps but {len(per_step_tokens)} batches")
+        if steps <= warmup:
+            raise SystemExit(f"bench_lora: {steps} steps leave none to time after --warmup {warmup}")
+        seconds = self.times[-1] - self.times[warmup - 1]  # warmup >= 1: the first step's start is not stamped
+        tokens = sum(per_step_tokens[warmup:])
+        return {"steps": steps, "warmup_steps": warmup, "timed_steps": steps - warmup, "timed_s": round(seconds, 4),
+                "timed_real_tokens": tokens, "tokens_per_sec": round(tokens / seconds, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes (each runs in its own subprocess)
+
+
+def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
+    import torch
+
+    from gptforge.config import load_config
+    from gptforge.finetune import instruct
+
+    overrides = [f"instruct.init_from={model_dir}", "instruct.method=lora", "instruct.lora.target_modules=auto",
+                 f"instruct.lora.r={args.lora_r}", "instruct.template=alpaca", "instruct.mask_prompt=true",
+                 "instruct.group_by_length=true", "tracking.enabled=false", "instruct.device=cpu",
+                 "instruct.precision=fp32", "instruct.epochs=1", f"instruct.batch_size={args.batch_size}",
+                 f"instruct.lr={args.lr}", f"instruct.weight_decay={args.weight_decay}", f"instruct.seed={args.seed}",
+                 "instruct.eval_interval=1000000000", "instruct.eval_batches=1",
+                 "instruct.gradient_checkpointing=false"]
+    if args.lora_alpha is not None:
+        overrides.append(f"instruct.lora.alpha={args.lora_alpha}")
+    if args.lora_dropout is not None:
+        overrides.append(f"instruct.lora.dropout={args.lora_dropout}")
+    cfg = load_config(ROOT / "params.yaml", overrides)
+    torch.manual_seed(args.seed)  # the adapters' initialisation, as in the stock run
+    s = instruct.setup(cfg, data_dir)
+    memory = PeakRSS()
+    memory.loaded()
+    tokenizer = s.enc.tokenizer
+    train = encode_split(tokenizer, instruct.read_split(data_dir / "train.jsonl"), s.max_length)
+    if s.data["train"] != train:
+        raise RuntimeError("bench_lora: ours encoded the training split differently from encode_split")
+    heldout = encode_split(tokenizer, instruct.read_split(data_dir / "val.jsonl"), s.max_length)
+    init = lora_checksum(s.model)
+    clock = StepClock(next(p for p in s.model.parameters() if p.requires_grad), lambda: s.real_tokens)
+
+    t0 = time.perf_counter()
+    instruct.train(s, cfg)
+    wall = time.perf_counter() - t0
+    per_step = [b - a for a, b in zip([0] + clock.tokens[:-1], clock.tokens)]
+    timing = clock.window(per_step, args.warmup)
+    peak = memory.result()
+    t1 = time.perf_counter()
+    loss, n = heldout_loss(s.model, heldout, tokenizer.eos_token_id, s.max_length)
+    eval_s = time.perf_counter() - t1
+    lora = cfg.instruct.lora
+    return {**timing, "real_tokens": s.real_tokens, "positions": s.real_tokens + s.padded,
+            "padding_fraction": round(s.padded / (s.real_tokens + s.padded), 4),
+            "train_wall_s": round(wall, 3), "final_train_loss": round(s.history.train_loss[-1][1], 4),
+            **peak,
+            "heldout_loss": round(loss, 5), "heldout_tokens": n, "heldout_eval_s": round(eval_s, 2),
+            "lora_init_checksum": init,
+            "data_digest": digest(train),
+            "lora": {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+                     "target_modules": sorted(s.model.peft_config["default"].target_modules)},
+            "trainable_params": sum(p.numel() for p in s.model.parameters() if p.requires_grad),
+            "total_params": sum(p.numel() for p in s.model.parameters()), "max_length": s.max_length}
+
+
+def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
+    import peft
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
+                              TrainingArguments)
+
+    from gptforge.config import load_config
+    from gptforge.finetune.instruct import read_split
+    from gptforge.finetune.templates import render
+
+    defaults = load_config(ROOT / "params.yaml").instruct.lora  # alpha and dropout as ours reads them
+    alpha = args.lora_alpha if args.lora_alpha is not None else defaults.alpha
+    dropout = args.lora_dropout if args.lora_dropout is not None else defaults.dropout
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    lora_config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=dropout,
+                                  target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora_config)
+    max_length = model.config.max_position_embeddings
+
+    def tokenize(record: dict) -> dict:  # the Alpaca prompt, the output, eos; labels only on the response
+        prompt, response = render(record, "alpaca")
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return {"input_ids": p + r, "attention_mask": [1] * (len(p) + len(r)), "labels": [-100] * len(p) + r}
+
+    train_records = read_split(data_dir / "train.jsonl")
+    features = [tokenize(r) for r in train_records]
+    memory = PeakRSS()
+    memory.loaded()
+    used = [(f["input_ids"][:f["labels"].count(-100)], f["input_ids"][f["labels"].count(-100):]) for f in features]
+    if used != encode_split(tokenizer, train_records, max_length):
+        raise RuntimeError("bench_lora: the stock tokenization differs from gptforge's encoding")
+    heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
+    init = lora_checksum(model)
+
+    collator = DataCollatorForSeq2Seq(tokenizer=tokenizer, padding=True, label_pad_token_id=-100)
+    real, positions = [], []
+
+    def counting_collator(batch):  # the same collator; records what each batch holds
+        out = collator(batch)
+        real.append(sum(len(f["input_ids"]) - 1 for f in batch))
+        positions.append(out["input_ids"].numel())
+        return out
+
+    with tempfile.TemporaryDirectory(prefix="bench_lora_trainer_") as out_dir:
+        training_args = TrainingArguments(
+            output_dir=out_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=1,
+            learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
+            optim="adamw_torch_fused", max_grad_norm=0.0, seed=args.seed, report_to=[], eval_strategy="no",
+            save_strategy="no", dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False,
+            train_sampling_strategy="group_by_length" if grouped else "random")
+        trainer = Trainer(model=model, args=training_args, train_dataset=features, data_collator=counting_collator,
+                          processing_class=tokenizer)
+        clock = StepClock(next(p for p in model.parameters() if p.requires_grad))
+        t0 = time.perf_counter()
+        result = trainer.train()
+        wall = time.perf_counter() - t0
+    steps = len(clock.times)
+    timing = clock.window(real[:steps], args.warmup)
+    peak = memory.result()
+    t1 = time.perf_counter()
+    loss, n = heldout_loss(trainer.model, heldout, tokenizer.eos_token_id, max_length)
+    eval_s = time.perf_counter() - t1
+    real_tokens, processed = sum(real[:steps]), sum(positions[:steps])
+    padded = processed - sum(len(f["input_ids"]) for f in features)
+    return {**timing, "real_tokens": real_tokens, "positions": processed,
+            "padding_fraction": round(padded / processed, 4), "train_wall_s": round(wall, 3),
+            "trainer_train_loss": round(result.training_loss, 4),
+            **peak,
+            "heldout_loss": round(loss, 5), "heldout_tokens": n, "heldout_eval_s": round(eval_s, 2),
+            "lora_init_checksum": init,
+            "data_digest": digest(used),
+            "lora": {"r": args.lora_r, "alpha": alpha, "dropout": dropout,
+                     "target_modules": sorted(model.peft_config["default"].target_modules)},
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "total_params": sum(p.numel() for p in model.parameters()), "max_length": max_length}
+
+
+def child(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir, data_dir = Path(args.model_dir), Path(args.data_dir)
+    if args.recipe == "ours":
+        result = run_ours(args, model_dir, data_dir)
+    else:
+        result = run_stock(args, model_dir, data_dir, grouped=args.recipe == "stock_grouped")
+    result.update(recipe=args.recipe, threads=torch.get_num_threads())
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: build, run the recipes in turn, report
+
+
+def child_command(args, recipe: str, model_dir: Path, data_dir: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--recipe", recipe, "--model-dir", str(model_dir),
+           "--data-dir", str(data_dir), "--threads", str(args.threads), "--warmup", str(args.warmup),
+           "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay),
+           "--lora-r", str(args.lora_r), "--seed", str(args.seed)]
+    if args.lora_alpha is not None:
+        cmd += ["--lora-alpha", repr(args.lora_alpha)]
+    if args.lora_dropout is not None:
+        cmd += ["--lora-dropout", repr(args.lora_dropout)]
+    return cmd
+
+
+def run_child(cmd: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"bench_lora: {' '.join(cmd[2:4])} failed (exit {proc.returncode})")
+    return {**json.loads(lines[-1][len(RESULT_MARK):]), "subprocess_s": round(wall, 2)}
+
+
+def machine() -> dict:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": name, "cores": cores, "arch": platform.machine()}
+
+
+MEDIAN_KEYS = ("tokens_per_sec", "padding_fraction", "peak_rss_growth_mb", "peak_rss_mb", "heldout_loss",
+               "timed_s", "train_wall_s")
+
+
+def summarize(runs: dict[str, list[dict]], initial: float) -> dict:
+    out = {}
+    for name, rs in runs.items():
+        median = {k: round(statistics.median(r[k] for r in rs), 5) for k in MEDIAN_KEYS}
+        median["heldout_loss_drop"] = round(initial - median["heldout_loss"], 5)
+        out[name] = {"median": median, "real_tokens": rs[0]["real_tokens"], "steps": rs[0]["steps"], "runs": rs}
+    return out
+
+
+def check_same(runs: dict[str, list[dict]], key: str) -> bool:
+    return len({json.dumps(r[key], sort_keys=True) for rs in runs.values() for r in rs}) == 1
+
+
+def markdown(result: dict) -> str:
+    s, rec = result["settings"], result["recipes"]
+    lines = [
+        "# LoRA fine-tuning on the CPU: gptforge's instruct recipe vs transformers Trainer + peft",
+        "",
+        f"- date: {result['date']}; machine: {result['machine']['cpu']}, {result['machine']['cores']} cores "
+        f"({result['machine']['arch']}); load average (1 min) before/after: {result['load_average_1min']}",
+        f"- torch {result['torch']}, transformers {result['transformers']}, peft {result['peft']}; "
+        f"{s['threads']} threads per run",
+        f"- model: random Llama, hidden {s['model']['hidden']}, {s['model']['layers']} layers, intermediate "
+        f"{s['model']['intermediate']}, {s['model']['heads']} heads / {s['model']['kv_heads']} KV heads, vocab 50257 "
+        f"(GPT-2 tokenizer), {s['total_params'] / 1e6:.1f}M parameters, {s['trainable_params'] / 1e6:.2f}M LoRA",
+        f"- LoRA r {s['lora']['r']}, alpha {s['lora']['alpha']}, dropout {s['lora']['dropout']} on "
+        f"{', '.join(s['lora']['target_modules'])}; Alpaca template, loss on the response; AdamW (fused) lr {s['lr']}, "
+        f"weight decay {s['weight_decay']}, constant, no clipping; fp32",
+        f"- data: {s['train_records']} training records of LLMs-from-scratch ch. 7 (1 epoch, batch {s['batch_size']}, "
+        f"{s['steps']} steps), {s['heldout_records']} held out; {s['repeats']} runs per recipe, alternating; "
+        f"tokens/s over steps {s['warmup_steps'] + 1}-{s['steps']}",
+        "",
+        f"Held-out loss before training: {result['heldout_loss_initial']:.4f} (random weights: about ln 50257 = "
+        "10.82); the drop is what the adapters learned.",
+        "",
+        "| recipe | real tokens/s (median) | vs stock | padding | peak RSS growth (MB) | held-out loss | loss drop "
+        "| real tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = rec["stock"]["median"]["tokens_per_sec"] if "stock" in rec else None
+    for name, r in rec.items():
+        m = r["median"]
+        vs = f"{m['tokens_per_sec'] / base:.2f}x" if base else "-"
+        lines.append(f"| {name} | {m['tokens_per_sec']:.0f} | {vs} | {100 * m['padding_fraction']:.1f}% | "
+                     f"{m['peak_rss_growth_mb']:.0f} | {m['heldout_loss']:.4f} | {m['heldout_loss_drop']:.4f} | "
+                     f"{r['real_tokens']} |")
+    lines += ["", f"Speedup (ours / stock real tokens/s): {result.get('speedup')}; held-out loss ratio (ours / stock): "
+              f"{result.get('heldout_loss_ratio')} (ratio of the drops: {result.get('heldout_loss_drop_ratio')}); "
+              f"same real tokens in every run: {result['same_real_tokens']}; "
+              f"target (>= {TARGET['speedup_min']}x, loss within {100 * TARGET['heldout_loss_rel_diff_max']:.0f}%) "
+              f"met: {result.get('target_met')}.", ""]
+    if "stock_grouped" in rec:
+        lines += [f"`stock_grouped` is the stock recipe with `train_sampling_strategy=\"group_by_length\"`: ours / "
+                  f"stock_grouped = {result.get('speedup_vs_stock_grouped')}.", ""]
+    lines += [f"Command: `{result['command']}`", ""]
+    return "\n".join(lines)
+
+
+def parent(args) -> int:
+    import peft
+    import torch
+    import transformers
+
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes:
+        raise SystemExit(f"--recipes: choose among {', '.join(RECIPES)}")
+    load_before = round(os.getloadavg()[0], 2)
+    runs: dict[str, list[dict]] = {r: [] for r in recipes}
+    with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
+        model_dir, data_dir = build_model(Path(tmp) / "model", args), Path(tmp) / "data"
+        sizes = write_splits(data_dir, args)
+        torch.set_num_threads(args.threads)
+        initial = initial_heldout_loss(model_dir, data_dir)
+        for repeat in range(args.repeats):
+            for recipe in recipes:
+                r = run_child(child_command(args, recipe, model_dir, data_dir))
+                r["repeat"] = repeat + 1
+                runs[recipe].append(r)
+                print(f"bench_lora: {recipe} run {repeat + 1}: {r['tokens_per_sec']:.0f} real tokens/s, padding "
+                      f"{100 * r['padding_fraction']:.1f}%, held-out loss {r['heldout_loss']:.4f}", file=sys.stderr)
+    first = next(iter(runs.values()))[0]
+    result = {
+        "benchmark": "lora_instruct_finetune",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],
+        "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+        "settings": {
+            "model": {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
+                      "heads": args.heads, "kv_heads": args.kv_heads, "positions": args.positions, "vocab": 50257},
+            "total_params": first["total_params"], "trainable_params": first["trainable_params"],
+            "lora": first["lora"], "template": "alpaca", "mask_prompt": True, "batch_size": args.batch_size,
+            "steps": first["steps"], "warmup_steps": args.warmup, "lr": args.lr, "weight_decay": args.weight_decay,
+            "threads": args.threads, "repeats": args.repeats, "seed": args.seed, **sizes,
+            "timing": "perf_counter after each optimizer step; real tokens/s over the steps after the first "
+                      f"{args.warmup}; medians over the repeats",
+        },
+        "heldout_loss_initial": initial,
+        "recipes": summarize(runs, initial),
+        "same_real_tokens": check_same(runs, "real_tokens"),
+        "same_data": check_same(runs, "data_digest"),
+        "same_lora_init": check_same(runs, "lora_init_checksum"),
+        "same_lora_config": check_same(runs, "lora"),
+        "command": "python benchmarks/bench_lora.py " + " ".join(sys.argv[1:]),
+    }
+    med = {name: r["median"] for name, r in result["recipes"].items()}
+    if "ours" in med and "stock" in med:
+        result["speedup"] = round(med["ours"]["tokens_per_sec"] / med["stock"]["tokens_per_sec"], 3)
+        result["heldout_loss_ratio"] = round(med["ours"]["heldout_loss"] / med["stock"]["heldout_loss"], 4)
+        result["heldout_loss_drop_ratio"] = round(
+            med["ours"]["heldout_loss_drop"] / med["stock"]["heldout_loss_drop"], 4)
+        result["target"] = TARGET
+        result["target_met"] = bool(result["speedup"] >= TARGET["speedup_min"] and abs(
+            result["heldout_loss_ratio"] - 1) <= TARGET["heldout_loss_rel_diff_max"])
+    if "ours" in med and "stock_grouped" in med:
+        result["speedup_vs_stock_grouped"] = round(
+            med["ours"]["tokens_per_sec"] / med["stock_grouped"]["tokens_per_sec"], 3)
+        result["heldout_loss_ratio_vs_stock_grouped"] = round(
+            med["ours"]["heldout_loss"] / med["stock_grouped"]["heldout_loss"], 4)
+    if not (result["same_real_tokens"] and result["same_data"] and result["same_lora_config"]):
+        raise SystemExit("bench_lora: the recipes did not train on the same tokens with the same LoRA config: "
+                         + json.dumps({k: result[k] for k in ("same_real_tokens", "same_data", "same_lora_config")}))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
+        out.with_suffix(".md").write_text(markdown(result), encoding="utf-8")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train on steps x batch-size records (default: all 1,000 training records, 125 steps)")
+    ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing (at least 1)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=float, default=None, help="default: params.yaml's instruct.lora.alpha")
+    ap.add_argument("--lora-dropout", type=float, default=None, help="default: params.yaml's instruct.lora.dropout")
+    ap.add_argument("--heldout", type=int, default=100, help="held-out records (of 1,100)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--positions", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=123)
+    ap.add_argument("--out", default=None, help="also write this JSON and a markdown table next to it (.md)")
+    ap.add_argument("--recipe", choices=RECIPES, default=None, help=argparse.SUPPRESS)  # a child run
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.warmup < 1:
+        ap.error("--warmup must be at least 1")
+    if args.recipe is not None:
+        return child(args)
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
