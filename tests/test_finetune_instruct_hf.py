@@ -205,7 +205,7 @@ def test_cli_bad_start_is_the_last_line_and_exit_2(tmp_path, llama):
     write_splits(tmp_path / "data" / "instruct")
     before = snapshot(tmp_path)
     proc = run_cli(["finetune", "instruct", "-S", "instruct.init_from=Qwen/Qwen2.5-0.5B-Instruct",
-                    "-S", "tracking.enabled=false"], cwd=tmp_path, env=cli_env(PREFECT_API_URL=""))
+                    "-S", "tracking.enabled=false"], cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "instruct.init_from: cannot fetch Qwen/Qwen2.5-0.5B-Instruct" in last_error_line(proc.stderr)
     assert "a local folder works" in last_error_line(proc.stderr)
