@@ -10,12 +10,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -295,3 +298,69 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
         "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
     }
+
+
+# --------------------------------------------------------------------------------------------
+# A fake LLM judge (an OpenAI-compatible chat completions endpoint on 127.0.0.1)
+
+
+class FakeJudge:
+    """POST /v1/chat/completions -> a chat completion whose content depends on the prompt:
+    "85" when the response equals the reference, "I think 150" when the response mentions
+    "overflow", "Score: 12" otherwise. `fail_first` requests answer HTTP `fail_status` first."""
+
+    def __init__(self, fail_first: int = 0, fail_status: int = 500):
+        self.requests: list[dict] = []
+        self.fail_first, self.fail_status = fail_first, fail_status
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if len(judge.requests) <= judge.fail_first:
+                    return self._send(judge.fail_status, {"error": "busy"})
+                if self.path != "/v1/chat/completions":
+                    return self._send(404, {"error": "no such path"})
+                prompt = body["messages"][0]["content"]
+                reference = re.search(r"correct output `(.*?)`, score", prompt, re.S).group(1)
+                response = re.search(r"model response `(.*?)` on a scale", prompt, re.S).group(1)
+                content = ("85" if response == reference else "I think 150" if "overflow" in response
+                           else "Score: 12")
+                self._send(200, {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                                 "choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant", "content": content}}]})
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GPTFORGE_JUDGE_API_KEY", raising=False)
+
+
+@pytest.fixture
+def fake_judge(no_proxy):
+    judge = FakeJudge()
+    yield judge
+    judge.close()

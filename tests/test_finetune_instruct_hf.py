@@ -149,6 +149,20 @@ def test_lora_on_llama_writes_adapter_and_merged_standard_folder(llama, tmp_path
     assert json.loads((tmp_path / "m.json").read_text())["val_loss"] == pytest.approx(metrics["val_loss"])
 
 
+def test_the_judge_endpoint_scores_the_stage_s_responses(llama, tmp_path, fake_judge):
+    data = write_splits(tmp_path / "data")
+    cfg = config(llama, f"instruct.judge.url={fake_judge.url}", "instruct.judge.model=judge-7b",
+                 "instruct.n_responses=2", "instruct.max_new_tokens=2")
+    metrics = finetune_instruct(cfg, data_dir=data, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json",
+                                responses_path=tmp_path / "r.jsonl")
+    asked = [r["body"] for r in fake_judge.requests]
+    assert [b["model"] for b in asked] == ["judge-7b", "judge-7b"]
+    assert RECORDS[40]["output"] in asked[0]["messages"][0]["content"]
+    # the fake judge gives 12 to a response that differs from its reference (a random model's)
+    assert metrics["judge_score"] == 12.0 and metrics["judge_unscored"] == 0
+    assert json.loads((tmp_path / "m.json").read_text())["judge_score"] == 12.0
+
+
 def test_qwen2_with_alpaca_template_and_full_fine_tuning(tmp_path):
     qwen = make_tiny_causal_lm(tmp_path / "qwen", "qwen2")
     data = write_splits(tmp_path / "data")
