@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -22,46 +21,14 @@ import httpx
 import pytest
 import yaml
 
-from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_params, wait_http
+from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_params, stop_process
 
 pytestmark = pytest.mark.slow
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain", "finetune_classify",
-          "finetune_instruct", "evaluate", "benchmark"]
+          "finetune_instruct", "evaluate", "register", "benchmark"]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@pytest.fixture
-def mlflow_server(tmp_path, mlflow_uri):
-    """`mlflow server` on a free loopback port; its database starts as a copy of the session's
-    migrated one (migrations cost ~7 s)."""
-    folder = tmp_path / "mlflow-server"
-    folder.mkdir()
-    shutil.copy(mlflow_uri[len("sqlite:///"):], folder / "mlflow.db")
-    port = free_port()
-    log = open(folder / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts")],
-        cwd=folder, env=cli_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/health", timeout=120, proc=proc)
-        yield url
-    finally:
-        _stop(proc)
-        log.close()
 
 
 @pytest.fixture
@@ -174,7 +141,7 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
     finally:
         if browser is not None:
             browser.close()
-        _stop(worker)
+        stop_process(worker)
         worker_log.close()
         api.close()
 

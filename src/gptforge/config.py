@@ -375,6 +375,15 @@ class TrackingConfig(Section):
     experiment: str = "gptforge"
 
 
+class RegistryConfig(Section):
+    # The MLflow Model Registry name of each model the pipeline makes (stage `register`).
+    names: dict[str, str] = {"pretrain": "gptforge-pretrain", "classify": "gptforge-classify",
+                             "instruct": "gptforge-instruct"}
+    # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
+    # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
+    promote: dict[str, dict[str, str]] = {"classify": {"classify.test_accuracy": ">= 0.95"}}
+
+
 class Config(Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
@@ -386,6 +395,7 @@ class Config(Section):
     benchmark: BenchmarkConfig = BenchmarkConfig()
     base: BaseModelsConfig = BaseModelsConfig()
     tracking: TrackingConfig = TrackingConfig()
+    registry: RegistryConfig = RegistryConfig()
 
     def flat(self, *sections: str) -> dict[str, Any]:
         """Flattened `a.b.c -> value` view, restricted to the named top-level sections."""

@@ -39,12 +39,11 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_path: s
             raise BadInput(f"tokenizer.path {tokenizer_path} has {vocab_size} tokens, more than the model's "
                            f"n_vocab={n_vocab} ({checkpoint_dir / 'config.json'})")
     hf = to_hf(model)
+    # A generation never runs past the model's positions: transformers' text-generation pipeline
+    # otherwise asks for 256 new tokens, more than a small model's window holds.
+    hf.generation_config.max_length = model.config.block_size
     with atomic_dir(out_dir) as tmp:
         hf.save_pretrained(tmp)
-        if not (tmp / "generation_config.json").is_file():
-            from transformers import GenerationConfig
-
-            GenerationConfig.from_model_config(hf.config).save_pretrained(tmp)
         if tokenizer_path is not None:
             _write_tokenizer_from_files(Path(tokenizer_path), tmp, model.config.block_size)
         else:

@@ -58,6 +58,9 @@ STAGES: dict[str, Stage] = {
               headline=("val_loss", "test_loss", "response_tokens_per_sec")),
         Stage("evaluate", "gptforge.evaluate:evaluate", ("tokenizer", "evaluate"),
               "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
+        Stage("register", "gptforge.register:register", ("tokenizer", "registry"),
+              "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
+              headline=("classify.version", "classify.champion", "instruct.version")),
         Stage("benchmark", "gptforge.bench:benchmark", ("model", "benchmark"),
               "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)"),
     )

@@ -54,7 +54,7 @@ class NullRun:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
 
-    def log_hf_model(self, folder: str | os.PathLike, name: str = "model") -> str | None:
+    def log_hf_model(self, folder: str | os.PathLike, name: str = "model", **flavor_kwargs: Any) -> str | None:
         """Log a Hugging Face causal-LM folder as an MLflow model (see MlflowRun); here nothing."""
         return None
 
@@ -91,7 +91,7 @@ class MlflowRun(NullRun):
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._mlflow.set_tags({k: str(v) for k, v in tags.items() if v is not None})
 
-    def log_hf_model(self, folder: str | os.PathLike, name: str = "model") -> str | None:
+    def log_hf_model(self, folder: str | os.PathLike, name: str = "model", **flavor_kwargs: Any) -> str | None:
         """Log a Hugging Face causal-LM folder (save_pretrained's files and its tokenizer) as an
         MLflow model `name` of this run, with MLflow's transformers flavor, task text-generation:
         `mlflow.transformers.load_model(uri)` gives a text-generation pipeline back, and
@@ -105,6 +105,7 @@ class MlflowRun(NullRun):
         flavor's default list names torchvision, which this stack does not install, and its
         inference would load the model again in a subprocess. The model card is the folder's
         README.md when it has one (the flavor would otherwise look the path up on the hub).
+        `flavor_kwargs` go to `mlflow.transformers.log_model` as they are (`input_example`).
         """
         folder = Path(folder)
         try:
@@ -119,7 +120,7 @@ class MlflowRun(NullRun):
                                               f"{gptforge.__version__} from {folder}.\n"))
             info = self._mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task="text-generation",
-                pip_requirements=_hf_requirements(), model_card=card)
+                pip_requirements=pinned_requirements("transformers", "torch", "accelerate"), model_card=card, **flavor_kwargs)
         except Exception as e:  # noqa: BLE001 - any failure of the flavor: warn, never fail the stage
             reason = " ".join(f"{type(e).__name__}: {e}".split())
             log.warning("MLflow: %s not logged as a transformers model (%.300s)", folder, reason)
@@ -127,13 +128,13 @@ class MlflowRun(NullRun):
         return info.model_uri
 
 
-def _hf_requirements() -> list[str]:
-    """Pinned pip requirements of a transformers model: the installed transformers, torch and
-    accelerate, local version labels (+cpu) dropped."""
+def pinned_requirements(*packages: str) -> list[str]:
+    """`pkg==version` pip requirements of the installed `packages` (local version labels such as
+    +cpu dropped; a package that is not installed is left out), for logged MLflow models."""
     from importlib.metadata import PackageNotFoundError, version
 
     pins = []
-    for pkg in ("transformers", "torch", "accelerate"):
+    for pkg in packages:
         try:
             pins.append(f"{pkg}=={version(pkg).split('+')[0]}")
         except PackageNotFoundError:

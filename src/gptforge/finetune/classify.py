@@ -388,20 +388,26 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> LastTokenC
 
 
 @torch.no_grad()
-def classify_texts(classifier: LastTokenClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
-                   ) -> list[tuple[int, float]]:
-    """(label index, its softmax probability) for each text, in order; texts are cut to the
+@torch.no_grad()
+def class_probabilities(classifier: LastTokenClassifier, texts: Sequence[str], enc, device="cpu",
+                        batch_size: int = 32) -> torch.Tensor:
+    """(N, n_classes) softmax probabilities of every class for each text, in order, in fp32 (a
+    few texts, where exact probabilities matter more than speed); texts are cut to the
     classifier's max_length tokens as in training. A classifier that brings its own tokenizer
     (`classifier.tokenizer`: a Hugging Face backbone's) is used with it, and `enc` is ignored."""
     if getattr(classifier, "tokenizer", None) is not None:
         enc = classifier.tokenizer
-    device = torch.device(device)
-    rt = Runtime(device=device)  # fp32: a few texts, where exact probabilities matter more than speed
     examples, _ = encode([{"text": t, "label": 0} for t in texts], enc, classifier.max_length)
     if not examples:
-        return []
-    logits, _ = predict(classifier, examples, batch_size, enc.eot_token, rt)
-    probs = logits.softmax(-1)
+        return torch.zeros(0, classifier.n_classes)
+    logits, _ = predict(classifier, examples, batch_size, enc.eot_token, Runtime(device=torch.device(device)))
+    return logits.softmax(-1)
+
+
+def classify_texts(classifier: LastTokenClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
+                   ) -> list[tuple[int, float]]:
+    """(label index, its softmax probability) for each text, in order (`class_probabilities`)."""
+    probs = class_probabilities(classifier, texts, enc, device, batch_size)
     best = probs.argmax(-1)
     return [(int(i), float(probs[row, i])) for row, i in enumerate(best)]
 

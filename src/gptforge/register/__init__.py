@@ -1,0 +1,199 @@
+"""Stage `register`: every model the pipeline made, versioned in the MLflow Model Registry.
+
+For each model of `registry.names` whose folder exists (the pretrained LM, the spam classifier,
+the instruction model) the stage logs it as an MLflow model in the stage's run and registers it
+as a new version of its registered model, unless a version with the same weights already exists
+(the weights' hash is a version tag: re-running with nothing changed adds no version). Language
+models go through MLflow's transformers flavor (a gptforge checkpoint is exported to a Hugging
+Face folder first), the classifier as a pyfunc that takes texts (`pyfunc.py`). Every version
+carries its lineage as tags (git commit, the dvc.lock hashes of the stage that made it and of its
+data, the Prefect flow run and MLflow run that trained it, its evaluation metrics:
+`lineage.py`) and a description saying how to reproduce it. The promotion gate
+(`registry.promote`, `gate.py`) gives a version that meets its conditions the alias `champion`
+(the previous champion keeps its version number) and one that does not `challenger`.
+
+Writes `metrics/register.json` (`<model>.version`, `<model>.new`, `<model>.champion`) and
+`reports/register.md` (which version each model got, and whether it passed the gate and why). A
+language model whose tokenizer transformers cannot hold (a `.tiktoken` rank file: the tests'
+small tokenizers) is left out with a warning and a row in the report.
+`gptforge models list|promote` (models.py) reads and moves the aliases afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gptforge import tracking
+from gptforge.errors import BadInput, StageFailed
+from gptforge.io import atomic_file
+from gptforge.steps import DIRECT, Steps
+from gptforge.tracking import NullRun
+
+log = logging.getLogger("gptforge")
+
+# model -> (the DVC stage that makes it, its folder, the metrics file of that stage)
+MODELS = {
+    "pretrain": ("pretrain", "checkpoints/pretrain/final", "pretrain"),
+    "classify": ("finetune_classify", "checkpoints/classify/final", "classify"),
+    "instruct": ("finetune_instruct", "checkpoints/instruct/final", "instruct"),
+}
+CHAMPION, CHALLENGER = "champion", "challenger"
+PROMPT_EXAMPLE = "Once upon a time"
+
+
+class NotRegistrable(Exception):
+    """A model the registry cannot hold as an MLflow model (the stage warns and goes on)."""
+
+
+@dataclass
+class Registered:
+    """What happened to one model."""
+
+    model: str
+    name: str
+    version: str
+    new: bool
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+
+
+def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
+    """The metrics a version carries as tags: its stage's file whole, and its rows of
+    metrics/evaluate.json (`<model>.<task>.<metric>`), keyed `<file>.<key>` as DVC names them."""
+    import json
+
+    found: dict[str, float] = {}
+    for file, prefix in ((MODELS[model][2], ""), ("evaluate", f"{model}.")):
+        path = metrics_dir / f"{file}.json"
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        found.update({f"{file}.{k}": float(v) for k, v in values.items()
+                      if k.startswith(prefix) and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return found
+
+
+def log_model(model: str, folder: Path, cfg, run) -> str:
+    """Log the model in the stage's run as an MLflow model named `model`; its URI."""
+    from gptforge.hf_causal import hf_source
+
+    if model == "classify":
+        from gptforge.register.pyfunc import log_classifier
+
+        backbone_is_hf = hf_source(str(folder)) is not None
+        info = log_classifier(folder, tokenizer_path=None if backbone_is_hf else cfg.tokenizer.path, name=model)
+        return info.model_uri
+    if hf_source(str(folder)) is not None:
+        uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE)
+    else:  # a gptforge checkpoint: the transformers flavor takes its Hugging Face export
+        from gptforge.export import export_hf
+
+        with tempfile.TemporaryDirectory(prefix="gptforge-register-") as tmp:
+            try:
+                export_hf(folder, Path(tmp) / "hf", cfg.tokenizer.path)
+            except BadInput as e:  # e.g. a .tiktoken rank file: transformers has no tokenizer for it
+                raise NotRegistrable(f"{folder} cannot become a Hugging Face model ({e})") from None
+            uri = run.log_hf_model(Path(tmp) / "hf", model, input_example=PROMPT_EXAMPLE)
+    if uri is None:
+        raise StageFailed(f"register: {folder} could not be logged as an MLflow model (the warning above says why)")
+    return uri
+
+
+def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -> Registered:
+    """One model: reuse the version with the same weights or log and register a new one, tag
+    it with its lineage, then apply the gate."""
+    from gptforge.register import gate, lineage
+
+    stage, folder, _ = MODELS[model]
+    folder = Path(folder)
+    weights = lineage.folder_hash(folder)
+    existing = [v for v in _versions(client, name) if v.tags.get("gptforge.weights_hash") == weights]
+    if existing:
+        version, new = existing[0].version, False
+        log.info("register %s: %s version %s has these weights already: no new version", model, name, version)
+    else:
+        uri = log_model(model, folder, cfg, run)
+        commit = tracking.git_commit()
+        tags = lineage.version_tags(stage=stage, weights_hash=weights, commit=commit,
+                                    lock=lineage.dvc_lock_hashes(stage),
+                                    run=lineage.training_run(client, cfg.tracking.experiment, stage),
+                                    metrics=metrics_of(model, metrics_dir))
+        import mlflow
+
+        mv = mlflow.register_model(uri, name, tags=tags)
+        client.update_model_version(name, mv.version, description=lineage.description(stage, commit))
+        version, new = mv.version, True
+        log.info("register %s: %s version %s (from %s)", model, name, version, folder)
+    result = gate.check(model, cfg.registry.promote.get(model, {}), metrics_dir)
+    client.set_model_version_tag(name, version, "gptforge.gate",
+                                 "passed" if result.passed else "failed: " + "; ".join(result.reasons))
+    alias = CHAMPION if result.passed else CHALLENGER
+    client.set_registered_model_alias(name, alias, version)
+    log.info("register %s: version %s is %s (%s)", model, version, alias, "; ".join(result.reasons))
+    return Registered(model, name, str(version), new, result.passed, list(result.reasons))
+
+
+def _versions(client, name: str) -> list:
+    """Every version of a registered model, newest first ([] before it exists)."""
+    versions = client.search_model_versions(f"name = '{name}'")
+    return sorted(versions, key=lambda v: int(v.version), reverse=True)
+
+
+def write_report(path: str | Path, results: list[Registered], skipped: dict[str, str]) -> None:
+    lines = ["# Registered models", "", "| model | registered name | version | new | alias | gate |",
+             "| --- | --- | ---: | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
+                     f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} |")
+    for model, why in skipped.items():
+        lines.append(f"| {model} | | | not registered | | {why} |")
+    if not results and not skipped:
+        lines.append("| (none: no model folder found, or tracking disabled) | | | | | |")
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def register(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_path="metrics/register.json",
+             report_path="reports/register.md", metrics_dir="metrics") -> dict:
+    """Stage `register`: see the module docstring. Returns the flat metrics it wrote."""
+    unknown = sorted(set(cfg.registry.names) - set(MODELS))
+    if unknown:
+        raise BadInput(f"registry.names.{unknown[0]}: unknown model; the pipeline makes {', '.join(MODELS)}")
+    unknown = sorted(set(cfg.registry.promote) - set(MODELS))
+    if unknown:
+        raise BadInput(f"registry.promote.{unknown[0]}: unknown model; the pipeline makes {', '.join(MODELS)}")
+    from gptforge.register import gate
+
+    for model, conditions in cfg.registry.promote.items():  # malformed conditions fail before any work
+        for key, text in conditions.items():
+            gate.parse_condition(text, param=f"registry.promote.{model}.{key}")
+    results: list[Registered] = []
+    skipped: dict[str, str] = {}  # model -> why it could not be registered
+    if not isinstance(run, tracking.MlflowRun):
+        log.warning("register: tracking is disabled (tracking.enabled: false): the registry is MLflow's, "
+                    "nothing registered")
+    else:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient()
+        for model, name in cfg.registry.names.items():
+            if not Path(MODELS[model][1]).is_dir():
+                log.info("register: skipping %s: %s not found", model, MODELS[model][1])
+                continue
+            try:
+                results.append(steps(register_model, model, name, cfg, run, client, Path(metrics_dir)))
+            except NotRegistrable as e:
+                log.warning("register: %s not registered: %s", model, e)
+                skipped[model] = str(e)
+    metrics: dict[str, float] = {}
+    for r in results:
+        metrics.update({f"{r.model}.version": int(r.version), f"{r.model}.new": int(r.new),
+                        f"{r.model}.champion": int(r.passed)})
+    write_report(report_path, results, skipped)
+    tracking.publish_metrics(run, metrics, metrics_path)
+    run.log_artifact(report_path)
+    return metrics
