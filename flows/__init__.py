@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 from prefect import Flow, Task, flow, runtime
@@ -28,15 +29,20 @@ def metrics_markdown(stage: str, metrics: dict) -> str:
     return f"### {stage}\n\n| metric | value |\n| --- | --- |\n{rows}\n"
 
 
-def stage_flow(stage: str) -> Flow:
-    """A flow that loads the params and runs the stage's recipe with its steps as tasks."""
+def stage_flow(stage: str, report: str | None = None) -> Flow:
+    """A flow that loads the params and runs the stage's recipe with its steps as tasks. Its
+    metrics become a markdown artifact, and so does the markdown file `report` the stage writes."""
     summary = STAGES[stage].summary
 
     def run(params: str | None = DEFAULT_PARAMS, overrides: list[str] | None = None) -> dict:
         cfg = load_config(params, overrides or [])
         metrics = run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
-        create_markdown_artifact(key=f"{stage.replace('_', '-')}-metrics", markdown=metrics_markdown(stage, metrics),
+        key = stage.replace("_", "-")
+        create_markdown_artifact(key=f"{key}-metrics", markdown=metrics_markdown(stage, metrics),
                                  description=f"{stage} metrics")
+        if report is not None and Path(report).is_file():
+            create_markdown_artifact(key=f"{key}-report", markdown=Path(report).read_text(encoding="utf-8"),
+                                     description=f"{stage}: {report}")
         return metrics
 
     run.__name__ = stage

@@ -1,5 +1,7 @@
-"""The registry stage as a Prefect flow (deployment entry point)."""
+"""The registry stage as a Prefect flow (deployment entry point). Its Prefect artifacts: the
+metrics, and reports/register.md, which says which version each model got and whether it passed
+the promotion gate, and why."""
 
 from flows import stage_flow
 
-register = stage_flow("register")
+register = stage_flow("register", report="reports/register.md")
