@@ -467,7 +467,8 @@ HEADLINES = (
     ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}"),
     ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s"),
 )
-REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/instruct_responses.jsonl", "plots/")
+REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
+           "plots/")
 
 
 def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None) -> list[str]:
@@ -492,6 +493,13 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
             model, _, rest = key.partition(".")
             if rest in ("hellaswag.acc_norm", "mmlu.acc") and isinstance(value, (int, float)):
                 lines.append(f"  {model + ' ' + rest.replace('.', ' '):<28} {value:.4f}")
+    with contextlib.suppress(Exception):
+        registered = read_json(root / "metrics/register.json", missing="")
+        versions = [f"{m} v{int(registered[f'{m}.version'])}" + (" champion" if registered.get(f"{m}.champion") else
+                                                                 " challenger")
+                    for m in ("pretrain", "classify", "instruct") if f"{m}.version" in registered]
+        if versions:
+            lines.append(f"  {'registered models':<28} {', '.join(versions)}")
     found = [r for r in REPORTS if (root / r).exists()]
     if found:
         lines.append("Reports: " + ", ".join(found))
