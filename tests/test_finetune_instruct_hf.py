@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import BIN, cli_env, last_error_line, run_cli, set_params, snapshot
+from conftest import cli_env, last_error_line, run_cli, set_params, snapshot
 from gptforge.config import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import epoch_batches, length_grouped_batches
@@ -21,6 +20,7 @@ from gptforge.finetune.instruct import finetune_instruct, padding_stats
 from gptforge.finetune.templates import IGNORE_INDEX, collate, encode
 from gptforge.hf_causal import HFTokenizer
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
+from test_dvc import dvc
 
 RECORDS = [{"instruction": f"Name a colour, number {i}.", "input": "" if i % 2 else f"hint {i}",
             "output": f"The colour is {'red' if i % 3 else 'blue'}" + " indeed" * (i % 7)} for i in range(48)]
@@ -229,10 +229,6 @@ def test_cli_bad_start_is_the_last_line_and_exit_2(tmp_path, llama):
 
 # ---------------------------------------------------------------------------------------------
 # The whole path through dvc repro
-
-
-def dvc(repo: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

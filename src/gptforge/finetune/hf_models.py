@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptforge.decoding import generate_hf
 from gptforge.finetune.templates import IGNORE_INDEX, Example
 from gptforge.hf_causal import HFTokenizer, stop_ids
 from gptforge.train import Runtime
@@ -79,8 +80,8 @@ def targeted_logits(model: nn.Module, inputs: torch.Tensor, keep: torch.Tensor) 
 @torch.no_grad()
 def greedy_answers(model: nn.Module, examples: Sequence[Example], *, enc: HFTokenizer, max_new_tokens: int,
                    positions: int, rt: Runtime) -> tuple[list[str], float]:
-    """Greedy answers to each prompt with transformers' `generate` (its KV cache), one prompt
-    at a time as the GPT path does, stopping at any of the model's stop ids (`stop_ids`).
+    """Greedy answers to each prompt with `decoding.generate_hf` (transformers' `generate`, its
+    KV cache), one prompt at a time as the GPT path does, stopping at any of the model's stop ids (`stop_ids`).
     Returns (texts, generated tokens per second of generation)."""
     from tqdm.auto import tqdm
 
@@ -92,8 +93,7 @@ def greedy_answers(model: nn.Module, examples: Sequence[Example], *, enc: HFToke
         rt.sync()
         t0 = time.perf_counter()
         with rt.autocast():
-            out = model.generate(input_ids=idx, attention_mask=torch.ones_like(idx), max_new_tokens=room,
-                                 do_sample=False, eos_token_id=stops, pad_token_id=enc.tokenizer.pad_token_id)
+            out = generate_hf(model, enc.tokenizer, idx, room, temperature=0, stop=stops)
         rt.sync()
         seconds += time.perf_counter() - t0
         new = out[0, len(prompt_ids):].tolist()
