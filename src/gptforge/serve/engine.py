@@ -1,0 +1,268 @@
+"""The scheduler of `gptforge serve`: continuous batching of generation requests over one
+backend (`serve.backends`).
+
+Requests wait in a bounded queue (`submit` refuses one past `max_queue`: the API answers 429).
+The engine loop runs on the server's event loop; each turn it hands one step to a single worker
+thread, so the event loop keeps answering HTTP while the model computes:
+
+1. rows whose request finished or was cancelled (its client went away) leave the batch;
+2. every running row decodes its next token (one batched forward);
+3. waiting requests take the free slots: each prompt is prefilled (its own forward) and joins
+   the batch, so a new request starts at the next step, not when the batch drains;
+4. each row's next token is drawn with its own settings (greedy, temperature, top-k, top-p,
+   its own seeded generator).
+
+Back on the event loop, each request turns its new token into text (held back while it ends
+in a partial UTF-8 character or could be the start of a stop string), checks its stops, and
+puts an event on its own asyncio queue, which the HTTP handler streams out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class QueueFull(Exception):
+    """More requests waiting than the engine's queue holds."""
+
+
+@dataclass
+class Sampling:
+    """One request's decoding settings (OpenAI's names). temperature 0 is greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: `text` (possibly empty) after each generated token, or
+    the end (`finish_reason` "stop" / "length" / "cancelled" / "error")."""
+
+    text: str = ""
+    finish_reason: str | None = None
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One generation: its prompt, settings and what it has produced so far."""
+
+    def __init__(self, prompt_ids: list[int], sampling: Sampling, stop_ids: set[int]):
+        self.id = next(_ids)
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.generated: list[int] = []
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.sent = ""  # text already put on `events`
+        self.submitted = time.perf_counter()
+        self.token_times: list[float] = []
+        self.generator = None
+        if sampling.temperature > 0:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling.seed) if sampling.seed is not None else self.generator.seed()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """The client went away: the row leaves the batch at the next step."""
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous batching over `backend` (see the module's docstring).
+
+    `decode(ids) -> str` turns token ids into text; `context` is the model's length limit
+    (prompt + generated); `observe(request, event)` is told of every token and end (metrics).
+    """
+
+    def __init__(self, backend, decode: Callable[[list[int]], str], *, max_queue: int = 64,
+                 observe: Callable[[Request, Event], None] | None = None):
+        self.backend = backend
+        self.decode_text = decode
+        self.max_batch = backend.max_batch
+        self.context = backend.context
+        self.max_queue = max_queue
+        self.observe = observe or (lambda request, event: None)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in the backend's row order
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptforge-engine")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    # -- the API side --------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], sampling: Sampling, stop_ids: set[int]) -> Request:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_queue}); "
+                            "retry later")
+        request = Request(prompt_ids, sampling, stop_ids)
+        self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._pool.shutdown(wait=True)
+
+    @property
+    def busy_slots(self) -> int:
+        return len(self.running)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._finish_cancelled(self.waiting)
+            self.waiting = [r for r in self.waiting if not r.done]
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            keep = [i for i, r in enumerate(self.running) if not r.done and not r.cancelled]
+            self._finish_cancelled(self.running)
+            decoding = [self.running[i] for i in keep]
+            admitted = self.waiting[: self.max_batch - len(decoding)]
+            self.waiting = self.waiting[len(admitted):]
+            if not decoding and not admitted:
+                self.backend.keep([])
+                self.running = []
+                continue
+            try:
+                tokens = await loop.run_in_executor(self._pool, self._step, keep, decoding, admitted)
+            except Exception as e:  # a model error ends these requests, not the server
+                self.running = []
+                self.backend.keep([])
+                for request in decoding + admitted:
+                    self._end(request, "error")
+                print(f"gptforge serve: step failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            self.steps += 1
+            self.running = decoding + admitted
+            now = time.perf_counter()
+            for request, token in zip(self.running, tokens):
+                self._advance(request, token, now)
+
+    def _step(self, keep: list[int], decoding: list[Request], admitted: list[Request]) -> list[int]:
+        """Worker thread: drop the finished rows, decode the running ones, prefill the new ones,
+        and pick every row's next token."""
+        backend = self.backend
+        backend.keep(keep)
+        logits = []
+        if decoding:
+            logits.append(backend.decode([r.generated[-1] for r in decoding]))
+        for request in admitted:
+            logits.append(backend.add(request.prompt_ids).unsqueeze(0))
+        return pick_tokens(torch.cat(logits), decoding + admitted)
+
+    # -- per request, on the event loop ---------------------------------------------------
+
+    def _advance(self, request: Request, token: int, now: float) -> None:
+        request.generated.append(token)
+        request.token_times.append(now)
+        if token in request.stop_ids:
+            self._flush(request, self.decode_text(request.generated[:-1]), final=True)
+            return self._end(request, "stop")
+        text = self.decode_text(request.generated)
+        stop_at = _first_stop(text, request.sampling.stop)
+        if stop_at is not None:
+            self._flush(request, text[:stop_at], final=True)
+            return self._end(request, "stop")
+        full = (len(request.generated) >= request.sampling.max_tokens
+                or len(request.prompt_ids) + len(request.generated) >= self.context)
+        self._flush(request, text, final=full)
+        if full:
+            self._end(request, "length")
+
+    def _flush(self, request: Request, text: str, final: bool) -> None:
+        """Put the new part of `text` on the request's stream: all of it at the end, otherwise
+        less a trailing partial character and any tail that may begin a stop string."""
+        if not final:
+            text = text[: len(text) - _held_back(text, request.sampling.stop)]
+        event = Event(text[len(request.sent):] if text.startswith(request.sent) else "")
+        if text.startswith(request.sent):
+            request.sent = text
+        request.events.put_nowait(event)
+        self.observe(request, event)
+
+    def _end(self, request: Request, reason: str) -> None:
+        if request.done:
+            return
+        request.finish_reason = reason
+        event = Event(finish_reason=reason)
+        request.events.put_nowait(event)
+        self.observe(request, event)
+
+    def _finish_cancelled(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.cancelled:
+                self._end(request, "cancelled")
+
+
+def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Each row's next token under its request's settings: argmax for temperature 0 (the lowest
+    index on ties, as `decoding.generate`), else a draw from softmax(logits / temperature) cut
+    to the top_k most likely and to the smallest set whose probability reaches top_p."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for row, request in enumerate(requests):
+        s = request.sampling
+        if s.temperature == 0:
+            out.append(greedy[row])
+            continue
+        scores = logits[row].float() / s.temperature
+        if s.top_k is not None and s.top_k < scores.numel():
+            kth = torch.topk(scores, s.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if s.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of the more likely tokens
+            sorted_probs[before >= s.top_p] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        out.append(int(torch.multinomial(probs, 1, generator=request.generator)))
+    return out
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters to keep back: a replacement character (a token that ends
+    inside a UTF-8 character), or the longest tail that is the start of a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-n:]):
+                hold = n
+                break
+    return hold

@@ -1,0 +1,155 @@
+"""What `gptforge serve` holds per model: a language model behind its engine (`ServedLM`) or
+a spam classifier (`ServedClassifier`), built from a resolved `serve.sources.ModelSource`.
+
+A served language model knows how to turn an OpenAI request into token ids and ids back into
+text: a gptforge GPT with the project's tokenizer (`tokenizer.path`) and, for chat, the
+pipeline's instruction template (`instruct.template`: alpaca or phi3); a Hugging Face causal
+LM with its own tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from gptforge.errors import BadInput
+from gptforge.serve.backends import GPTBackend, HFBackend
+from gptforge.serve.engine import Engine
+
+
+class RequestError(ValueError):
+    """A request this model cannot take (the API answers 400 with `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ServedLM:
+    name: str
+    kind: str  # "gptforge" or "hf"
+    engine: Engine
+    context: int
+    tokenizer: Any
+    stop_ids: set[int]
+    template: str | None = None  # gptforge models: the instruct template chat requests use
+    created: int = 0
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "gptforge":
+            return self.tokenizer.encode_ordinary(text)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.kind == "gptforge":
+            return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def chat_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
+        """The prompt of a chat: the tokenizer's chat template with the generation prompt (Hugging
+        Face models), or the instruct template around the conversation (gptforge models)."""
+        if self.kind == "hf":
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError(f"model {self.name} has no chat template; use /v1/completions", "messages")
+            enc = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            return list(enc if isinstance(enc, list) else enc["input_ids"])
+        return self.encode(render_conversation(messages, self.template))
+
+
+def render_conversation(messages: list[Mapping[str, str]], template: str) -> str:
+    """A conversation in an instruction template made for single turns: each user turn is an
+    instruction, each assistant turn the response after it, turns joined by a blank line; a
+    system message goes before the first instruction, as part of it. Ends with the last user
+    turn's prompt, where the model writes."""
+    from gptforge.finetune.templates import render
+
+    system = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer"))
+    parts, first = [], True
+    for m in messages:
+        if m["role"] == "user":
+            instruction = f"{system}\n\n{m['content']}" if first and system else m["content"]
+            parts.append(render({"instruction": instruction, "input": "", "output": ""}, template)[0])
+            first = False
+        elif m["role"] == "assistant":
+            parts.append(m["content"] + "\n\n")
+    if not parts or messages[-1]["role"] != "user":
+        raise RequestError("messages must end with a user message", "messages")
+    return "".join(parts)
+
+
+@dataclass
+class ServedClassifier:
+    name: str
+    classifier: Any
+    enc: Any
+    device: torch.device
+    created: int = 0
+
+    @property
+    def context(self) -> int:
+        return int(self.classifier.max_length)
+
+    def classify(self, texts: list[str]) -> list[dict]:
+        from gptforge.finetune.classify import class_probabilities
+
+        probs = class_probabilities(self.classifier, texts, self.enc, self.device)
+        labels = list(self.classifier.labels)
+        out = []
+        for i, row in enumerate(probs.tolist()):
+            best = max(range(len(row)), key=row.__getitem__)
+            out.append({"index": i, "label": labels[best], "probability": row[best],
+                        "probabilities": dict(zip(labels, row))})
+        return out
+
+
+def device_for(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device,
+                observe=None) -> ServedLM | ServedClassifier:
+    """Load one resolved model (`serve.sources.ModelSource`) for serving."""
+    import time
+
+    created = int(time.time())
+    if source.kind == "classifier":
+        from gptforge.finetune.classify import load_classifier
+        from gptforge.tokenizer import load_tokenizer
+
+        classifier = load_classifier(source.path, map_location=device)
+        tokenizer = classifier.tokenizer
+        enc = tokenizer if tokenizer is not None else load_tokenizer(
+            str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
+        return ServedClassifier(source.name, classifier, enc, device, created)
+    if source.kind == "gptforge":
+        from gptforge.tokenizer import load_tokenizer
+        from gptforge.weights import load_model
+
+        model = load_model(source.path, map_location=device)
+        enc = load_tokenizer(str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
+        if model.config.n_vocab != enc.n_vocab:
+            raise BadInput(f"{source.spec}: a vocabulary of {model.config.n_vocab}, the tokenizer "
+                           f"{enc.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
+        backend = GPTBackend(model, max_batch)
+        template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
+        served = ServedLM(source.name, "gptforge", None, backend.context, enc, {enc.eot_token}, template, created)
+    else:
+        from gptforge.hf_causal import load_causal_lm, stop_ids
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tok = load_causal_lm(str(source.path), param="MODEL", dtype=dtype)
+        if source.tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(source.tokenizer))
+        model.to(device)
+        context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        backend = HFBackend(model, max_batch, context)
+        served = ServedLM(source.name, "hf", None, context, tok, set(stop_ids(tok, model)), None, created)
+    served.engine = Engine(backend, served.decode, max_queue=max_queue, observe=observe)
+    return served
