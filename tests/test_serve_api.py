@@ -1,0 +1,294 @@
+"""`gptforge serve` as its users meet it: the official `openai` client and plain HTTP against
+the real command on 127.0.0.1, serving a gptforge GPT, a Hugging Face Llama and a spam
+classifier at once (with an API key, so every request below also passes the key check).
+
+References are independent of the server: `gptforge generate` (the command line) for greedy
+answers, `class_probabilities` for the classifier, the tokenizer for the usage counts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from conftest import BIN
+from hf_models import make_tiny_causal_lm
+from serve_support import PARAMS, Server, tiny_classifier, tiny_gpt
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    gpt = tiny_gpt(root / "tiny")
+    return {"tiny": gpt, "llama": make_tiny_causal_lm(root / "llama", "llama"),
+            "spam": tiny_classifier(root / "spam", gpt), "root": root}
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    srv = Server([f"tiny={folders['tiny']}", f"llama={folders['llama']}", f"spam={folders['spam']}"],
+                 folders["root"], "--api-key", KEY, "--max-batch", "12", "--max-queue", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def cli_generate(checkpoint, prompt: str, n: int, *extra: str) -> str:
+    out = subprocess.run([str(BIN / "gptforge"), "generate", prompt, "--checkpoint", str(checkpoint),
+                          "--temperature", "0", "--max-new-tokens", str(n), "--params", str(PARAMS), *extra],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout[:-1]  # generate prints the answer and a newline
+
+
+def encode(text: str) -> list[int]:
+    from gptforge.config import load_config
+    from gptforge.tokenizer import load_tokenizer
+
+    return load_tokenizer(load_config(PARAMS).tokenizer.path).encode_ordinary(text)
+
+
+# -- the OpenAI client -----------------------------------------------------------------------
+
+def test_models_completions_chat_and_usage(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "llama", "spam"}
+    assert models["tiny"].model_extra["kind"] == "generate" and models["spam"].model_extra["kind"] == "classify"
+    assert models["tiny"].model_extra["context_length"] == 1024
+
+    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
+    assert done.usage.prompt_tokens == len(encode(PROMPT))
+    assert done.usage.completion_tokens == 12 and done.usage.total_tokens == done.usage.prompt_tokens + 12
+
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 3
+
+
+def test_streamed_chat_is_the_answer_in_pieces(client):
+    kwargs = dict(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Name a colour."}], max_tokens=16,
+                  temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 4  # streamed token by token, not in one piece
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_sampling_is_seeded_and_respects_top_k(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, top_k=5, top_p=0.9, seed=7)
+    a = client.completions.create(**{k: v for k, v in kw.items() if k != "top_k"}, extra_body={"top_k": 5})
+    b = client.completions.create(**{k: v for k, v in kw.items() if k != "top_k"}, extra_body={"top_k": 5})
+    assert a.choices[0].text == b.choices[0].text
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=8)
+    assert c.choices[0].text != a.choices[0].text
+
+
+def test_stop_strings_end_the_answer_before_them(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = full[10:14]
+    cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_are_the_clients_own_exceptions(server, client):
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt="word " * 1100)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# -- greedy answers equal `gptforge generate`, alone and in a full batch ----------------------
+
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, server, client, model):
+    n = 40
+    expected = cli_generate(folders[model], PROMPT, n)
+    alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0).choices[0].text
+    assert alone == expected
+
+    # Eight streams of other prompts (other lengths: rows at other positions) are decoding when
+    # the request goes in, and are still decoding when it ends.
+    started, results, streams = threading.Barrier(9), {}, []
+
+    def other(i: int) -> None:
+        stream = client.completions.create(model=model, prompt="Some other words " * (i + 1), max_tokens=100,
+                                           temperature=0, stream=True)
+        for chunk in stream:
+            results.setdefault(i, []).append(time.monotonic())
+            if len(results[i]) == 1:
+                started.wait(timeout=60)
+
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    begin = time.monotonic()
+    among = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0).choices[0].text
+    end = time.monotonic()
+    for t in threads:
+        t.join(timeout=120)
+    assert among == expected
+    for times in results.values():  # every other stream produced tokens before and after it
+        assert times[0] < begin and times[-1] > end
+
+
+# -- classify ------------------------------------------------------------------------------
+
+def test_classify_gives_the_classifiers_probabilities(folders, server):
+    from gptforge.config import load_config
+    from gptforge.finetune.classify import class_probabilities, load_classifier
+    from gptforge.tokenizer import load_tokenizer
+
+    texts = ["WINNER!! Claim your prize now", "Ok lar, see you at lunch"]
+    r = httpx.post(f"{server.url}/v1/classify", json={"input": texts}, headers=auth(), timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    enc = load_tokenizer(load_config(PARAMS).tokenizer.path)
+    expected = class_probabilities(load_classifier(folders["spam"]), texts, enc)
+    assert body["model"] == "spam" and [d["index"] for d in body["data"]] == [0, 1]
+    for row, probs in zip(body["data"], expected.tolist()):
+        assert row["probabilities"]["ham"] == pytest.approx(probs[0], abs=1e-6)
+        assert row["probabilities"]["spam"] == pytest.approx(probs[1], abs=1e-6)
+        assert row["label"] == ("spam" if probs[1] > probs[0] else "ham")
+        assert row["probability"] == pytest.approx(max(probs), abs=1e-6)
+
+
+# -- streams, disconnects, queue ------------------------------------------------------------
+
+def running(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r'^gptforge_running_requests\{model="[^"]+"\} (\S+)$', text, re.M))
+
+
+def test_sse_wire_format_and_a_disconnect_frees_the_slot_at_once(server):
+    # 1,000 tokens take the server about a second: the disconnect comes long before the end.
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        reader = r.iter_lines()  # (leaving a for loop over it would close the connection)
+        lines = [next(reader) for _ in range(6)]
+        assert running(server) == 1
+        r.close()  # the client goes away mid-answer
+        closed = time.monotonic()
+    while running(server) and time.monotonic() < closed + 0.5:
+        time.sleep(0.02)
+    assert running(server) == 0
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert events and all(e["object"] == "text_completion" for e in events)
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "max_tokens": 5}, headers=auth(),
+                      timeout=60) as r:
+        data = [line for line in r.iter_lines() if line]
+    assert data[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in data)
+    assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_full_queue_answers_429_and_a_freed_slot_takes_the_next(folders, tmp_path):
+    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b:
+            first = a.send(a.build_request("POST", "/v1/completions", json=body), stream=True)
+            first_lines = first.iter_lines()
+            next(first_lines)  # decoding: the batch of one is full
+            second = b.send(b.build_request("POST", "/v1/completions", json=body), stream=True)  # queued
+            time.sleep(0.3)
+            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.RateLimitError, match="waiting"):
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+            assert 'gptforge_waiting_requests{model="tiny"} 1.0' in metrics
+            first.close()  # its slot goes to the waiting request
+            freed = time.monotonic()
+            second_lines = second.iter_lines()
+            assert next(second_lines).startswith("data: ")
+            assert time.monotonic() - freed < 1.0
+            second.close()
+    finally:
+        srv.stop()
+
+
+# -- bad requests -----------------------------------------------------------------------------
+
+BAD = [  # (what, method, path, body or raw bytes, headers, status, param)
+    ("malformed JSON", "POST", "/v1/completions", b'{"model": "tiny", "prompt": ', {}, 400, None),
+    ("wrong type", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, {}, 400,
+     "temperature"),
+    ("max_tokens 0", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, {}, 400,
+     "max_tokens"),
+    ("max_tokens over the context", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000},
+     {}, 400, "max_tokens"),
+    ("message without a role", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]},
+     {}, 400, "messages.0.role"),
+    ("unknown model", "POST", "/v1/chat/completions",
+     {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "model"),
+    ("prompt over the context", "POST", "/v1/completions", {"model": "tiny", "prompt": "word " * 1100}, {}, 400,
+     "prompt"),
+    ("body over the limit", "POST", "/v1/completions", {"model": "tiny", "prompt": "x" * (2 << 20)}, {}, 413, None),
+    ("no API key", "POST", "/v1/completions", {"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
+    ("a classifier asked to generate", "POST", "/v1/completions", {"model": "spam", "prompt": "x"}, {}, 400,
+     "model"),
+]
+
+
+def test_300_bad_requests_each_get_their_error_and_the_server_keeps_serving(server):
+    proc = psutil.Process(server.proc.pid)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        def send(case):
+            _, method, path, body, headers, _, _ = case
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return http.request(method, path, content=content,
+                                headers={**auth(), "Content-Type": "application/json", **headers})
+
+        for case in BAD:  # warm: every code path once
+            send(case)
+        rss_before = proc.memory_info().rss
+        for i in range(300):
+            case = BAD[i % len(BAD)]
+            r = send(case)
+            what, status, param = case[0], case[5], case[6]
+            assert r.status_code == status, (what, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+            assert error["param"] == param, (what, error)
+        rss_after = proc.memory_info().rss
+        assert http.get("/health").json()["status"] == "ok"
+        good = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4,
+                                                  "temperature": 0}, headers=auth())
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
+    assert rss_after < rss_before * 1.10, (rss_before, rss_after)
+    assert running(server) == 0
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert re.search(r'^gptforge_requests_total\{endpoint="/v1/completions",status="400"\} (\d+)', metrics, re.M)
+    assert re.search(r"^gptforge_time_to_first_token_seconds_count\{model=\"tiny\"\} [1-9]", metrics, re.M)
+    assert re.search(r"^gptforge_generated_tokens_total\{model=\"tiny\"\} [1-9]", metrics, re.M)
