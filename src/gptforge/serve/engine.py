@@ -69,7 +69,9 @@ class Request:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finish_reason: str | None = None
         self.cancelled = False
-        self.sent = ""  # text already put on `events`
+        self.text = ""  # the answer decoded so far
+        self.sent = ""  # the part of `text` already put on `events`
+        self.prefix_offset = self.read_offset = 0  # the decoding window (`Engine._new_text`)
         self.submitted = time.perf_counter()
         self.token_times: list[float] = []
         self.generator = None
@@ -188,27 +190,42 @@ class Engine:
         request.generated.append(token)
         request.token_times.append(now)
         if token in request.stop_ids:
-            self._flush(request, self.decode_text(request.generated[:-1]), final=True)
-            return self._end(request, "stop")
-        text = self.decode_text(request.generated)
-        stop_at = _first_stop(text, request.sampling.stop)
-        if stop_at is not None:
-            self._flush(request, text[:stop_at], final=True)
+            request.text += self._new_text(request, request.generated[:-1], final=True)
+            self._flush(request, final=True)
             return self._end(request, "stop")
         full = (len(request.generated) >= request.sampling.max_tokens
                 or len(request.prompt_ids) + len(request.generated) >= self.context)
-        self._flush(request, text, final=full)
+        request.text += self._new_text(request, request.generated, final=full)
+        stop_at = _first_stop(request.text, request.sampling.stop, len(request.sent))
+        if stop_at is not None:
+            request.text = request.text[:stop_at]
+            self._flush(request, final=True)
+            return self._end(request, "stop")
+        self._flush(request, final=full)
         if full:
             self._end(request, "length")
 
-    def _flush(self, request: Request, text: str, final: bool) -> None:
-        """Put the new part of `text` on the request's stream: all of it at the end, otherwise
-        less a trailing partial character and any tail that may begin a stop string."""
+    def _new_text(self, request: Request, ids: list[int], final: bool) -> str:
+        """The text `ids` add after what `request.text` holds, decoding only a window of the
+        last tokens (Hugging Face TGI's offsets: decoding a window that starts a few tokens back
+        keeps word-start spaces that SentencePiece tokenizers drop from a lone first token). While
+        the window ends inside a UTF-8 character (decoded as U+FFFD) nothing is added, unless
+        `final`."""
+        before = self.decode_text(ids[request.prefix_offset:request.read_offset])
+        after = self.decode_text(ids[request.prefix_offset:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            request.prefix_offset, request.read_offset = request.read_offset, len(ids)
+            return after[len(before):]
+        return ""
+
+    def _flush(self, request: Request, final: bool) -> None:
+        """Put the new part of the request's text on its stream: all of it at the end, otherwise
+        less any tail that may be the beginning of a stop string."""
+        text = request.text
         if not final:
             text = text[: len(text) - _held_back(text, request.sampling.stop)]
-        event = Event(text[len(request.sent):] if text.startswith(request.sent) else "")
-        if text.startswith(request.sent):
-            request.sent = text
+        event = Event(text[len(request.sent):])
+        request.sent = text if len(text) > len(request.sent) else request.sent
         request.events.put_nowait(event)
         self.observe(request, event)
 
@@ -251,15 +268,17 @@ def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return out
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
+    """Where the first stop string starts in `text`, looking only where one may newly appear
+    (text before `sent` was checked already)."""
+    found = [i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in stops if s) if i >= 0]
     return min(found) if found else None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters to keep back: a replacement character (a token that ends
-    inside a UTF-8 character), or the longest tail that is the start of a stop string."""
-    hold = 1 if text.endswith("\ufffd") else 0
+    """How many trailing characters may be the start of a stop string (held back until the
+    next token says whether it is one)."""
+    hold = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), hold, -1):
             if stop.startswith(text[-n:]):
