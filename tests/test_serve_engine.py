@@ -1,0 +1,179 @@
+"""The scheduler of `gptforge serve` (serve.engine) on a scripted backend: no model, no HTTP.
+
+The backend answers each row with logits that put all mass on a scripted next token (or on a
+given distribution), so the tests see exactly what the engine does with tokens: text in
+pieces, UTF-8 characters split across tokens, stop strings across token boundaries, stop ids,
+max_tokens, the context, cancellation, queue bounds, and the sampling rules against their
+formulas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from gptforge.serve.engine import Engine, QueueFull, Request, Sampling, pick_tokens
+
+VOCAB = 16
+
+
+class Script:
+    """Row i of the batch continues with `plan[request]` token by token."""
+
+    def __init__(self, plans: dict[tuple, list[int]], context: int = 64, max_batch: int = 4):
+        self.plans, self.context, self.max_batch = plans, context, max_batch
+        self.rows: list[list[int]] = []  # per row: tokens so far (prompt + generated)
+        self.batch_sizes = []
+
+    def _logits(self, seq: list[int]) -> torch.Tensor:
+        plan = self.plans[tuple(seq[:2])]
+        nxt = plan[len(seq) - 2] if len(seq) - 2 < len(plan) else 0
+        out = torch.full((VOCAB,), -30.0)
+        out[nxt] = 30.0
+        return out
+
+    def add(self, ids):
+        self.rows.append(list(ids))
+        return self._logits(self.rows[-1])
+
+    def keep(self, rows):
+        self.rows = [self.rows[r] for r in rows]
+
+    def decode(self, tokens):
+        self.batch_sizes.append(len(tokens))
+        for row, t in zip(self.rows, tokens):
+            row.append(t)
+        return torch.stack([self._logits(r) for r in self.rows])
+
+
+# Token i decodes to PIECES[i] (bytes); 3 and 4 are the two halves of "é".
+PIECES = {0: b"<eot>", 1: b"a", 2: b"b", 3: b"\xc3", 4: b"\xa9", 5: b" ST", 6: b"OP", 7: b"x", 8: b"\n"}
+
+
+def decode(ids) -> str:
+    return b"".join(PIECES.get(i, b"?") for i in ids).decode("utf-8", errors="replace")
+
+
+async def answer(engine: Engine, prompt, sampling, stop_ids=frozenset({0})) -> tuple[list[str], str, Request]:
+    request = engine.submit(list(prompt), sampling, set(stop_ids))
+    pieces = []
+    while True:
+        event = await request.events.get()
+        if event.finish_reason:
+            return pieces, event.finish_reason, request
+        pieces.append(event.text)
+
+
+def run(plans, *jobs, **kw):
+    async def main():
+        engine = Engine(Script(plans, **{k: v for k, v in kw.items() if k in ("context", "max_batch")}), decode)
+        engine.start()
+        try:
+            return await asyncio.gather(*(answer(engine, *job) for job in jobs)), engine
+        finally:
+            await engine.stop()
+    return asyncio.run(main())
+
+
+def test_pieces_join_to_the_answer_and_a_split_character_waits_for_its_second_half():
+    (pieces, reason, req), = run({(9, 9): [1, 3, 4, 2, 0]}, ((9, 9), Sampling(max_tokens=10, temperature=0)))[0]
+    assert "".join(pieces) == "aéb" and reason == "stop"
+    assert "\ufffd" not in "".join(pieces) and pieces[1] == ""  # the first half alone shows nothing
+    assert req.generated == [1, 3, 4, 2, 0]  # the stop id is counted, not shown
+
+
+def test_a_stop_string_across_tokens_ends_the_answer_before_it_and_is_never_sent():
+    (pieces, reason, _), = run({(9, 9): [1, 5, 6, 2, 2]}, ((9, 9), Sampling(max_tokens=10, temperature=0,
+                                                                           stop=["STOP"])))[0]
+    assert "".join(pieces) == "a " and reason == "stop"
+    assert all("ST" not in p for p in pieces)
+
+
+def test_a_held_back_tail_that_is_not_a_stop_is_sent_later():
+    (pieces, reason, _), = run({(9, 9): [5, 7, 2]}, ((9, 9), Sampling(max_tokens=3, temperature=0, stop=["STOP"])))[0]
+    assert "".join(pieces) == " STxb" and reason == "length"
+
+
+def test_max_tokens_and_the_context_end_with_length():
+    plans = {(9, 9): [1] * 50}
+    (pieces, reason, req), = run(plans, ((9, 9), Sampling(max_tokens=5, temperature=0)))[0]
+    assert reason == "length" and len(req.generated) == 5
+    (pieces, reason, req), = run(plans, ((9, 9), Sampling(max_tokens=50, temperature=0)), context=12)[0]
+    assert reason == "length" and len(req.prompt_ids) + len(req.generated) == 12
+
+
+def test_requests_share_steps_and_join_a_running_batch():
+    plans = {(9, 1): [1] * 20, (9, 2): [2] * 5, (9, 3): [1] * 8}
+    results, engine = run(plans, ((9, 1), Sampling(max_tokens=20, temperature=0)),
+                          ((9, 2), Sampling(max_tokens=5, temperature=0)),
+                          ((9, 3), Sampling(max_tokens=8, temperature=0)))
+    assert ["".join(p) for p, _, _ in results] == ["a" * 20, "b" * 5, "a" * 8]
+    sizes = engine.backend.batch_sizes
+    assert max(sizes) == 3 and sizes[-1] == 1  # decoded together, the longest alone at the end
+    assert engine.steps < 20 + 5 + 8  # far fewer steps than one request at a time
+
+
+def test_a_cancelled_request_leaves_the_batch_and_a_full_queue_refuses():
+    async def main():
+        engine = Engine(Script({(9, 9): [1] * 60}, max_batch=1), decode, max_queue=1)
+        engine.start()
+        try:
+            first = engine.submit([9, 9], Sampling(max_tokens=60, temperature=0), {0})
+            await first.events.get()
+            second = engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
+            with pytest.raises(QueueFull):
+                engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
+            first.cancel()
+            while (await second.events.get()).finish_reason is None:
+                pass
+            return first, second
+        finally:
+            await engine.stop()
+    first, second = asyncio.run(main())
+    assert first.finish_reason == "cancelled" and len(first.generated) < 60
+    assert second.finish_reason == "length"
+
+
+# -- sampling against its formula -------------------------------------------------------------
+
+def request_with(**kw) -> Request:
+    return Request([1], Sampling(max_tokens=1, **kw), set())
+
+
+def test_greedy_takes_the_lowest_index_of_a_tie():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    assert pick_tokens(logits, [request_with(temperature=0)]) == [1]
+
+
+def test_top_k_top_p_and_temperature_draw_from_the_renormalized_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04], dtype=torch.float64)).float()
+    n = 5000
+
+    def frequencies(**kw):
+        req = request_with(seed=0, **kw)
+        counts = torch.zeros(5)
+        for t in pick_tokens(logits.expand(n, 5).contiguous(), [req] * n):
+            counts[t] += 1
+        return counts / n
+
+    def expected(p):
+        p = torch.tensor(p, dtype=torch.float64)
+        return (p / p.sum()).float()
+
+    # top_k 3: the three most likely, renormalized
+    assert torch.allclose(frequencies(temperature=1.0, top_k=3), expected([0.5, 0.25, 0.15, 0, 0]), atol=0.03)
+    # top_p 0.7: the smallest set whose mass reaches 0.7 is {0.5, 0.25}
+    assert torch.allclose(frequencies(temperature=1.0, top_p=0.7), expected([0.5, 0.25, 0, 0, 0]), atol=0.03)
+    # temperature 2: softmax(log p / 2) = sqrt(p), renormalized
+    sqrt = [math.sqrt(v) for v in (0.5, 0.25, 0.15, 0.06, 0.04)]
+    assert torch.allclose(frequencies(temperature=2.0), expected(sqrt), atol=0.03)
+
+
+def test_a_seed_repeats_the_draws():
+    logits = torch.randn(1, 50)
+    a = [pick_tokens(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
+    b = [pick_tokens(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
+    assert a == b and len(set(a)) > 1
