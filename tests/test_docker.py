@@ -8,6 +8,8 @@
   the house rules of `compose_problems`: ports on 127.0.0.1, defaults for every variable,
   non-root containers, healthchecks, declared volumes, the GPU reservation. The same checker
   is run on broken variants of the file to show that it rejects them.
+- docker/compose.yaml's `serve` service: loopback port, the MLflow service's registry, the API
+  key and engine settings, its healthcheck, and the command its shell really runs.
 - docker/gpu-pool.json: the `gpu` pool's job template agrees with the compose file.
 - docker/entrypoint.sh: what it runs, with a stand-in `prefect`.
 """
@@ -38,7 +40,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 COMPOSE_SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
 
 WORKDIR = "/workspace/gptforge"
-GPU_SERVICES = {"gpu-worker"}
+GPU_SERVICES = {"gpu-worker", "serve"}
 # Bind mounts a service may have: the worker drives the host's Docker engine.
 ALLOWED_BIND_TARGETS = {"/var/run/docker.sock"}
 # Files the image takes when they exist (globs in COPY): nothing breaks without them.
@@ -598,6 +600,76 @@ def test_compose_servers_match_the_image_versions(compose_doc, dockerfile_args):
     command = services["mlflow"]["command"]
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert "mlflow" in command[command.index("--allowed-hosts") + 1].split(",")
+
+
+def test_image_has_vllm_in_its_own_venv(stages, dockerfile_args):
+    """vLLM pins another torch than gptforge: it gets /opt/vllm, which gptforge finds through
+    GPTFORGE_VLLM_PYTHON, and the serving cache is on the `cache` volume."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", dockerfile_args["VLLM_VERSION"])
+    builder = " ".join(rest for keyword, rest in stages[2] if keyword == "RUN")
+    assert 'uv venv --python "${PYTHON_VERSION}" /opt/vllm' in builder
+    assert '"vllm==${VLLM_VERSION}"' in builder and "--python /opt/vllm/bin/python" in builder
+    final = stages[-1]
+    assert ("COPY", "--from=builder /opt/vllm /opt/vllm") in final
+    env = env_values(final)
+    assert env["GPTFORGE_VLLM_PYTHON"] == "/opt/vllm/bin/python"
+    assert env["GPTFORGE_SERVE_CACHE"].startswith("/cache/")
+
+
+@pytest.fixture(scope="module")
+def serve_service(compose_doc) -> dict:
+    return interpolate(compose_doc)["services"]["serve"]
+
+
+def test_compose_serve_wiring(serve_service, compose_doc):
+    resolved = interpolate(compose_doc)
+    assert serve_service["profiles"] == ["serve"]  # started on request, once models are registered
+    assert serve_service["ports"] == ["127.0.0.1:8000:8000"]
+    assert compose_doc["services"]["serve"]["ports"] == ["127.0.0.1:${SERVE_PORT:-8000}:8000"]
+    assert serve_service["image"] == resolved["services"]["gpu-worker"]["image"]
+    assert serve_service["build"] == resolved["services"]["gpu-worker"]["build"]  # one image
+    assert not is_root(serve_service["user"])
+    env = serve_service["environment"]
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert env["SERVE_ENGINE"] == "gptforge"
+    assert env["GPTFORGE_API_KEY"] == ""  # no key unless one is set
+    assert compose_doc["services"]["serve"]["environment"]["GPTFORGE_API_KEY"] == "${GPTFORGE_API_KEY:-}"
+    assert serve_service["depends_on"] == {"mlflow": {"condition": "service_healthy"}}
+    test = serve_service["healthcheck"]["test"]
+    assert test[0] == "CMD" and "http://127.0.0.1:8000/health" in test[-1]
+    # Downloaded models go to the shared `cache` volume, where the image points the cache.
+    mounts = dict(_volume_source_target(v) for v in serve_service["volumes"])
+    assert mounts["cache"] == "/cache" and env["GPTFORGE_SERVE_CACHE"].startswith("/cache/")
+    devices = serve_service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def _serve_argv(serve_service, tmp_path, **overrides) -> list[str]:
+    """The arguments `gptforge` gets when the service's command runs in bash, with a stand-in
+    `gptforge` and the service's environment (defaults, or `overrides` as .env would set)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "gptforge"
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$STUB_OUT"\n')
+    stub.chmod(0o755)
+    # `models:/gptforge-instruct@*` would match this file if the shell expanded globs.
+    (tmp_path / "models:").mkdir(exist_ok=True)
+    (tmp_path / "models:" / "gptforge-instruct@x").touch()
+    out = tmp_path / "argv.txt"
+    env = {**serve_service["environment"], **overrides, "STUB_OUT": str(out),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    command = serve_service["command"]
+    assert command[:2] == ["bash", "-c"]
+    subprocess.run(command, env=env, cwd=tmp_path, check=True, timeout=30)
+    return out.read_text().splitlines()
+
+
+def test_compose_serve_command(serve_service, tmp_path):
+    assert _serve_argv(serve_service, tmp_path) == [
+        "serve", "models:/gptforge-instruct@champion", "models:/gptforge-classify@champion",
+        "--engine", "gptforge", "--host", "0.0.0.0", "--port", "8000"]
+    assert _serve_argv(serve_service, tmp_path, SERVE_ENGINE="vllm", SERVE_MODELS="models:/gptforge-instruct@*") == [
+        "serve", "models:/gptforge-instruct@*", "--engine", "vllm", "--host", "0.0.0.0", "--port", "8000"]
 
 
 # --------------------------------------------------------------------------------------

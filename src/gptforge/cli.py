@@ -373,11 +373,15 @@ def cmd_serve(args) -> int:
         raise BadInput(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
     api_key = args.api_key if args.api_key is not None else (os.environ.get("GPTFORGE_API_KEY") or None)
     cfg = load_config(params_file(args), args.set)
-    sources = resolve_all(args.models, cfg)
     if args.engine == "vllm":
-        from gptforge.serve.vllm import run_vllm
+        from gptforge.serve.sources import DEFAULT_SPECS
+        from gptforge.serve.vllm import run_vllm, vllm_python
 
+        vllm_python()  # a missing vLLM is said before any model is fetched
+        # vLLM serves one language model: with no MODEL, the pipeline's instruct model alone.
+        sources = resolve_all(args.models or [DEFAULT_SPECS[0]], cfg)
         return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
+    sources = resolve_all(args.models, cfg)
     from gptforge.serve import run_server
     from gptforge.serve.loading import device_for, load_served
 
