@@ -516,6 +516,8 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
     else:
         lines.append("Prefect: prefect server start   then http://127.0.0.1:4200/runs"
                      + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
+    if (root / "checkpoints/instruct/final").is_dir() or (root / "checkpoints/classify/final").is_dir():
+        lines.append("Serve: .venv/bin/gptforge serve   then http://127.0.0.1:8000 (chat page; OpenAI API at /v1)")
     return lines
 
 
