@@ -292,3 +292,14 @@ def test_300_bad_requests_each_get_their_error_and_the_server_keeps_serving(serv
     assert re.search(r'^gptforge_requests_total\{endpoint="/v1/completions",status="400"\} (\d+)', metrics, re.M)
     assert re.search(r"^gptforge_time_to_first_token_seconds_count\{model=\"tiny\"\} [1-9]", metrics, re.M)
     assert re.search(r"^gptforge_generated_tokens_total\{model=\"tiny\"\} [1-9]", metrics, re.M)
+
+
+def test_the_page_is_open_and_sent_with_its_security_headers(server):
+    page = httpx.get(f"{server.url}/", timeout=10)  # no API key: the page asks for it
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    script = httpx.get(f"{server.url}/static/chat.js", timeout=10)
+    assert script.status_code == 200 and "content-security-policy" in script.headers
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401

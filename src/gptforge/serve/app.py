@@ -226,6 +226,15 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
     return _Guard(app, metrics, api_key=api_key, body_limit=body_limit)
 
 
+# The chat page loads nothing but its own files and talks only to this server; model output is
+# inserted as text (static/chat.js), and these headers are the second line of defence.
+_PAGE_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                                 b"img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/classify", "/health", "/metrics", "/"}
 
 
@@ -347,7 +356,8 @@ async def _stream(job, model: str, rid: str, created: int, chat: bool, include_u
 
 class _Guard:
     """ASGI wrapper around the app (pure ASGI, so streamed answers pass through untouched):
-    counts every answer by endpoint and status, requires the API key on /v1/*, and answers 413
+    counts every answer by endpoint and status, requires the API key on /v1/*, adds the page's
+    security headers to / and /static/, and answers 413
     to a body over `body_limit` bytes before the app reads it (by its Content-Length, or while
     a chunked body streams in)."""
 
@@ -362,9 +372,13 @@ class _Guard:
         endpoint = path if path in _ENDPOINTS else "other"
         status = []
 
+        page = path == "/" or path.startswith("/static/")
+
         async def counted_send(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                if page:
+                    message = {**message, "headers": [*message.get("headers", []), *_PAGE_HEADERS]}
             await send(message)
 
         headers = dict(scope.get("headers") or [])

@@ -1,0 +1,311 @@
+"""The chat page of `gptforge serve` in headless Chromium, driven as a person uses it: a real
+server (subprocess, 127.0.0.1, an API key), real mouse clicks and typing over the DevTools
+protocol (tests/browser.py).
+
+The chat model is a tiny Hugging Face Llama whose greedy answer is a fixed string holding
+`<script>` and an `<img onerror=...>` that would set `window.__pwned` if the page inserted the
+answer as HTML. Its weights make greedy decoding follow a chain of tokens: every layer's o_proj
+and down_proj are zero, so the residual stream carries the current token's embedding to the
+final norm; the chain's tokens get orthogonal embeddings and lm_head's row for token b is a
+large multiple of the embedding of the token before it, so after a the largest logit is the
+next token of the chain, from the last token of the chat template's generation prompt to the
+eos. Such a chain needs every token in it once (the state is the current token), so the answer
+is spelled with distinct tokens (`distinct_tokens`): a piece that comes back (`script`) is
+spelled with other tokens the second time. A twin whose chain goes back to its first answer
+token instead of the eos answers for as long as max_tokens lets it: the Stop button's test. The
+classifier is a random head on the first model (the test compares the page with the API).
+
+The screenshots, serve-chat.png and serve-classify.png, are test artifacts (under
+$GPTFORGE_TEST_ARTIFACTS or test-artifacts/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, cli_env, free_port, stop_process, wait_http
+from hf_models import make_tokenizer
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
+ANSWER = ("Sure! Here is some HTML for you: <script>alert(0)</script>"
+          "<img src=\"x\" onerror='window.__pwned=1'> Enjoy.")
+KEY = "page-test-key"
+SPAM = "WINNER!! You have won a 1000 cash prize. Call 09061701461 now"
+
+
+def distinct_tokens(tok, text: str, avoid: set[int]) -> list[int]:
+    """Token ids that decode to `text`, none repeated and none in `avoid`: a depth-first search
+    over the vocabulary's tokens that match at each place, longest first."""
+    vocab = {tok.convert_tokens_to_string([t]): i for t, i in tok.get_vocab().items() if i not in avoid}
+    starting: dict[str, list[tuple[str, int]]] = {}
+    for piece, i in vocab.items():
+        if piece:
+            starting.setdefault(piece[0], []).append((piece, i))
+    for pieces in starting.values():
+        pieces.sort(key=lambda p: -len(p[0]))
+
+    def search(pos: int, used: frozenset) -> list[int] | None:
+        if pos == len(text):
+            return []
+        for piece, i in starting.get(text[pos], []):
+            if i not in used and text.startswith(piece, pos):
+                rest = search(pos + len(piece), used | {i})
+                if rest is not None:
+                    return [i, *rest]
+        return None
+
+    ids = search(0, frozenset())
+    assert ids is not None and tok.decode(ids) == text, f"no tokenization of {text!r} with distinct tokens"
+    return ids
+
+
+def make_chain_lm(folder: Path, answer: str, loop: bool = False, positions: int = 256) -> Path:
+    """A tiny Llama (GPT-2 tokenizer, ChatML template) whose greedy answer to any chat is `answer`;
+    with `loop`, `answer` over and over until max_tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer(folder)
+    start = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"][-1]
+    ids = distinct_tokens(tok, answer, {start, tok.eos_token_id})
+    chain = [start, *ids, ids[0] if loop else tok.eos_token_id]
+    hidden = 64
+    assert len(chain) - 1 <= hidden, "the chain needs one orthogonal embedding per token"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        basis, _ = torch.linalg.qr(torch.randn(hidden, hidden))
+        model.lm_head.weight.zero_()
+        for k, (a, b) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[a] = basis[k]
+            model.lm_head.weight[b] += 10.0 * basis[k]  # logit 80 after the final norm, 0 for the rest
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The chain model, its looping twin (both checked with transformers' generate) and a
+    classifier on the first."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptforge.finetune import classify as clf
+    from gptforge.hf_causal import HFTokenizer
+
+    root = tmp_path_factory.mktemp("serve-page")
+    chat = make_chain_lm(root / "chain", ANSWER)
+    lm = AutoModelForCausalLM.from_pretrained(str(chat)).eval()
+    tok = AutoTokenizer.from_pretrained(str(chat))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Show me some HTML"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    out = lm.generate(**prompt, max_new_tokens=80, do_sample=False)
+    assert tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True) == ANSWER
+    loop = make_chain_lm(root / "loop", ANSWER, loop=True, positions=4096)
+    out = AutoModelForCausalLM.from_pretrained(str(loop)).generate(**prompt, max_new_tokens=100, do_sample=False)
+    assert tok.decode(out[0, prompt["input_ids"].shape[1]:]).startswith(ANSWER + ANSWER)
+
+    torch.manual_seed(1)
+    classifier = clf.HFClassifier(lm, 2, max_length=64, tokenizer=HFTokenizer(tok))
+    return {"chat": chat, "loop": loop, "spam": clf.save_classifier(classifier, root / "classifier")}
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """`gptforge serve chat=... loop=... spam=... --api-key KEY` on a free loopback port; its URL."""
+    folder = tmp_path_factory.mktemp("serve-page-server")
+    port = free_port()
+    log = open(folder / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "gptforge"), "serve", *(f"{name}={path}" for name, path in models.items()),
+         "--port", str(port), "--api-key", KEY],
+        cwd=folder, env=cli_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_http(f"{url}/health", timeout=180, proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}\n{(folder / 'server.log').read_text()[-3000:]}") from None
+        yield url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from browser import Browser, find_chromium
+
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium: the chat page is not checked (apt-get install -y chromium)")
+    b = Browser(binary, free_port())
+    yield b
+    b.close()
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def metric(url: str, name: str, model: str) -> float:
+    """One series of the server's /metrics (labelled with `model`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}} '):
+            return float(line.split()[-1])
+    raise LookupError(f"{name} for {model} not in /metrics")
+
+
+def wait_until_idle(url: str, model: str, timeout: float = 10) -> float:
+    """Wait until no request of `model` is decoding; returns its generated-tokens count."""
+    deadline = time.monotonic() + timeout
+    while metric(url, "gptforge_running_requests", model) > 0:
+        assert time.monotonic() < deadline, f"{model} still decoding {timeout:.0f} s after the page stopped it"
+        time.sleep(0.1)
+    return metric(url, "gptforge_generated_tokens_total", model)
+
+
+# Records, in the page, each text node added to the answer and when: the deltas as they arrive.
+WATCH_ANSWER = """(() => {
+  window.__deltas = [];
+  new MutationObserver((records) => {
+    const now = performance.now();
+    for (const r of records) for (const n of r.addedNodes)
+      if (n.nodeType === Node.TEXT_NODE && n.parentElement && n.parentElement.id === "answer")
+        window.__deltas.push({t: now, text: n.data});
+  }).observe(document.getElementById("messages"), {childList: true, subtree: true});
+  return true;
+})()"""
+
+
+def test_chat_page_streams_answers_as_text_and_classifies(server, browser):
+    with browser.open(f"{server}/") as page:
+        # The server wants a key: the first request answers 401 and the page asks for the key.
+        page.wait_for_selector("#auth")
+        page.type("#api-key", KEY)
+        page.click("#api-key-save")
+        page.wait_for("document.body.dataset.modelsLoaded === '1'", what="the model lists")
+        options = "[...document.querySelectorAll('#{} option')].map(o => o.value)"
+        assert page.evaluate(options.format("chat-model")) == ["chat", "loop"]
+        assert page.evaluate(options.format("classify-model")) == ["spam"]
+        assert page.evaluate("sessionStorage.getItem('gptforge-api-key')") == KEY
+
+        # A question, greedy: the answer streams in as separate deltas and is shown as text.
+        page.select("#chat-model", "chat")
+        page.type("#temperature", "0")
+        page.type("#max-tokens", "100")
+        page.evaluate(WATCH_ANSWER)
+        page.type("#prompt", "Show me some HTML")
+        page.click("#send")
+        samples, deadline = [], time.monotonic() + 60
+        while not samples or (page.evaluate("document.body.dataset.state") == "streaming"
+                              and time.monotonic() < deadline):
+            samples.append(page.evaluate("(document.getElementById('answer') || {}).textContent || ''"))
+        page.wait_for("document.body.dataset.state !== 'streaming'", what="the answer to end")
+        assert page.text("#chat-error") == ""
+        assert page.text("#answer") == ANSWER
+        # The answer grew as it came: one text node per delta, added at different times; what
+        # the test read while it streamed were beginnings of the answer.
+        deltas = page.evaluate("window.__deltas")
+        assert "".join(d["text"] for d in deltas) == ANSWER
+        assert len(deltas) >= 10 and len({d["t"] for d in deltas}) >= 2, deltas
+        assert all(ANSWER.startswith(s) for s in samples), samples
+
+        # No markup from the answer became an element, and nothing in it ran.
+        time.sleep(0.5)  # time for an <img src=x> to fail and fire its onerror, had it been made
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+        assert page.evaluate("document.getElementById('answer').childElementCount") == 0
+        assert page.evaluate("document.querySelectorAll('#messages img, #messages script').length") == 0
+        assert "<script>alert(0)</script>" in page.evaluate("document.body.innerText")
+
+        # The last answer's token count (the usage chunk's), tokens/s after the first token (from
+        # the first delta to the last) and time to first token.
+        tps, ttft, n = page.text("#tps"), page.text("#ttft"), page.text("#ntokens")
+        usage = post(f"{server}/v1/chat/completions", {"model": "chat", "max_tokens": 100, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": "Show me some HTML"}]})
+        assert int(n) == usage["usage"]["completion_tokens"], (n, usage)
+        interval = (deltas[-1]["t"] - deltas[0]["t"]) / 1000
+        assert float(tps) == pytest.approx((int(n) - 1) / interval, rel=0.25), (tps, n, interval)
+        assert ttft.endswith(("ms", " s")), ttft
+        page.screenshot(ARTIFACTS / "serve-chat.png")
+
+        # A second turn goes on with the conversation: two user and two assistant messages.
+        page.type("#prompt", "And again?")
+        page.press("Enter", "Enter", 13)
+        page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 2 && "
+                      "document.body.dataset.state === 'idle'", what="the second answer")
+        assert page.text("#answer") == ANSWER
+        assert page.evaluate("document.querySelectorAll('#messages .msg.user').length") == 2
+
+        # Stop, in a new chat: an answer that would go on for 4000 tokens ends when the button
+        # is pressed, in the page and in the server (its slot is freed, it generates no more).
+        page.click("#clear")
+        assert page.evaluate("document.querySelectorAll('#messages .msg').length") == 0
+        page.select("#chat-model", "loop")
+        page.type("#max-tokens", "4000")
+        page.type("#prompt", "Go on and on")
+        page.click("#send")
+        page.wait_for(f"document.getElementById('answer').textContent.length > {len(ANSWER)}", what="a long answer")
+        page.click("#stop")
+        page.wait_for("document.body.dataset.state === 'idle'", what="the stream to stop")
+        stopped = page.text("#answer")
+        assert (ANSWER * 200).startswith(stopped) and page.text("#chat-error") == ""
+        assert page.text("#messages").endswith("[stopped]")
+        generated = wait_until_idle(server, "loop")
+        assert generated < 4000, generated
+        time.sleep(0.5)
+        assert page.text("#answer") == stopped
+        assert metric(server, "gptforge_generated_tokens_total", "loop") == generated
+        page.select("#chat-model", "chat")
+        page.click("#clear")
+
+        # A request the server refuses: its error message is shown, the prompt comes back to its
+        # box, and sent again within the limits it is answered.
+        page.type("#max-tokens", "100000")
+        page.type("#prompt", "Too long an answer, please")
+        page.click("#send")
+        error = page.wait_for("document.getElementById('chat-error').textContent", what="an error message")
+        assert "max_tokens" in error, error
+        page.type("#max-tokens", "100")
+        assert page.evaluate("document.getElementById('prompt').value") == "Too long an answer, please"
+        assert page.evaluate("document.querySelectorAll('#messages .msg').length") == 0
+        page.click("#send")
+        page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 1 && "
+                      "document.body.dataset.state === 'idle'", what="an answer after the error")
+        assert page.text("#answer") == ANSWER and page.text("#chat-error") == ""
+
+        # The second tab: the spam classifier.
+        page.click("#tab-classify")
+        page.wait_for_selector("#classify-input")
+        assert page.evaluate("document.getElementById('panel-chat').hidden")
+        page.type("#classify-input", SPAM)
+        page.click("#classify-send")
+        page.wait_for("document.querySelectorAll('#classify-probs tr').length === 2", what="the probabilities")
+        want = post(f"{server}/v1/classify", {"model": "spam", "input": SPAM})["data"][0]
+        assert page.text("#classify-label") == want["label"]
+        rows = page.evaluate("[...document.querySelectorAll('#classify-probs tr')]"
+                             ".map(tr => [tr.cells[0].textContent, tr.cells[1].textContent])")
+        assert {label: float(p) for label, p in rows} == pytest.approx(want["probabilities"], abs=1e-4)
+        assert page.text("#classify-error") == ""
+        page.screenshot(ARTIFACTS / "serve-classify.png")
+        assert not [line for line in page.console if line.startswith("exception")], page.console
