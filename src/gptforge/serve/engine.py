@@ -177,6 +177,9 @@ class Engine:
         and pick every row's next token."""
         backend = self.backend
         backend.keep(keep)
+        if (len(decoding) == 1 and not admitted and decoding[0].sampling.temperature == 0
+                and hasattr(backend, "decode_greedy")):  # one greedy row: no logits needed
+            return [backend.decode_greedy(decoding[0].generated[-1])]
         logits = []
         if decoding:
             logits.append(backend.decode([r.generated[-1] for r in decoding]))
