@@ -152,7 +152,7 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
 
     @app.get("/health")
     async def health():
-        dead = [n for n, lm in lms.items() if lm.engine._task is not None and lm.engine._task.done()]
+        dead = [n for n, lm in lms.items() if not lm.engine.alive]
         if dead:
             return error_response(503, f"engine stopped: {', '.join(dead)}", type="server_error")
         return {"status": "ok", "models": list(by_name)}
@@ -328,26 +328,41 @@ async def _stream(job, model: str, rid: str, created: int, chat: bool, include_u
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
                                       "choices": choices}, separators=(",", ":")) + "\n\n"
 
+    def render(event: Event) -> tuple[str, bool]:
+        """The SSE text of one event, and whether it was the last."""
+        if event.finish_reason is None:
+            if not event.text:
+                return "", False
+            piece = ({"index": 0, "delta": {"content": event.text}, "finish_reason": None} if chat else
+                     {"index": 0, "text": event.text, "finish_reason": None, "logprobs": None})
+            return chunk([piece]), False
+        if event.finish_reason == "error":
+            return "data: " + json.dumps({"error": {"message": "the model failed while generating this answer",
+                                                    "type": "server_error", "param": None, "code": None}}) + "\n\n", True
+        end = {"index": 0, "finish_reason": event.finish_reason}
+        text = chunk([{**end, "delta": {}} if chat else {**end, "text": "", "logprobs": None}])
+        if include_usage:
+            text += ("data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
+                                            "choices": [], "usage": usage()}, separators=(",", ":")) + "\n\n")
+        return text, True
+
     try:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        while True:
-            event: Event = await job.events.get()
-            if event.finish_reason is not None:
-                if event.finish_reason == "error":
-                    yield "data: " + json.dumps({"error": {"message": "the model failed while generating this answer",
-                                                           "type": "server_error", "param": None, "code": None}}) + "\n\n"
+        last = False
+        while not last:
+            # Everything already queued goes out in one write: a client that fell behind catches up.
+            events = [await job.events.get()]
+            while not job.events.empty():
+                events.append(job.events.get_nowait())
+            parts = []
+            for event in events:
+                text, last = render(event)
+                parts.append(text)
+                if last:
                     break
-                end = {"index": 0, "finish_reason": event.finish_reason}
-                yield chunk([{**end, "delta": {}} if chat else {**end, "text": "", "logprobs": None}])
-                if include_usage:
-                    yield ("data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                                  "choices": [], "usage": usage()}, separators=(",", ":")) + "\n\n")
-                break
-            if event.text:
-                piece = ({"index": 0, "delta": {"content": event.text}, "finish_reason": None} if chat else
-                         {"index": 0, "text": event.text, "finish_reason": None, "logprobs": None})
-                yield chunk([piece])
+            if any(parts):
+                yield "".join(parts)
         yield "data: [DONE]\n\n"
     finally:
         if not job.done:

@@ -2,27 +2,32 @@
 backend (`serve.backends`).
 
 Requests wait in a bounded queue (`submit` refuses one past `max_queue`: the API answers 429).
-The engine loop runs on the server's event loop; each turn it hands one step to a single worker
-thread, so the event loop keeps answering HTTP while the model computes:
+The scheduling loop runs in a thread of its own, step after step, without waiting for the
+event loop (which keeps answering HTTP):
 
-1. rows whose request finished or was cancelled (its client went away) leave the batch;
+1. rows whose request ended (its last token was a stop id, or it reached max_tokens or the
+   context, or the event loop ended it at a stop string, or its client went away) leave the
+   batch;
 2. every running row decodes its next token (one batched forward);
 3. waiting requests take the free slots: each prompt is prefilled (its own forward) and joins
    the batch, so a new request starts at the next step, not when the batch drains;
 4. each row's next token is drawn with its own settings (greedy, temperature, top-k, top-p,
-   its own seeded generator).
+   its own seeded generator), and the step's tokens go to the event loop in one callback.
 
-Back on the event loop, each request turns its new token into text (held back while it ends
-in a partial UTF-8 character or could be the start of a stop string), checks its stops, and
-puts an event on its own asyncio queue, which the HTTP handler streams out.
+On the event loop each request turns its new token into text (held back while it may be the
+start of a stop string), checks its stop strings, and puts an event on its own asyncio queue,
+which the HTTP handler streams out. A stop string is found there, one step behind the model:
+the row computes one token more, which is dropped. Before, the loop ran on the event loop and
+handed each step to a worker thread: the two waited for each other every step, which cost a
+quarter of the throughput at 16 clients (docs/results/serve_tiny_cpu.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,7 +70,9 @@ class Request:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.stop_ids = stop_ids
-        self.generated: list[int] = []
+        self.generated: list[int] = []  # event loop: the tokens it has turned into text
+        self.fed: list[int] = []  # engine thread: the tokens it has drawn
+        self.ended = False  # engine thread: the last token drawn ends the answer
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finish_reason: str | None = None
         self.cancelled = False
@@ -84,8 +91,11 @@ class Request:
         return self.finish_reason is not None
 
     def cancel(self) -> None:
-        """The client went away: the row leaves the batch at the next step."""
+        """The client went away (event loop): the row leaves the batch at the next step."""
         self.cancelled = True
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+            self.events.put_nowait(Event(finish_reason="cancelled"))
 
 
 class Engine:
@@ -103,89 +113,102 @@ class Engine:
         self.context = backend.context
         self.max_queue = max_queue
         self.observe = observe or (lambda request, event: None)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []  # in the backend's row order
-        self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptforge-engine")
-        self._task: asyncio.Task | None = None
+        self.waiting: list[Request] = []  # shared: appended by the event loop, taken by the engine thread
+        self.running: list[Request] = []  # engine thread: in the backend's row order
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
 
-    # -- the API side --------------------------------------------------------------------
+    # -- the API side (event loop) -------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], sampling: Sampling, stop_ids: set[int]) -> Request:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_queue}); "
-                            "retry later")
-        request = Request(prompt_ids, sampling, stop_ids)
-        self.waiting.append(request)
-        self._wake.set()
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_queue}); "
+                                "retry later")
+            request = Request(prompt_ids, sampling, stop_ids)
+            self.waiting.append(request)
+            self._work.set()
         return request
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="gptforge-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        self._pool.shutdown(wait=True)
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def busy_slots(self) -> int:
         return len(self.running)
 
-    # -- the loop ------------------------------------------------------------------------
+    # -- the engine thread ----------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._finish_cancelled(self.waiting)
-            self.waiting = [r for r in self.waiting if not r.done]
-            if not self.running and not self.waiting:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            keep = [i for i, r in enumerate(self.running) if not r.done and not r.cancelled]
-            self._finish_cancelled(self.running)
+    def _run(self) -> None:
+        while not self._stopping:
+            keep = [i for i, r in enumerate(self.running) if not (r.ended or r.done)]
             decoding = [self.running[i] for i in keep]
-            admitted = self.waiting[: self.max_batch - len(decoding)]
-            self.waiting = self.waiting[len(admitted):]
+            with self._lock:
+                self.waiting = [r for r in self.waiting if not r.done]
+                admitted = self.waiting[: self.max_batch - len(decoding)]
+                del self.waiting[:len(admitted)]
+                if not decoding and not admitted:
+                    self._work.clear()
             if not decoding and not admitted:
                 self.backend.keep([])
                 self.running = []
+                self._work.wait(timeout=1.0)
                 continue
             try:
-                tokens = await loop.run_in_executor(self._pool, self._step, keep, decoding, admitted)
+                tokens = self._step(keep, decoding, admitted)
             except Exception as e:  # a model error ends these requests, not the server
                 self.running = []
                 self.backend.keep([])
-                for request in decoding + admitted:
-                    self._end(request, "error")
-                print(f"gptforge serve: step failed: {type(e).__name__}: {e}", flush=True)
+                self._loop.call_soon_threadsafe(self._fail, decoding + admitted, e)
                 continue
             self.steps += 1
             self.running = decoding + admitted
-            now = time.perf_counter()
             for request, token in zip(self.running, tokens):
-                self._advance(request, token, now)
+                request.fed.append(token)
+                request.ended = (token in request.stop_ids or len(request.fed) >= request.sampling.max_tokens
+                                 or len(request.prompt_ids) + len(request.fed) >= self.context)
+            self._loop.call_soon_threadsafe(self._deliver, list(zip(self.running, tokens)), time.perf_counter())
 
     def _step(self, keep: list[int], decoding: list[Request], admitted: list[Request]) -> list[int]:
-        """Worker thread: drop the finished rows, decode the running ones, prefill the new ones,
-        and pick every row's next token."""
+        """Drop the finished rows, decode the running ones, prefill the new ones, and pick every
+        row's next token."""
         backend = self.backend
         backend.keep(keep)
         if (len(decoding) == 1 and not admitted and decoding[0].sampling.temperature == 0
                 and hasattr(backend, "decode_greedy")):  # one greedy row: no logits needed
-            return [backend.decode_greedy(decoding[0].generated[-1])]
+            return [backend.decode_greedy(decoding[0].fed[-1])]
         logits = []
         if decoding:
-            logits.append(backend.decode([r.generated[-1] for r in decoding]))
+            logits.append(backend.decode([r.fed[-1] for r in decoding]))
         for request in admitted:
             logits.append(backend.add(request.prompt_ids).unsqueeze(0))
-        return pick_tokens(torch.cat(logits), decoding + admitted)
+        return pick_tokens(logits[0] if len(logits) == 1 else torch.cat(logits), decoding + admitted)
+
+    def _deliver(self, rows: list[tuple[Request, int]], now: float) -> None:
+        for request, token in rows:
+            if not request.done:  # ended here at a stop string, or cancelled: the token is dropped
+                self._advance(request, token, now)
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        print(f"gptforge serve: step failed: {type(error).__name__}: {error}", flush=True)
+        for request in requests:
+            self._end(request, "error")
 
     # -- per request, on the event loop ---------------------------------------------------
 
@@ -240,17 +263,14 @@ class Engine:
         request.events.put_nowait(event)
         self.observe(request, event)
 
-    def _finish_cancelled(self, requests: list[Request]) -> None:
-        for request in requests:
-            if request.cancelled:
-                self._end(request, "cancelled")
-
 
 def pick_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Each row's next token under its request's settings: argmax for temperature 0 (the lowest
     index on ties, as `decoding.generate`), else a draw from softmax(logits / temperature) cut
     to the top_k most likely and to the smallest set whose probability reaches top_p."""
     greedy = logits.argmax(dim=-1).tolist()
+    if all(r.sampling.temperature == 0 for r in requests):
+        return greedy
     out = []
     for row, request in enumerate(requests):
         s = request.sampling
