@@ -90,3 +90,16 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
     assert t["errors"] == 0 and t["errors_met"] is True
     md = out.with_suffix(".md").read_text()
     assert "| clients |" in md and "## Where the time goes" in md
+
+
+@pytest.mark.slow
+def test_bench_serve_hf_runs_and_the_engine_gives_generates_tokens(tmp_path):
+    out = tmp_path / "hf.json"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_hf.py"), "--clients", "1,3",
+                           "--new-tokens", "3", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    levels = json.loads(out.read_text())["levels"]
+    assert [level["clients"] for level in levels] == [1, 3]
+    assert all(level["same_tokens_as_generate"] and level["engine_tokens_per_sec"] > 0 for level in levels)
