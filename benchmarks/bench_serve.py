@@ -504,6 +504,17 @@ def pick_prompt(model: GPT, enc, args) -> tuple[str, list[int]]:
     return args.prompt, ids
 
 
+def _clients_axis(ax, xs: list[int], ylabel: str) -> None:
+    """The shared look of both panels: clients on a log2 axis, y from 0, legend, light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
 def plot(result: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -519,23 +530,11 @@ def plot(result: dict, path: Path) -> bool:
     direct = result["direct_generate"]
     bs = sorted(v["batch"] for k, v in direct.items() if k.startswith("b"))
     a.plot(bs, [direct[f"b{b}"]["tokens_per_sec"] for b in bs], "s--", label="direct generate, batch = clients")
-    a.set_xscale("log", base=2)
-    a.set_xticks(xs, [str(x) for x in xs])
-    a.set_xlabel("concurrent clients")
-    a.set_ylabel("aggregate tokens/s")
-    a.set_ylim(bottom=0)
-    a.legend()
-    a.grid(alpha=0.3)
+    _clients_axis(a, xs, "aggregate tokens/s")
     b.plot(xs, [lv["ttft_ms"]["p95"] for lv in levels], "o-", label="p95")
     b.plot(xs, [lv["ttft_ms"]["p50"] for lv in levels], "o:", label="p50")
     b.axhline(1000, color="r", lw=0.8, ls="--", label="target (p95 < 1 s)")
-    b.set_xscale("log", base=2)
-    b.set_xticks(xs, [str(x) for x in xs])
-    b.set_xlabel("concurrent clients")
-    b.set_ylabel("time to first token (ms)")
-    b.set_ylim(bottom=0)
-    b.legend()
-    b.grid(alpha=0.3)
+    _clients_axis(b, xs, "time to first token (ms)")
     m = result["model"]
     fig.suptitle(f"gptforge serve, tiny model ({m['n_layer']}x{m['n_head']}x{m['n_embd']}), "
                  f"{result['settings']['max_tokens']} tokens per request, {result['machine']['cpu_count']} CPU cores")
