@@ -303,3 +303,20 @@ def test_the_page_is_open_and_sent_with_its_security_headers(server):
     assert script.status_code == 200 and "content-security-policy" in script.headers
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
+    import socket
+
+    from conftest import error_lines
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", "--port", str(port),
+                               "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert error_lines(done.stderr) == [f"gptforge: error: --port {port}: cannot listen on 127.0.0.1:{port} "
+                                        "(Address already in use); pick another port"]
+    assert done.stderr.strip().splitlines()[-1].startswith("gptforge: error: --port")

@@ -381,14 +381,15 @@ def cmd_serve(args) -> int:
         # vLLM serves one language model: with no MODEL, the pipeline's instruct model alone.
         sources = resolve_all(args.models or [DEFAULT_SPECS[0]], cfg)
         return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
-    sources = resolve_all(args.models, cfg)
-    from gptforge.serve import run_server
+    from gptforge.serve import listen, run_server
     from gptforge.serve.loading import device_for, load_served
 
+    sock = listen(args.host, args.port)
+    sources = resolve_all(args.models, cfg)
     device = device_for(args.device)
     models = [load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device)
               for src in sources]
-    return run_server(models, host=args.host, port=args.port, api_key=api_key)
+    return run_server(models, sock=sock, host=args.host, port=args.port, api_key=api_key)
 
 
 def cmd_models_list(args) -> int:

@@ -16,9 +16,34 @@ on GPU workers.
 from __future__ import annotations
 
 
-def run_server(models: list, *, host: str, port: int, api_key: str | None) -> int:
-    """Serve loaded models until SIGINT/SIGTERM (uvicorn's own handling: in-flight answers are
-    given a few seconds, then the engines stop)."""
+def listen(host: str, port: int):
+    """The server's listening socket, bound before any model loads: a port in use is a
+    one-line error at once, not after the loading, and no other process can take it between."""
+    import socket
+
+    from gptforge.errors import BadInput
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise BadInput(f"--host {host}: {e.strerror or e}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise BadInput(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                       "pick another port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(models: list, *, sock, host: str, port: int, api_key: str | None) -> int:
+    """Serve loaded models on `sock` (`listen`) until SIGINT/SIGTERM (uvicorn's own handling:
+    in-flight answers are given a few seconds, then the engines stop)."""
     import uvicorn
 
     from gptforge.serve.app import create_app
@@ -26,5 +51,6 @@ def run_server(models: list, *, host: str, port: int, api_key: str | None) -> in
     app = create_app(models, api_key=api_key)
     names = ", ".join(m.name for m in models)
     print(f"gptforge serve: {names} on http://{host}:{port} (chat page at /, API at /v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0
