@@ -138,7 +138,7 @@ def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, ser
 
     # Eight streams of other prompts (other lengths: rows at other positions) are decoding when
     # the request goes in, and are still decoding when it ends.
-    started, results, streams = threading.Barrier(9), {}, []
+    started, results = threading.Barrier(9), {}
 
     def other(i: int) -> None:
         stream = client.completions.create(model=model, prompt="Some other words " * (i + 1), max_tokens=100,
