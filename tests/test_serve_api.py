@@ -320,3 +320,24 @@ def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
     assert error_lines(done.stderr) == [f"gptforge: error: --port {port}: cannot listen on 127.0.0.1:{port} "
                                         "(Address already in use); pick another port"]
     assert done.stderr.strip().splitlines()[-1].startswith("gptforge: error: --port")
+
+
+def test_chat_without_a_chat_template_uses_the_instruct_template(tmp_path):
+    """The registry's copy of a gptforge model is a Hugging Face folder without a chat template:
+    its chat prompt is the one the gptforge checkpoint gets."""
+    import types
+
+    import torch
+
+    from gptforge.config import load_config
+    from gptforge.serve.loading import load_served, render_conversation
+
+    cfg = load_config(PARAMS)
+    folder = make_tiny_causal_lm(tmp_path / "plain", "llama", chat_template=None)
+    src = types.SimpleNamespace(name="plain", kind="hf", path=folder, tokenizer=None, spec=str(folder))
+    lm = load_served(src, cfg, max_batch=2, max_queue=2, device=torch.device("cpu"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}]
+    prompt = render_conversation(messages, cfg.instruct.template)
+    assert prompt.startswith("Below is an instruction") and prompt.count("### Response:") == 2
+    assert lm.chat_ids(messages) == lm.tokenizer(prompt)["input_ids"]

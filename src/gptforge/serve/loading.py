@@ -4,7 +4,8 @@ a spam classifier (`ServedClassifier`), built from a resolved `serve.sources.Mod
 A served language model knows how to turn an OpenAI request into token ids and ids back into
 text: a gptforge GPT with the project's tokenizer (`tokenizer.path`) and, for chat, the
 pipeline's instruction template (`instruct.template`: alpaca or phi3); a Hugging Face causal
-LM with its own tokenizer and chat template.
+LM with its own tokenizer and chat template (without one, such as the registry's copy of a
+gptforge model, the instruction template as for gptforge models).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ServedLM:
     context: int
     tokenizer: Any
     stop_ids: set[int]
-    template: str | None = None  # gptforge models: the instruct template chat requests use
+    template: str = "alpaca"  # the instruct template of chat requests to a model without a chat template
     created: int = 0
 
     def encode(self, text: str) -> list[int]:
@@ -51,11 +52,11 @@ class ServedLM:
     def chat_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
         """The prompt of a chat: the tokenizer's chat template with the generation prompt (Hugging
         Face models), or the instruct template around the conversation (gptforge models)."""
-        if self.kind == "hf":
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise RequestError(f"model {self.name} has no chat template; use /v1/completions", "messages")
+        if self.kind == "hf" and getattr(self.tokenizer, "chat_template", None):
             enc = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
             return list(enc if isinstance(enc, list) else enc["input_ids"])
+        # A gptforge model, or a Hugging Face folder without a chat template (the registry's copy
+        # of a gptforge checkpoint, a base model tuned with instruct.template alpaca or phi3).
         return self.encode(render_conversation(messages, self.template))
 
 
@@ -117,6 +118,7 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
     import time
 
     created = int(time.time())
+    template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
     if source.kind == "classifier":
         from gptforge.finetune.classify import load_classifier
         from gptforge.tokenizer import load_tokenizer
@@ -136,7 +138,6 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
             raise BadInput(f"{source.spec}: a vocabulary of {model.config.n_vocab}, the tokenizer "
                            f"{enc.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
         backend = GPTBackend(model, max_batch)
-        template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
         served = ServedLM(source.name, "gptforge", None, backend.context, enc, {enc.eot_token}, template, created)
     else:
         from gptforge.hf_causal import load_causal_lm, stop_ids
@@ -150,6 +151,6 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
         model.to(device)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         backend = HFBackend(model, max_batch, context)
-        served = ServedLM(source.name, "hf", None, context, tok, set(stop_ids(tok, model)), None, created)
+        served = ServedLM(source.name, "hf", None, context, tok, set(stop_ids(tok, model)), template, created)
     served.engine = Engine(backend, served.decode, max_queue=max_queue, observe=observe)
     return served
