@@ -382,11 +382,11 @@ def cmd_serve(args) -> int:
         sources = resolve_all(args.models or [DEFAULT_SPECS[0]], cfg)
         return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
     from gptforge.serve import listen, run_server
-    from gptforge.serve.loading import device_for, load_served
+    from gptforge.serve.loading import load_served
 
     sock = listen(args.host, args.port)
     sources = resolve_all(args.models, cfg)
-    device = device_for(args.device)
+    device = _device(args.device)
     models = [load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device)
               for src in sources]
     return run_server(models, sock=sock, host=args.host, port=args.port, api_key=api_key)

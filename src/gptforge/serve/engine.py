@@ -18,8 +18,8 @@ On the event loop each request turns its new token into text (held back while it
 start of a stop string), checks its stop strings, and puts an event on its own asyncio queue,
 which the HTTP handler streams out. A stop string is found there, one step behind the model:
 the row computes one token more, which is dropped. Before, the loop ran on the event loop and
-handed each step to a worker thread: the two waited for each other every step, which cost a
-quarter of the throughput at 16 clients (docs/results/serve_tiny_cpu.md).
+handed each step to a worker thread: the two waited for each other every step (16 clients
+got 969 tokens/s then, 1010-1134 since, in bench_serve.py runs on this CPU).
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class Request:
         self.ended = False  # engine thread: the last token drawn ends the answer
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finish_reason: str | None = None
-        self.cancelled = False
         self.text = ""  # the answer decoded so far
         self.sent = ""  # the part of `text` already put on `events`
         self.prefix_offset = self.read_offset = 0  # the decoding window (`Engine._new_text`)
@@ -92,7 +91,6 @@ class Request:
 
     def cancel(self) -> None:
         """The client went away (event loop): the row leaves the batch at the next step."""
-        self.cancelled = True
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
             self.events.put_nowait(Event(finish_reason="cancelled"))

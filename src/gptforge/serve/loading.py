@@ -106,12 +106,6 @@ class ServedClassifier:
         return out
 
 
-def device_for(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device,
                 observe=None) -> ServedLM | ServedClassifier:
     """Load one resolved model (`serve.sources.ModelSource`) for serving."""
