@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 import torch
@@ -116,21 +117,36 @@ def test_requests_share_steps_and_join_a_running_batch():
     assert engine.steps < 20 + 5 + 8  # far fewer steps than one request at a time
 
 
+class Gated(Script):
+    """A Script whose decode steps wait for `gate`: the test decides when the engine moves on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def decode(self, tokens):
+        self.gate.wait(timeout=30)
+        return super().decode(tokens)
+
+
 def test_a_cancelled_request_leaves_the_batch_and_a_full_queue_refuses():
     async def main():
-        engine = Engine(Script({(9, 9): [1] * 60}, max_batch=1), decode, max_queue=1)
+        backend = Gated({(9, 9): [1] * 60}, max_batch=1)
+        engine = Engine(backend, decode, max_queue=1)
         engine.start()
         try:
             first = engine.submit([9, 9], Sampling(max_tokens=60, temperature=0), {0})
-            await first.events.get()
+            await first.events.get()  # the prefill's token; the first decode step waits at the gate
             second = engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
             with pytest.raises(QueueFull):
                 engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
             first.cancel()
+            backend.gate.set()
             while (await second.events.get()).finish_reason is None:
                 pass
             return first, second
         finally:
+            backend.gate.set()
             await engine.stop()
     first, second = asyncio.run(main())
     assert first.finish_reason == "cancelled" and len(first.generated) < 60
