@@ -4,3 +4,4 @@ from flows import stage_flow
 
 finetune_classify = stage_flow("finetune_classify")
 finetune_instruct = stage_flow("finetune_instruct")
+finetune_preference = stage_flow("finetune_preference")

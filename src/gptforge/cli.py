@@ -34,10 +34,12 @@ FLOW_MODULES = {
     "prepare_pretrain": "flows.prepare",
     "prepare_classify": "flows.prepare",
     "prepare_instruct": "flows.prepare",
+    "prepare_preference": "flows.prepare",
     "prepare_base": "flows.prepare",
     "pretrain": "flows.pretrain",
     "finetune_classify": "flows.finetune",
     "finetune_instruct": "flows.finetune",
+    "finetune_preference": "flows.finetune",
     "benchmark": "flows.benchmark",
     "evaluate": "flows.evaluate",
     "register": "flows.register",
@@ -93,7 +95,7 @@ def build_parser() -> Parser:
     prepare_sub.required = True
     from gptforge.stages import STAGES
 
-    for what in ("pretrain", "classify", "instruct", "base"):
+    for what in ("pretrain", "classify", "instruct", "preference", "base"):
         stage = STAGES[f"prepare_{what}"]
         p = prepare_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
         _config_args(p)
@@ -110,7 +112,7 @@ def build_parser() -> Parser:
     finetune = sub.add_parser("finetune", help="fine-tuning stages")
     finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
     finetune_sub.required = True
-    for what in ("classify", "instruct"):
+    for what in ("classify", "instruct", "preference"):
         stage = STAGES[f"finetune_{what}"]
         p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
         _config_args(p)

@@ -27,6 +27,12 @@ DEFAULT_PARAMS = "params.yaml"
 
 SMS_SPAM_URL = "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip"
 ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
+# LLMs-from-scratch ch. 7's preference pairs (the Alpaca-style records with chosen/rejected answers)
+PREFERENCE_URL = ("https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch07/04_preference-tuning-with-dpo/"
+                  "instruction-data-with-preference.json")
+# trl 1.16's DPOTrainer loss types (DPOConfig.loss_type); sigmoid is DPO's own.
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 
 
 class Section(BaseModel):
@@ -121,11 +127,29 @@ class InstructData(Section):
     _splits = field_validator("splits")(_check_splits)
 
 
+class PreferenceData(Section):
+    # LLMs-from-scratch ch. 7's records (instruction, input, output, chosen, rejected) or Hugging
+    # Face's (prompt, chosen, rejected; chosen/rejected may be message lists), e.g. UltraFeedback.
+    source: str = PREFERENCE_URL
+    sha256: Optional[str] = None
+    split: str = "train_prefs"  # for hf:// sources
+    splits: list[float] = [0.85, 0.10, 0.05]
+    # records without chosen/rejected, with identical ones, or of another shape are dropped and
+    # counted; more than this fraction of them fails the stage
+    max_bad_fraction: float = Field(0.01, ge=0, le=1)
+    seed: int = 123
+
+    _sample = field_validator("source", mode="before")(_resolve_sample)
+    _source = field_validator("source")(_check_source)
+    _splits = field_validator("splits")(_check_splits)
+
+
 class DataConfig(Section):
     download: DownloadConfig = DownloadConfig()
     pretrain: PretrainData = PretrainData()
     classify: ClassifyData = ClassifyData()
     instruct: InstructData = InstructData()
+    preference: PreferenceData = PreferenceData()
 
 
 # GPT-2 sizes (n_layer, n_head, n_embd); all have 1024 positions.
@@ -262,7 +286,6 @@ class FinetuneCommon(Section):
     lr: float = Field(5e-5, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     eval_interval: int = Field(50, gt=0, description="optimizer steps between evaluations")
-    eval_batches: int = Field(5, gt=0, description="validation batches per evaluation")
     max_length: Optional[int] = Field(None, gt=1, description="null: the model's block_size")
     lora: LoraConfig = LoraConfig()
     # recompute each block's activations in the backward pass: less memory, ~1/3 more compute
@@ -273,6 +296,7 @@ class ClassifyConfig(FinetuneCommon):
     # head: the new head only; last_block: + last transformer block and final LayerNorm
     # (LLMs-from-scratch ch. 6); all: every weight; lora: LoRA adapters + the head.
     trainable: Literal["head", "last_block", "all", "lora"] = "all"
+    eval_batches: int = Field(5, gt=0, description="validation batches per evaluation")
     n_classes: int = Field(2, ge=2)
     epochs: int = Field(5, gt=0)
 
@@ -289,6 +313,7 @@ class InstructConfig(FinetuneCommon):
     # alpaca | phi3 (any model) | chat (the tokenizer's own chat template: Hugging Face models)
     template: Literal["alpaca", "phi3", "chat"] = "alpaca"
     method: Literal["full", "lora"] = "full"
+    eval_batches: int = Field(5, gt=0, description="validation batches per evaluation")
     # 4bit: QLoRA (bitsandbytes NF4 weights, bf16 compute; method lora, CUDA only)
     quantize: Optional[Literal["4bit"]] = None
     # batches of similar lengths (shuffled in groups of 50 batches), so little compute goes to padding
@@ -309,6 +334,35 @@ class InstructConfig(FinetuneCommon):
     epochs: int = Field(2, gt=0)
     n_responses: Optional[int] = Field(20, gt=0, description="test examples answered at the end; null: all")
     max_new_tokens: int = Field(64, gt=0)
+
+
+class PreferenceConfig(FinetuneCommon):
+    # The model to align (default: the instruct stage's) and the frozen reference the rewards are
+    # measured against: null = the same model as init_from (full: a frozen copy; lora: the
+    # policy with its adapter disabled, peft's way, no second copy in memory).
+    init_from: str = "checkpoints/instruct/final"
+    reference: Optional[str] = None
+    template: Optional[Literal["alpaca", "phi3", "chat"]] = None  # null: instruct.template (the SFT's)
+    method: Literal["full", "lora"] = "full"
+    beta: float = Field(0.1, gt=0)  # LLMs-from-scratch ch. 7, and trl's default
+    loss_type: str = "sigmoid"  # trl's DPOConfig.loss_type: sigmoid is DPO; ipo, hinge, ... (DPO_LOSSES)
+    lr: float = Field(5e-6, gt=0)
+    epochs: int = Field(1, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    max_samples: Optional[int] = Field(None, gt=0, description="training pairs used (the split's first N); null: all")
+    # batches of pairs of similar lengths (transformers' LengthGroupedSampler): less padding to score
+    group_by_length: bool = True
+    n_responses: Optional[int] = Field(5, gt=0, description="test prompts answered by both models; null: all")
+    max_new_tokens: int = Field(64, gt=0)
+
+    @field_validator("loss_type")
+    @classmethod
+    def _loss(cls, value: str) -> str:
+        if value not in DPO_LOSSES:
+            close = difflib.get_close_matches(value, DPO_LOSSES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"unknown loss {value!r}{hint}; trl's DPO losses are {', '.join(DPO_LOSSES)}")
+        return value
 
 
 class EvalSource(Section):
@@ -391,6 +445,7 @@ class Config(Section):
     pretrain: PretrainConfig = PretrainConfig()
     classify: ClassifyConfig = ClassifyConfig()
     instruct: InstructConfig = InstructConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
     base: BaseModelsConfig = BaseModelsConfig()

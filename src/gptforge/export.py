@@ -51,6 +51,23 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_path: s
     return out_dir
 
 
+def hf_gpt2_tokenizer(tokenizer_path: str | None, block_size: int):
+    """The run's GPT-2 tokenizer (`tokenizer.path`: a folder with encoder.json and vocab.bpe, or
+    None for the hub's `gpt2`) as a transformers tokenizer, written as `export_hf` writes it and
+    loaded back: for libraries that take a Hugging Face tokenizer (trl's trainers)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="gptforge-tokenizer-") as tmp:
+        if tokenizer_path is not None:
+            _check_tokenizer_folder(tokenizer_path)
+            _write_tokenizer_from_files(Path(tokenizer_path), Path(tmp), block_size)
+        else:
+            _write_tokenizer_from_hub(Path(tmp), block_size)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
 def _check_tokenizer_folder(path: str) -> int:
     """A folder with OpenAI's encoder.json + vocab.bpe (load_tokenizer checks the pair);
     returns the vocabulary size."""

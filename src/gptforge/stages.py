@@ -45,6 +45,9 @@ STAGES: dict[str, Stage] = {
         Stage("prepare_instruct", "gptforge.data.instruct:prepare_instruct",
               ("data.download", "data.instruct"),
               "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
+        Stage("prepare_preference", "gptforge.data.preference:prepare_preference",
+              ("data.download", "data.preference"),
+              "preference pairs (prompt, chosen, rejected) -> train/val/test jsonl (data/preference/)"),
         Stage("prepare_base", "gptforge.base_models:prepare_base", ("base",),
               "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)"),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
@@ -56,6 +59,10 @@ STAGES: dict[str, Stage] = {
         Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct"),
               "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True,
               headline=("val_loss", "test_loss", "response_tokens_per_sec")),
+        Stage("finetune_preference", "gptforge.finetune.preference:finetune_preference",
+              ("tokenizer", "instruct.template", "preference"),
+              "align the instruction model with preference pairs: DPO through trl (checkpoints/preference/)",
+              system_metrics=True, headline=("val_reward_accuracy", "val_reward_margin")),
         Stage("evaluate", "gptforge.evaluate:evaluate", ("tokenizer", "evaluate"),
               "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
         Stage("register", "gptforge.register:register", ("tokenizer", "registry"),
@@ -101,6 +108,7 @@ SOURCE_PARAMS = {
     "prepare_pretrain": "data.pretrain.source",
     "prepare_classify": "data.classify.source",
     "prepare_instruct": "data.instruct.source",
+    "prepare_preference": "data.preference.source",
 }
 
 
