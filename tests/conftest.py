@@ -325,6 +325,9 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
         "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
         "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
+        # DPO on a few of the embedded preference pairs (the data stage reads the whole sample)
+        "preference.max_samples": 8, "preference.batch_size": 4, "preference.n_responses": 2,
+        "preference.max_new_tokens": 8, "preference.eval_interval": 1000, "data.preference.splits": [0.97, 0.01, 0.02],
         "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
         "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
         "benchmark.profile_steps": 1,

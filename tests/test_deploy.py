@@ -25,8 +25,8 @@ from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_p
 
 pytestmark = pytest.mark.slow
 
-STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain", "finetune_classify",
-          "finetune_instruct", "evaluate", "register", "benchmark"]
+STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "pretrain",
+          "finetune_classify", "finetune_instruct", "finetune_preference", "evaluate", "register", "benchmark"]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 

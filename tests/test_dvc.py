@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import BIN, cli_env, error_lines, set_params, stage_params
+from gptforge.weights import load_model as load_model_folder
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,8 @@ def ran_stages(output: str) -> list[str]:
 def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file, small_tokenizer, prefect_api,
                                       mlflow_server):
     set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file))
-    names = {model: f"dvc-test-{model}-{uuid.uuid4().hex[:8]}" for model in ("pretrain", "classify", "instruct")}
+    names = {model: f"dvc-test-{model}-{uuid.uuid4().hex[:8]}"
+             for model in ("pretrain", "classify", "instruct", "preference")}
     set_params(repo_copy, **{"registry.names": names, "registry.promote": {"classify": {"classify.test_accuracy": ">= 0.0"}},
                              # the GPT-2 BPE (embedded): the language models then export to transformers
                              "tokenizer.path": "sample://gpt2_tokenizer", "model.vocab_size": 50304})
@@ -44,17 +46,26 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
 
     first = dvc(repo_copy, "repro", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert sorted(ran_stages(first.stdout)) == sorted(["prepare_classify", "prepare_instruct", "prepare_pretrain",
-                                                       "pretrain", "finetune_classify", "finetune_instruct", "evaluate",
+    assert sorted(ran_stages(first.stdout)) == sorted(["prepare_classify", "prepare_instruct", "prepare_preference",
+                                                       "prepare_pretrain", "pretrain", "finetune_classify",
+                                                       "finetune_instruct", "finetune_preference", "evaluate",
                                                        "register", "benchmark"])
     assert json.loads((repo_copy / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo_copy / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "pretrain",
-                                   "finetune_classify", "finetune_instruct", "evaluate", "register", "benchmark"}
+    assert set(lock["stages"]) == {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference",
+                                   "pretrain", "finetune_classify", "finetune_instruct", "finetune_preference",
+                                   "evaluate", "register", "benchmark"}
     evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
-    assert {"pretrain.hellaswag.acc_norm", "instruct.hellaswag.acc_norm"} <= set(evaluated)
+    assert {"pretrain.hellaswag.acc_norm", "instruct.hellaswag.acc_norm", "preference.hellaswag.acc_norm"} <= set(evaluated)
+    # The preference stage on the embedded pairs (ch. 7's 1,100, 6 identical ones dropped by the data stage).
+    prepared = json.loads((repo_copy / "metrics/prepare_preference.json").read_text())
+    assert prepared["records"] == 1100 and prepared["identical"] == 6
+    preference = json.loads((repo_copy / "metrics/preference.json").read_text())
+    assert preference["train_pairs"] == 8 and preference["val_reward_accuracy_before"] == 0
+    assert len((repo_copy / "reports/preference_responses.jsonl").read_text().splitlines()) == 2
+    assert load_model_folder(repo_copy / "checkpoints/preference/final").config.n_embd == 32
     assert "| baseline |" in (repo_copy / "reports/benchmark.md").read_text()
     assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo_copy / "metrics/classify.json").read_text()))
     assert len((repo_copy / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
@@ -92,7 +103,7 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
                            timeout=300)  # forced: same weights, so no new version
     assert again.returncode == 0, again.stderr[-2000:]
     assert {m: len(client.search_model_versions(f"name = '{n}'")) for m, n in names.items()} == {
-        "pretrain": 1, "classify": 1, "instruct": 1}
+        "pretrain": 1, "classify": 1, "instruct": 1, "preference": 1}
 
     # A gate the new classifier fails: it becomes the challenger, the champion stays version 1.
     set_params(repo_copy, **{"data.classify.splits": [0.6, 0.2, 0.2],
@@ -118,7 +129,8 @@ def test_repro_runs_stale_stages_only(repo_copy, tmp_path, sms_file, alpaca_file
 def check_registry(repo: Path, client, names: dict, env: dict) -> None:
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    for model, stage in (("pretrain", "pretrain"), ("classify", "finetune_classify"), ("instruct", "finetune_instruct")):
+    for model, stage in (("pretrain", "pretrain"), ("classify", "finetune_classify"), ("instruct", "finetune_instruct"),
+                         ("preference", "finetune_preference")):
         (version,) = client.search_model_versions(f"name = '{names[model]}'")
         tags = version.tags
         assert tags["git.commit"] == commit and tags["dvc.stage"] == stage

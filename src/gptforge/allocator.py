@@ -7,10 +7,14 @@ every step (a (tokens x 50,257) logits buffer is hundreds of MB), so each step p
 to zero and map those pages again: page faults, measured as system time larger than the user
 time. With the thresholds raised the freed blocks stay in the heap and are reused.
 
-Measured on a 2-core AMD EPYC (2026-11-24), trl's fused log-probability head forward and
-backward over 16 x 86 tokens of the quickstart GPT: 3.24 s per step as glibc ships, 1.08 s
-with `keep_freed_memory()` (the same with MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set in
-the environment). The cost: the process keeps its peak heap until it exits.
+Measured on a 2-core AMD EPYC (2026-11-24), glibc as it ships against the raised thresholds:
+trl's fused log-probability head, forward and backward over 16 x 86 tokens of the quickstart
+GPT (the preference stage's step): 3.24 s -> 1.08 s; `benchmarks/bench_train_step.py` on the
+quickstart params (a pretraining step): 1,936 -> 3,053 tokens/s (the thresholds set through
+MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, which glibc reads at start).
+The cost: a process keeps its peak heap until it exits.
+
+`gptforge`'s command line calls `keep_freed_memory()` first thing, so every stage gets it.
 
 `mallopt` only changes how later allocations are served, so calling it after torch is imported
 is fine. Anything that is not glibc (macOS, musl) is left as it is.

@@ -25,6 +25,7 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 import gptforge
+from gptforge.allocator import keep_freed_memory
 from gptforge.errors import BadInput, GptforgeError
 
 log = logging.getLogger("gptforge")
@@ -606,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.unregister(_silence_module_teardown)  # main() may run more than once in a process
     atexit.register(_silence_module_teardown)
     _skip_exit_gc()
+    keep_freed_memory()  # CPU steps reuse their freed buffers instead of page-faulting them back
     _setup_logging()
     debug = bool(os.environ.get("GPTFORGE_DEBUG"))
     try:

@@ -381,7 +381,8 @@ class EvaluateConfig(Section):
     batch_size: int = Field(16, gt=0)
     device: str = "auto"
     # Models evaluated, each when its folder exists: name -> gptforge checkpoint or Hugging Face causal-LM folder.
-    models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}
+    models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final",
+                              "preference": "checkpoints/preference/final"}
     hellaswag: EvalSource = EvalSource()
     mmlu: EvalSource = EvalSource()
 
@@ -432,7 +433,7 @@ class TrackingConfig(Section):
 class RegistryConfig(Section):
     # The MLflow Model Registry name of each model the pipeline makes (stage `register`).
     names: dict[str, str] = {"pretrain": "gptforge-pretrain", "classify": "gptforge-classify",
-                             "instruct": "gptforge-instruct"}
+                             "instruct": "gptforge-instruct", "preference": "gptforge-preference"}
     # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
     # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
     promote: dict[str, dict[str, str]] = {"classify": {"classify.test_accuracy": ">= 0.95"}}

@@ -51,14 +51,21 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_path: s
     return out_dir
 
 
-def hf_gpt2_tokenizer(tokenizer_path: str | None, block_size: int):
-    """The run's GPT-2 tokenizer (`tokenizer.path`: a folder with encoder.json and vocab.bpe, or
-    None for the hub's `gpt2`) as a transformers tokenizer, written as `export_hf` writes it and
-    loaded back: for libraries that take a Hugging Face tokenizer (trl's trainers)."""
+def hf_tokenizer(tokenizer_path: str | None, block_size: int):
+    """The run's tokenizer (`tokenizer.path`) as a transformers tokenizer, for libraries that take
+    one (trl's trainers): a folder with OpenAI's encoder.json and vocab.bpe, or None for the hub's
+    `gpt2`, written as `export_hf` writes it and loaded back; a `.tiktoken` rank file through
+    transformers' TikTokenConverter, with `<|endoftext|>` after the ranks as tiktoken puts it."""
     import tempfile
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if tokenizer_path is not None and Path(tokenizer_path).is_file():
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        load_tokenizer(tokenizer_path)  # the rank file's own checks, one line each
+        converted = TikTokenConverter(vocab_file=str(tokenizer_path), extra_special_tokens=[EOT_TOKEN]).converted()
+        return PreTrainedTokenizerFast(tokenizer_object=converted, model_max_length=block_size, **_special_tokens())
     with tempfile.TemporaryDirectory(prefix="gptforge-tokenizer-") as tmp:
         if tokenizer_path is not None:
             _check_tokenizer_folder(tokenizer_path)

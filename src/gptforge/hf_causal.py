@@ -207,4 +207,7 @@ def block_linear_names(model) -> list[str]:
     import torch.nn as nn
 
     blocks, _ = find_blocks(model)
-    return sorted({name.rsplit(".", 1)[-1] for name, m in blocks.named_modules() if isinstance(m, nn.Linear)})
+    # transformers' GPT-2 keeps its projections in Conv1D (a Linear with the weight transposed),
+    # which peft adapts as well (fan_in_fan_out)
+    return sorted({name.rsplit(".", 1)[-1] for name, m in blocks.named_modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})

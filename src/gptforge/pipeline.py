@@ -314,13 +314,15 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
 
 PRETRAIN_OUT = "checkpoints/pretrain"
 BASE_OUT = "checkpoints/base"
+INSTRUCT_OUT = "checkpoints/instruct"
 PRETRAIN_STAGES = ("prepare_pretrain", "pretrain")
 
 
 def start_folders(cfg: Config) -> dict[str, str]:
     """The folders the fine-tuning and evaluation stages start from, by param: dvc.yaml names
-    `classify.init_from` and `instruct.init_from` as dependencies."""
+    `classify.init_from`, `instruct.init_from` and `preference.init_from` as dependencies."""
     return {"classify.init_from": cfg.classify.init_from, "instruct.init_from": cfg.instruct.init_from,
+            "preference.init_from": cfg.preference.init_from,
             **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()}}
 
 
@@ -330,12 +332,14 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
-    """dvc.yaml makes `classify.init_from` and `instruct.init_from` dependencies, so each must
-    be a folder: made by a stage (checkpoints/pretrain/..., checkpoints/base/NAME for a NAME in
+    """dvc.yaml makes `classify.init_from`, `instruct.init_from` and `preference.init_from`
+    dependencies, so each must be a folder: made by a stage (checkpoints/pretrain/...,
+    checkpoints/instruct/... for the preference stage, checkpoints/base/NAME for a NAME in
     base.models) or already there. A hub name is refused with the way to fetch it."""
-    for param in ("classify.init_from", "instruct.init_from"):
+    for param in ("classify.init_from", "instruct.init_from", "preference.init_from"):
         value = start_folders(cfg)[param]
-        if _inside(value, PRETRAIN_OUT) or (root / value).exists():
+        made_before = param == "preference.init_from" and _inside(value, INSTRUCT_OUT)
+        if made_before or _inside(value, PRETRAIN_OUT) or (root / value).exists():
             continue
         if _inside(value, BASE_OUT):
             name = Path(value).relative_to(BASE_OUT).parts[0]
@@ -466,9 +470,11 @@ HEADLINES = (
     ("spam test F1", "metrics/classify.json", "f1", "{:.4f}"),
     ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}"),
     ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s"),
+    ("DPO reward accuracy (val)", "metrics/preference.json", "val_reward_accuracy", "{:.3f}"),
+    ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}"),
 )
 REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
-           "plots/")
+           "reports/preference_responses.jsonl", "plots/")
 
 
 def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None) -> list[str]:
@@ -497,7 +503,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
         registered = read_json(root / "metrics/register.json", missing="")
         versions = [f"{m} v{int(registered[f'{m}.version'])}" + (" champion" if registered.get(f"{m}.champion") else
                                                                  " challenger")
-                    for m in ("pretrain", "classify", "instruct") if f"{m}.version" in registered]
+                    for m in ("pretrain", "classify", "instruct", "preference") if f"{m}.version" in registered]
         if versions:
             lines.append(f"  {'registered models':<28} {', '.join(versions)}")
     found = [r for r in REPORTS if (root / r).exists()]

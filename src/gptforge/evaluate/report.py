@@ -35,7 +35,9 @@ log = logging.getLogger("gptforge")
 REFERENCE = {("hellaswag", "acc_norm"): (0.3114, "GPT-2 124M in lm-eval")}
 CHANCE = {("mmlu", "acc"): 0.25, ("mmlu", "acc_subject_mean"): 0.25}
 OTHER_METRICS = {"metrics/classify.json": ("spam classifier", ("test_accuracy", "precision", "recall", "f1")),
-                 "metrics/instruct.json": ("instruction model", ("test_loss",))}
+                 "metrics/instruct.json": ("instruction model", ("test_loss",)),
+                 "metrics/preference.json": ("preference-tuned model (DPO)", ("val_reward_accuracy",
+                                                                              "val_reward_margin"))}
 
 
 def _is_number(v: Any) -> bool:

@@ -62,10 +62,6 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
         # TF32 matmuls: ~8x the fp32 tensor throughput on Ampere+, at a 10-bit mantissa.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    else:  # freed step buffers stay in the process instead of costing page faults each step
-        from gptforge.allocator import keep_freed_memory
-
-        keep_freed_memory()
     resolved = precision if precision != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     if resolved == "fp16" and dev.type == "cpu":
         raise BadInput(f"{param}.precision fp16 needs CUDA; on the CPU use bf16 or fp32")

@@ -198,14 +198,14 @@ def load_models(cfg: Config, rt: Runtime) -> Models:
         check_reference(c.init_from, c.reference)
     source = hf_source(c.init_from)
     if source is None:  # our GPT: trained by trl as transformers' GPT-2 with the same weights
-        from gptforge.export import hf_gpt2_tokenizer
+        from gptforge.export import hf_tokenizer
         from gptforge.hf_convert import to_hf
         from gptforge.tokenizer import load_tokenizer
 
         enc = load_tokenizer(cfg.tokenizer.path)
         gpt = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
         policy = to_hf(gpt).train()
-        tokenizer = hf_gpt2_tokenizer(cfg.tokenizer.path, gpt.config.block_size)
+        tokenizer = hf_tokenizer(cfg.tokenizer.path, gpt.config.block_size)
         ref = None
         if c.reference is not None:
             ref = to_hf(load_base(c.reference, enc.n_vocab, param=f"{PARAM}.reference"))
@@ -268,7 +268,7 @@ def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runti
         # Trainer drops unused columns before it builds the sampler
         train_sampling_strategy="group_by_length" if c.group_by_length else "random", length_column_name="length",
         remove_unused_columns=False,
-        gradient_checkpointing=c.gradient_checkpointing,
+        activation_checkpointing=c.gradient_checkpointing,  # trl's DPOConfig would default it on
         bf16=rt.precision == "bf16", fp16=rt.precision == "fp16", use_cpu=rt.device.type == "cpu",
         dataloader_pin_memory=rt.device.type == "cuda", disable_tqdm=False,
     )

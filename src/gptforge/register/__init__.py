@@ -1,7 +1,7 @@
 """Stage `register`: every model the pipeline made, versioned in the MLflow Model Registry.
 
 For each model of `registry.names` whose folder exists (the pretrained LM, the spam classifier,
-the instruction model) the stage logs it as an MLflow model in the stage's run and registers it
+the instruction model, the preference-tuned model) the stage logs it as an MLflow model in the stage's run and registers it
 as a new version of its registered model, unless a version with the same weights already exists
 (the weights' hash is a version tag: re-running with nothing changed adds no version). Language
 models go through MLflow's transformers flavor (a gptforge checkpoint is exported to a Hugging
@@ -39,6 +39,7 @@ MODELS = {
     "pretrain": ("pretrain", "checkpoints/pretrain/final", "pretrain"),
     "classify": ("finetune_classify", "checkpoints/classify/final", "classify"),
     "instruct": ("finetune_instruct", "checkpoints/instruct/final", "instruct"),
+    "preference": ("finetune_preference", "checkpoints/preference/final", "preference"),
 }
 CHAMPION, CHALLENGER = "champion", "challenger"
 PROMPT_EXAMPLE = "Once upon a time"
