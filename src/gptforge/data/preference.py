@@ -34,7 +34,7 @@ from gptforge.errors import BadInput
 from gptforge.steps import DIRECT, Steps
 from gptforge.tracking import NullRun, publish_metrics
 
-from gptforge.data.sources import is_hf, load_hf, materialize, read_records, shuffle_split, write_splits
+from gptforge.data.sources import shuffle_split, source_records, write_splits
 
 log = logging.getLogger("gptforge")
 
@@ -80,14 +80,8 @@ def prepare_preference(
     raw_dir: str | os.PathLike = "data/raw",
 ) -> dict:
     d = cfg.data.preference
-    if is_hf(d.source):
-        records = steps(load_hf_records, d.source, split=d.split)
-    else:
-        path = materialize(d.source, param=PARAM, sha256=d.sha256, download=cfg.data.download, steps=steps,
-                           raw_dir=raw_dir)
-        if path.is_dir():
-            raise BadInput(f"{PARAM}: {path} is a folder; expected a .json, .jsonl, .csv or .parquet file")
-        records = steps(read_records, path, param=PARAM)
+    records = source_records(d.source, param=PARAM, split=d.split, sha256=d.sha256, download=cfg.data.download,
+                             steps=steps, raw_dir=raw_dir)
     validated = steps(validate_records, records, where=f"{PARAM} {d.source}", max_bad_fraction=d.max_bad_fraction)
     splits = steps(shuffle_split, validated.records, d.splits, d.seed)
     steps(write_splits, splits, out_dir)
@@ -98,10 +92,6 @@ def prepare_preference(
     log.info("preference data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
              out_dir)
     return metrics
-
-
-def load_hf_records(source: str, *, split: str = "train_prefs") -> list[Any]:
-    return [dict(r) for r in load_hf(source, split=split, param=PARAM)]
 
 
 def validate_records(records: Sequence[Any], *, where: str, max_bad_fraction: float) -> Validated:

@@ -374,6 +374,24 @@ def load_hf(source: str, *, name: str | None = None, split: str = "train", strea
         raise SourceUnreachable(f"cannot load {what}: {reason}; set {param} to a local copy") from None
 
 
+def load_hf_records(source: str, *, split: str, param: str) -> list[Any]:
+    """Every row of a hub dataset split as a plain dict."""
+    return [dict(r) for r in load_hf(source, split=split, param=param)]
+
+
+def source_records(source: str, *, param: str, split: str, sha256: str | None, download: DownloadConfig,
+                   steps: Steps = DIRECT, raw_dir: str | os.PathLike = "data/raw") -> list[Any]:
+    """The records of a record-file source (the instruct and preference data stages): a hub
+    dataset's `split`, or a downloaded or local .json / .jsonl / .csv / .parquet file (a folder
+    is refused in one line naming `param`). Each part runs as a step (a Prefect task)."""
+    if is_hf(source):
+        return steps(load_hf_records, source, split=split, param=param)
+    path = materialize(source, param=param, sha256=sha256, download=download, steps=steps, raw_dir=raw_dir)
+    if path.is_dir():
+        raise BadInput(f"{param}: {path} is a folder; expected a .json, .jsonl, .csv or .parquet file")
+    return steps(read_records, path, param=param)
+
+
 # ---------------------------------------------------------------------------------------------
 # Splits
 

@@ -403,6 +403,8 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     n = len(pairs["test"].rows) if c.n_responses is None else min(c.n_responses, len(pairs["test"].rows))
     sft_answers = answers(models.policy, pairs["test"].prompts()[:n], models=models, gpt_model=models.gpt,
                           max_new_tokens=c.max_new_tokens, rt=rt)
+    if models.gpt is not None:
+        models.gpt.to("cpu")  # only its config is needed from here on: keep the device for training
     n_train, n_total = trainable_params(models.policy)
     log.info("preference: DPO (%s, beta %g, %s), %d of %d parameters train; template %s, max_length %d; %s",
              c.loss_type, c.beta, c.method, n_train, n_total, template, max_length,
