@@ -19,6 +19,38 @@ from gptforge.stages import STAGES, run_stage
 from tasks import PrefectSteps
 
 
+def temporary_server_in_own_session() -> None:
+    """Make the temporary Prefect server (the one Prefect starts on first use when no
+    PREFECT_API_URL is set) start in a session of its own.
+
+    As Prefect starts it, it shares the terminal's process group with the command: Ctrl-C (SIGINT
+    to that whole group) killed the server at once while the stages it had started under dvc,
+    stopping, still reported to it; their Prefect clients then retried for minutes and the
+    pipeline, waiting for them, hung. In its own session the server hears only its owner, which
+    stops it after the flow, its stages included, has ended (`cli._stop_temporary_server`).
+    Prefect's own start-up code runs unchanged; only the Popen it calls gets
+    `start_new_session=True`, for the duration of that call."""
+    import functools
+    import subprocess
+    from unittest import mock
+
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from prefect.server.api import server as server_module
+
+    base = server_module.SubprocessASGIServer
+    if None in base._instances:
+        return
+
+    class OwnSessionServer(base):
+        def _run_uvicorn_command(self):
+            popen = functools.partial(subprocess.Popen, start_new_session=True)
+            with mock.patch.object(server_module.subprocess, "Popen", popen):
+                return super()._run_uvicorn_command()
+
+    OwnSessionServer()  # registered as the port-less instance that Prefect's clients start
+
+
 def flow_run_tags() -> dict[str, str]:
     return {"prefect.flow_run_id": str(runtime.flow_run.id), "prefect.flow_run_name": runtime.flow_run.name}
 

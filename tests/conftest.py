@@ -239,6 +239,20 @@ def mlflow_server(tmp_path, mlflow_uri):
         log.close()
 
 
+def processes_in(folder: Path) -> list[str]:
+    """The command lines of the processes (other than this one) whose working directory is `folder`."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
+        try:
+            if p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():
+                found.append(" ".join(p.info["cmdline"] or []))
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.update(extra)

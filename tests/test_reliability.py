@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import BIN, cli_env, error_lines, run_cli, set_params, snapshot, stage_params
+from conftest import BIN, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params
 from gptforge import locks
 
 LONG_PRETRAIN = {"pretrain.max_steps": 2000, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
@@ -87,19 +87,6 @@ def test_second_pipeline_and_second_stage_are_refused_and_change_nothing(repo_co
     finally:
         holder.kill()
         holder.wait()
-
-
-def _processes_in(folder: Path) -> list[str]:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
-        try:
-            if p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():
-                found.append(" ".join(p.info["cmdline"] or []))
-        except (psutil.Error, OSError):
-            pass
-    return found
 
 
 def _weights(repo: Path) -> dict[str, torch.Tensor]:
@@ -191,7 +178,7 @@ def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp
     assert stopped, err[-3000:]
     step = int(stopped[0].split(" at step ")[1].split(";")[0])
     assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file() and not (ckpts / "final").exists()
-    assert _processes_in(repo_copy) == []  # dvc and the stage command are gone too
+    assert processes_in(repo_copy) == []  # dvc and the stage command are gone too
 
     from mlflow.tracking import MlflowClient
 

@@ -20,12 +20,15 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Callable, Iterator, Sequence
 
 import gptforge
 from gptforge.allocator import keep_freed_memory
+from gptforge.signals import stop_signal, stop_with_launcher, terminate_as_interrupt
 from gptforge.errors import BadInput, GptforgeError
 
 log = logging.getLogger("gptforge")
@@ -445,6 +448,8 @@ def cmd_stage(args) -> int:
     params = params_file(args)
     cfg = load_config(params, args.set)
     check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
+    if "WORLD_SIZE" not in os.environ:  # torchrun's workers are stopped by torchrun
+        stop_with_launcher()  # `kill` of the `dvc repro` that started this stage stops it too
     if use_prefect():
         from flows import run_stage_flow
 
@@ -550,6 +555,9 @@ def _prefect_console() -> Iterator[None]:
     interpreter exit, so that its "Stopping temporary server" comes before the CLI's error
     line and the error is the last line a user reads."""
     _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
+    from flows import temporary_server_in_own_session
+
+    temporary_server_in_own_session()
     try:
         yield
     finally:
@@ -603,11 +611,39 @@ def _silence_module_teardown() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
+def entry() -> None:
+    """The `gptforge` command: `main`, then an exit that takes a bounded time (`exit_within`)."""
+    code = main()
+    exit_within(float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "10")), code)
+    sys.exit(code)
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """End the process with `code` at most `seconds` from now, whatever is still running.
+
+    What is left to send at exit (Prefect's events and logs, MLflow's queued metrics) is sent
+    by threads and exit handlers that wait for a server: one that went away (a stopped
+    temporary Prefect server, a tracking server down) was seen to hold a stopped stage for over
+    4 minutes in retries, and the pipeline waiting on it. A daemon timer exits the process once
+    the grace period is over, saying so; a clean exit never reaches it."""
+    def force_exit() -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"gptforge: exiting {seconds:g} s after the command ended: what was left to send to "
+                             "the Prefect API or the MLflow tracking server is dropped\n")
+            sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, force_exit)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     atexit.unregister(_silence_module_teardown)  # main() may run more than once in a process
     atexit.register(_silence_module_teardown)
     _skip_exit_gc()
     keep_freed_memory()  # CPU steps reuse their freed buffers instead of page-faulting them back
+    terminate_as_interrupt()  # SIGTERM stops like Ctrl-C: MLflow runs end KILLED, exit 143
     _setup_logging()
     debug = bool(os.environ.get("GPTFORGE_DEBUG"))
     try:
@@ -628,7 +664,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gptforge: error: {type(e).__name__}: {_one_line(e)} (GPTFORGE_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1
+    except BaseException as e:
+        signum = stop_signal(e)
+        if signum is None:
+            raise
+        # Prefect's SIGTERM bridge inside a flow run (TerminationSignal): the run was stopped.
+        print(f"gptforge: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

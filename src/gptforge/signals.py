@@ -1,9 +1,14 @@
-"""Stop a long loop cleanly on SIGINT/SIGTERM: finish the step, save, then stop.
+"""Stopping on SIGINT/SIGTERM, at every level of a run: loop, stage, `dvc repro`, pipeline.
 
 A worker being drained, `docker stop`, a Prefect cancellation and Ctrl-C all send one of the
-two. Killing training mid-step would lose everything since the last checkpoint; instead the
-handler only records the request, and the loop checkpoints at the end of the step it is in and
-raises `Stopped`. A second signal stops at once (the usual KeyboardInterrupt).
+two. Killing training mid-step would lose everything since the last checkpoint; instead
+`stop_requested` only records the request, and the loop checkpoints at the end of the step it
+is in and raises `Stopped`. A second signal stops at once (the usual KeyboardInterrupt).
+Elsewhere `terminate_as_interrupt` makes SIGTERM raise like Ctrl-C, so `finally` blocks run and
+runs are recorded as stopped. A process that starts others (the pipeline starts `dvc repro`,
+pretrain starts torchrun) forwards what it receives to their process group and waits for all
+of it (`forwarded_to`), and a stage that `dvc repro` started stops when dvc goes away without
+passing the signal on (`stop_with_launcher`): no process of a run outlives it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,20 @@ import os
 import signal
 import subprocess
 import threading
+import time
+from pathlib import Path
 from typing import Iterator
 
 log = logging.getLogger("gptforge")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# From the first signal to SIGKILL of whatever of a child's process group is still running: a
+# stage saves its checkpoint and ends its records well within it, and the whole run is gone
+# within the 30 s that users (and `docker stop`'s 10 s default, raised in our compose file)
+# expect; GPTFORGE_STOP_GRACE_SECONDS raises it for models whose checkpoint takes longer to write.
+# A second signal shortens what is left of it to SECOND_SIGNAL_GRACE.
+STOP_GRACE_SECONDS = float(os.environ.get("GPTFORGE_STOP_GRACE_SECONDS", "20"))
+SECOND_SIGNAL_GRACE = 3.0
 
 
 class StopRequest:
@@ -60,16 +74,23 @@ def stop_requested() -> Iterator[StopRequest]:
 
 
 @contextlib.contextmanager
-def forwarded_to(proc: subprocess.Popen) -> Iterator[list[int]]:
+def forwarded_to(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> Iterator[list[int]]:
     """While `proc` (started with `start_new_session=True`) runs, SIGINT/SIGTERM sent to us go to
     its whole process group, so a stage under `dvc repro` or the workers under torchrun stop
     cleanly (a training loop checkpoints first) instead of being orphaned. The yielded list
-    records the signals received. On the way out, a group still running (we failed while it
-    ran) is sent SIGTERM and waited for: no job is left behind."""
+    records the signals received.
+
+    On the way out, nothing of the group is left: after a signal, every process of the group
+    (not only `proc`: the stage that dvc runs may outlive dvc) is waited for, up to `grace`
+    seconds from the first signal (SECOND_SIGNAL_GRACE from a second one), then SIGKILLed; a
+    group still running because we failed is sent SIGTERM first, with the same grace."""
     received: list[int] = []
+    deadline = [float("inf")]
 
     def forward(signum, frame):
         received.append(signum)
+        now = time.monotonic()
+        deadline[0] = min(deadline[0], now + (grace if len(received) == 1 else SECOND_SIGNAL_GRACE))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
 
@@ -77,17 +98,159 @@ def forwarded_to(proc: subprocess.Popen) -> Iterator[list[int]]:
     if threading.current_thread() is threading.main_thread():  # signal handlers live there only
         for sig in SIGNALS:
             previous[sig] = signal.signal(sig, forward)
+    watchdog = threading.Thread(target=_kill_after_deadline, args=(proc, deadline), daemon=True,
+                                name="gptforge-stop-deadline")
+    watchdog.start()
     try:
         yield received
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:
+        if proc.poll() is None and not received:  # we failed while it ran: stop it, with the same grace
+            deadline[0] = time.monotonic() + grace
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        try:
+            while proc.poll() is None or (received and group_alive(proc.pid)):
+                if time.monotonic() > deadline[0]:
+                    _kill_group(proc.pid)
+                time.sleep(0.05)
+            proc.wait()
+        finally:
+            deadline[0] = -1.0  # tells the watchdog to end
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _kill_after_deadline(proc: subprocess.Popen, deadline: list[float]) -> None:
+    """SIGKILL `proc`'s group once its stop deadline has passed, even while the main thread is
+    blocked (reading the group's output, which a hung process keeps open)."""
+    while deadline[0] >= 0:
+        if time.monotonic() > deadline[0]:
+            log.warning("pid %d and its group did not stop within the grace period: killed", proc.pid)
+            _kill_group(proc.pid)
+            return
+        time.sleep(0.1)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` still runs (zombies count until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_with_launcher(poll_seconds: float = 1.0) -> None:
+    """Under `dvc repro` (which sets DVC_STAGE for the commands it runs), stop this stage as if
+    sent SIGTERM when dvc itself goes away.
+
+    `kill DVC_PID` ends dvc without passing anything on: its stage went on training, orphaned,
+    until it finished (seen here). A daemon thread checks every `poll_seconds` that the dvc
+    process that started this one (found through the parent chain: a shell may sit between)
+    still runs, and when it has gone sends this process SIGTERM, so the stage saves what it can
+    and ends its records as stopped. Off dvc, or outside the main thread, it does nothing."""
+    if "DVC_STAGE" not in os.environ or threading.current_thread() is not threading.main_thread():
+        return
+    launcher = _dvc_ancestor() or (os.getppid(), _start_time(os.getppid()))
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_seconds)
+            if os.getppid() == parent and _running(*launcher):
+                continue
+            log.warning("dvc (pid %d), which started this stage, has gone: stopping as on SIGTERM", launcher[0])
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    threading.Thread(target=watch, name="gptforge-launcher-watch", daemon=True).start()
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), or None (gone, or no /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _proc_stat(pid)
+    return fields[19] if fields else None  # field 22 of stat: start time, tells a reused pid apart
+
+
+def _running(pid: int, started: str | None) -> bool:
+    fields = _proc_stat(pid)
+    if fields is None:  # no /proc (not Linux): whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return started is None
+    return fields[0] not in ("Z", "X") and fields[19] == started
+
+
+def _dvc_ancestor(levels: int = 4) -> tuple[int, str | None] | None:
+    """(pid, start time) of the nearest ancestor running dvc (`dvc ...` or `python -m dvc ...`)."""
+    pid = os.getppid()
+    for _ in range(levels):
+        if pid <= 1:
+            return None
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        names = [os.path.basename(a.decode(errors="replace")) for a in argv[:3]]
+        if "dvc" in names:
+            return pid, _start_time(pid)
+        fields = _proc_stat(pid)
+        if not fields:
+            return None
+        pid = int(fields[1])
+    return None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def terminate_as_interrupt() -> None:
+    """SIGINT raises KeyboardInterrupt even where the parent ignored it, and SIGTERM (a worker cancelling the run, `docker stop`, `kill`) raises `Terminated`, a
+    KeyboardInterrupt, instead of ending the process on the spot: `finally` blocks run, MLflow
+    runs end KILLED, the CLI exits with 143. Loops that save first (`stop_requested`) and
+    Prefect's own bridge inside a flow run install their handlers over this one."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    # `dvc repro` starts a stage's command with SIGINT ignored, and Python keeps an inherited
+    # SIG_IGN: a stage under dvc (or the pipeline) went on to the end through Ctrl-C. Restored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_signal(error: BaseException) -> int | None:
+    """The signal that stopped the run, when `error` says it was stopped: a KeyboardInterrupt
+    (SIGINT, or ours with its `signum`) or Prefect's TerminationSignal (its `signal`, told by
+    name, so the library needs no Prefect); None for any other error."""
+    if isinstance(error, KeyboardInterrupt):
+        return getattr(error, "signum", signal.SIGINT)
+    if type(error).__name__ == "TerminationSignal" and isinstance(getattr(error, "signal", None), int):
+        return error.signal
+    return None
