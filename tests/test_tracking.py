@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -354,3 +356,27 @@ def test_parent_run_id_makes_a_child_run(store, monkeypatch):
     # Without the variable a run is top-level.
     monkeypatch.delenv("GPTFORGE_PARENT_RUN_ID")
     assert "mlflow.parentRunId" not in store.client.get_run(one_run(store)).data.tags
+
+
+@pytest.mark.slow
+def test_a_local_store_is_written_at_once_and_system_metrics_come_from_our_sampler(store, monkeypatch):
+    """SQLite cannot go away under a run: records go to it synchronously (no outbox thread), its
+    errors surface at once, and the system metrics sampler (which never asks the store for the
+    run's status) publishes through the run."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    with start_run(enabled=True, experiment=store.exp, stage="pretrain", system_metrics=True) as run:
+        assert run._outbox is None
+        run.log_metrics({"train_loss": 2.5}, step=3)
+        assert [(m.step, m.value) for m in store.client.get_metric_history(run.run_id, "train_loss")] == [(3, 2.5)]
+        run.log_params({"a": 1})
+        with pytest.raises(Exception, match="(?i)changing param values is not allowed"):
+            run.log_params({"a": 2})
+        deadline = time.monotonic() + 20
+        while not any(k.startswith("system/") for k in store.client.get_run(run.run_id).data.metrics):
+            assert time.monotonic() < deadline, "no system metrics"
+            time.sleep(0.1)
+        run_id = run.run_id
+    assert not [t for t in threading.enumerate() if t.name.startswith(("gptforge-mlflow", "SystemMetricsMonitor"))]
+    got = store.client.get_run(run_id)
+    assert got.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in got.data.metrics
