@@ -13,8 +13,10 @@ from prefect.client.orchestration import get_client
 from prefect.flow_engine import run_flow
 from prefect.states import Completed, Failed, Running
 
+from flows.outage import Finished, best_effort, run_recorded
 from gptforge.config import DEFAULT_PARAMS, load_config
 from gptforge.pipeline import PIPELINE_FLOW_ENV
+from gptforge.signals import deadline_on_stop
 from gptforge.stages import STAGES, run_stage
 from tasks import PrefectSteps
 
@@ -65,21 +67,26 @@ def stage_flow(stage: str, report: str | None = None) -> Flow:
     """A flow that loads the params and runs the stage's recipe with its steps as tasks. Its
     metrics become a markdown artifact, and so does the markdown file `report` the stage writes."""
     summary = STAGES[stage].summary
+    finished = Finished()
 
     def run(params: str | None = DEFAULT_PARAMS, overrides: list[str] | None = None) -> dict:
         cfg = load_config(params, overrides or [])
-        metrics = run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
+        finished.flow_run_id = str(runtime.flow_run.id)
+        with deadline_on_stop():  # Prefect's SIGTERM bridge is in place now: a stop ends in bounded time
+            metrics = run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
         key = stage.replace("_", "-")
-        create_markdown_artifact(key=f"{key}-metrics", markdown=metrics_markdown(stage, metrics),
-                                 description=f"{stage} metrics")
+        best_effort("artifacts", create_markdown_artifact, key=f"{key}-metrics",
+                    markdown=metrics_markdown(stage, metrics), description=f"{stage} metrics")
         if report is not None and Path(report).is_file():
-            create_markdown_artifact(key=f"{key}-report", markdown=Path(report).read_text(encoding="utf-8"),
-                                     description=f"{stage}: {report}")
-        return metrics
+            best_effort("artifacts", create_markdown_artifact, key=f"{key}-report",
+                        markdown=Path(report).read_text(encoding="utf-8"), description=f"{stage}: {report}")
+        return finished.keep(metrics)
 
     run.__name__ = stage
     run.__doc__ = f"Stage `{stage}`: {summary}."
-    return flow(run, name=stage.replace("_", "-"), description=summary, validate_parameters=True)
+    stage_flow_ = flow(run, name=stage.replace("_", "-"), description=summary, validate_parameters=True)
+    stage_flow_.gptforge_finished = finished  # read by run_stage_flow
+    return stage_flow_
 
 
 def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
@@ -88,9 +95,10 @@ def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
     it). Prefect links a subflow through a task run of the parent that stands for it: make
     that task run, make the flow run with it as parent, run the flow, then settle the task
     run's state like the flow run's."""
+    finished: Finished = stage_flow_.gptforge_finished
     parent = os.environ.get(PIPELINE_FLOW_ENV)
     if not parent:
-        return stage_flow_(**parameters)
+        return run_recorded(lambda: stage_flow_(**parameters), finished, f"flow run {stage_flow_.name}")
     with get_client(sync_client=True) as client:
         tracker = Task(name=stage_flow_.name, fn=lambda: None)
         tracker.task_key = f"gptforge.stage.{stage_flow_.name}"
@@ -99,12 +107,17 @@ def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
         flow_run = client.create_flow_run(stage_flow_, parameters=stage_flow_.serialize_parameters(parameters),
                                           parent_task_run_id=task_run.id)
     try:
-        result = run_flow(stage_flow_, flow_run=flow_run, parameters=parameters)
+        result = run_recorded(lambda: run_flow(stage_flow_, flow_run=flow_run, parameters=parameters), finished,
+                              f"flow run {stage_flow_.name}")
         final = Completed()
         return result
     except BaseException as e:
         final = Failed(message=f"{type(e).__name__}: {e}")
         raise
     finally:
-        with get_client(sync_client=True) as client:
-            client.set_task_run_state(task_run.id, final, force=True)
+        best_effort("subflow states", _set_task_run_state, task_run.id, final)
+
+
+def _set_task_run_state(task_run_id: uuid.UUID, state) -> None:
+    with get_client(sync_client=True) as client:
+        client.set_task_run_state(task_run_id, state, force=True)

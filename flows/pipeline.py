@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 
 from flows import flow_run_tags
+from flows.outage import Finished, best_effort
 from gptforge.pipeline import PIPELINE_FLOW_ENV, closing_summary, run_pipeline
 from tasks import PrefectSteps
 
@@ -32,10 +33,14 @@ def pipeline(
     with get_client(sync_client=True) as client:
         api_url = str(client.api_url).rstrip("/")
     env = {"PREFECT_API_URL": api_url, PIPELINE_FLOW_ENV: str(runtime.flow_run.id)}
+    FINISHED.flow_run_id = str(runtime.flow_run.id)
     report = run_pipeline(stages or [], params=params, overrides=overrides or [], pull=pull, push=push,
                           force=force, steps=PrefectSteps(), env=env, tags=flow_run_tags())
-    create_markdown_artifact(key="pipeline-summary", markdown=report.markdown(),
-                             description="each stage's status, duration, headline metrics and MLflow run")
+    best_effort("artifacts", create_markdown_artifact, key="pipeline-summary", markdown=report.markdown(),
+                description="each stage's status, duration, headline metrics and MLflow run")
     report.raise_for_failure()
-    return {"stages": {s.name: s.status for s in report.stages},
-            "summary": closing_summary(report, prefect_flow_run=str(runtime.flow_run.id))}
+    return FINISHED.keep({"stages": {s.name: s.status for s in report.stages},
+                          "summary": closing_summary(report, prefect_flow_run=str(runtime.flow_run.id))})
+
+
+FINISHED = Finished()  # the pipeline's result once it has one (flows.outage.run_recorded)

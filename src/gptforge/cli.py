@@ -453,9 +453,12 @@ def cmd_stage(args) -> int:
     if use_prefect():
         from flows import run_stage_flow
 
+        from flows.outage import say_unrecorded
+
         flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
         with _prefect_console():
             run_stage_flow(flow, {"params": params, "overrides": list(args.set)})
+            say_unrecorded(os.environ.get("PREFECT_API_URL"), flow.gptforge_finished.flow_run_id)
     else:
         log.info("running %s without Prefect", args.stage)
         run_stage(args.stage, cfg)
@@ -480,10 +483,14 @@ def cmd_pipeline(args) -> int:
     with locks.hold("pipeline", "a gptforge pipeline"):
         locks.check_dvc_idle()
         if use_prefect():
-            from flows.pipeline import pipeline
+            from flows.outage import run_recorded, say_unrecorded
+            from flows.pipeline import FINISHED, pipeline
 
             with _prefect_console():
-                result = pipeline(stages=args.stages, params=args.params, overrides=list(args.set), **options)
+                result = run_recorded(lambda: pipeline(stages=args.stages, params=args.params,
+                                                       overrides=list(args.set), **options),
+                                      FINISHED, "flow run pipeline")
+                say_unrecorded(os.environ.get("PREFECT_API_URL"), FINISHED.flow_run_id)
             summary = result["summary"]
         else:
             report = run_pipeline(args.stages, params=args.params, overrides=args.set, **options)
@@ -502,6 +509,8 @@ def _setup_logging() -> None:
     # Prefect's temporary server gets 20 s to answer; its first start in a fresh PREFECT_HOME
     # (database migrations) on a busy machine was seen to take longer and fail the stage.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    # Our closing lines come after the flow run: not for its log in the UI (a warning each, else).
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     for old in [h for h in log.handlers if getattr(h, "gptforge_cli", False)]:
         log.removeHandler(old)  # main() may run more than once in a process (tests, notebooks)
     handler = logging.StreamHandler(sys.stderr)
@@ -556,17 +565,19 @@ def _prefect_console() -> Iterator[None]:
     line and the error is the last line a user reads."""
     _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
     from flows import temporary_server_in_own_session
+    from flows.outage import watch_prefect_records
 
     temporary_server_in_own_session()
+    watch_prefect_records()
     try:
         yield
     finally:
         _stop_temporary_server()
 
 
-def _stop_temporary_server(timeout: float = 30.0) -> None:
+def _stop_temporary_server(timeout: float = 5.0) -> None:
     """What Prefect does at exit, done now: the log and event workers deliver what they hold
-    (they need the server), then the server process stops."""
+    (they need the server; a few seconds at most), then the server process stops."""
     server_module = sys.modules.get("prefect.server.api.server")
     if server_module is None:
         return  # never loaded: a real server (PREFECT_API_URL) took the calls
@@ -614,7 +625,7 @@ def _silence_module_teardown() -> None:
 def entry() -> None:
     """The `gptforge` command: `main`, then an exit that takes a bounded time (`exit_within`)."""
     code = main()
-    exit_within(float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "10")), code)
+    exit_within(float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "5")), code)
     sys.exit(code)
 
 

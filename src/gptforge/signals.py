@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,12 +27,14 @@ from typing import Iterator
 log = logging.getLogger("gptforge")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# From the first signal to SIGKILL of whatever of a child's process group is still running: a
-# stage saves its checkpoint and ends its records well within it, and the whole run is gone
-# within the 30 s that users (and `docker stop`'s 10 s default, raised in our compose file)
-# expect; GPTFORGE_STOP_GRACE_SECONDS raises it for models whose checkpoint takes longer to write.
-# A second signal shortens what is left of it to SECOND_SIGNAL_GRACE.
+# From the first signal to the end of a stopped process, whatever it still waits for (a
+# Prefect or MLflow server that does not answer its last records): a stage saves its checkpoint
+# and ends its records well within it, and the whole run is gone within the 30 s users expect.
+# GPTFORGE_STOP_GRACE_SECONDS raises it for models whose checkpoint takes longer to write. A
+# parent (pipeline, torchrun launcher) SIGKILLs what is left of its child's group a little later,
+# so that the child's own line comes first; a second signal leaves the child SECOND_SIGNAL_GRACE.
 STOP_GRACE_SECONDS = float(os.environ.get("GPTFORGE_STOP_GRACE_SECONDS", "20"))
+GROUP_GRACE_SECONDS = STOP_GRACE_SECONDS + 5.0
 SECOND_SIGNAL_GRACE = 3.0
 
 
@@ -61,6 +64,7 @@ def stop_requested() -> Iterator[StopRequest]:
         if request:
             raise KeyboardInterrupt  # asked twice: stop now
         request.signum = signum
+        arm_stop_deadline(signum)
         log.warning("%s received: stopping after this step, with a checkpoint (send it again to stop at once)",
                     signal.Signals(signum).name)
 
@@ -74,7 +78,7 @@ def stop_requested() -> Iterator[StopRequest]:
 
 
 @contextlib.contextmanager
-def forwarded_to(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> Iterator[list[int]]:
+def forwarded_to(proc: subprocess.Popen, grace: float = GROUP_GRACE_SECONDS) -> Iterator[list[int]]:
     """While `proc` (started with `start_new_session=True`) runs, SIGINT/SIGTERM sent to us go to
     its whole process group, so a stage under `dvc repro` or the workers under torchrun stop
     cleanly (a training loop checkpoints first) instead of being orphaned. The yielded list
@@ -91,6 +95,7 @@ def forwarded_to(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> I
         received.append(signum)
         now = time.monotonic()
         deadline[0] = min(deadline[0], now + (grace if len(received) == 1 else SECOND_SIGNAL_GRACE))
+        arm_stop_deadline(signum, grace + 4.0)  # the group's end, then a few seconds for our own records
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
 
@@ -229,20 +234,83 @@ class Terminated(KeyboardInterrupt):
 
 
 def terminate_as_interrupt() -> None:
-    """SIGINT raises KeyboardInterrupt even where the parent ignored it, and SIGTERM (a worker cancelling the run, `docker stop`, `kill`) raises `Terminated`, a
-    KeyboardInterrupt, instead of ending the process on the spot: `finally` blocks run, MLflow
-    runs end KILLED, the CLI exits with 143. Loops that save first (`stop_requested`) and
-    Prefect's own bridge inside a flow run install their handlers over this one."""
+    """SIGINT raises KeyboardInterrupt even where the parent ignored it, and SIGTERM (a worker
+    cancelling the run, `docker stop`, `kill`) raises `Terminated`, a KeyboardInterrupt, instead
+    of ending the process on the spot: `finally` blocks run, MLflow runs end KILLED, the CLI
+    exits with 143. Either arms the stop deadline. Loops that save first (`stop_requested`) and
+    Prefect's own bridge inside a flow run install their handlers over this one
+    (`deadline_on_stop` wraps Prefect's)."""
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def handler(signum, frame):
+    def on_term(signum, frame):
+        arm_stop_deadline(signum)
         raise Terminated(signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    def on_int(signum, frame):
+        arm_stop_deadline(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     # `dvc repro` starts a stage's command with SIGINT ignored, and Python keeps an inherited
-    # SIG_IGN: a stage under dvc (or the pipeline) went on to the end through Ctrl-C. Restored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIG_IGN: a stage under dvc (or the pipeline) went on to the end through Ctrl-C. Replaced.
+    signal.signal(signal.SIGINT, on_int)
+
+
+_stop_deadline = threading.Event()
+
+
+def arm_stop_deadline(signum: int, seconds: float | None = None) -> None:
+    """From now on, this process ends within `seconds` (STOP_GRACE_SECONDS) with 128 + `signum`.
+
+    A stopped stage reports its end to Prefect and MLflow; with a server that does not answer,
+    their clients retry for a minute or more, and the stage (and a pipeline waiting for it)
+    would outlive the stop by as long. A daemon timer ends the process at the deadline, saying
+    what was dropped; a stop that ends in time never reaches it. Armed once per process."""
+    if _stop_deadline.is_set():
+        return
+    _stop_deadline.set()
+    seconds = STOP_GRACE_SECONDS if seconds is None else seconds
+    name = signal.Signals(signum).name
+
+    def expire() -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"\ngptforge: stopped by {name}: still busy {seconds:g} s after it (a checkpoint being "
+                             "written, or records for a server that does not answer): exiting now, unsaved work "
+                             "and unsent records are dropped\n")
+            sys.stderr.flush()
+        os._exit(128 + signum)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+@contextlib.contextmanager
+def deadline_on_stop() -> Iterator[None]:
+    """Within the block, SIGINT/SIGTERM arm the stop deadline, then do what the handlers in
+    place did (Prefect's flow engine installs one that raises its TerminationSignal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+
+    def handler(signum, frame):
+        arm_stop_deadline(signum)
+        inner = previous[signum]
+        if callable(inner):
+            return inner(signum, frame)
+        if inner == signal.SIG_IGN:
+            return None
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    for sig in SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def stop_signal(error: BaseException) -> int | None:
