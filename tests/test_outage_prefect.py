@@ -20,6 +20,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -96,40 +97,49 @@ def _weights(repo: Path) -> dict[str, torch.Tensor]:
     return load_file(repo / "checkpoints/pretrain/final/model.safetensors")
 
 
-def _wait_for_training(repo: Path, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while "pretraining " not in log.read_text():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.1)
-
-
-@pytest.mark.slow
-def test_prefect_server_restarted_mid_run(tmp_path, prefect_server, small_tokenizer, sms_file, alpaca_file):
-    reference = _repo_with_data(tmp_path, "reference", small_tokenizer, sms_file, alpaca_file, **TRAINING)
-    out = run_cli(["pretrain"], reference, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-
-    repo = _repo_with_data(tmp_path, "disturbed", small_tokenizer, sms_file, alpaca_file, **TRAINING)
-    # Prefect retries an API call for about a minute by default (PREFECT_CLIENT_MAX_RETRIES=5);
-    # one more retry (two minutes) leaves a slow CI machine room to restart the server.
-    env = cli_env(PREFECT_API_URL=prefect_server.url, OMP_NUM_THREADS="1", PREFECT_CLIENT_MAX_RETRIES="6")
-    log = tmp_path / "pretrain.log"
+def _pretrain_through(outage: Callable[[subprocess.Popen, Path], None], repo: Path, env: dict,
+                      log: Path) -> tuple[subprocess.Popen, str]:
+    """`gptforge pretrain`, with `outage(proc, log)` done once it trains; returns the ended
+    process and its output."""
     with open(log, "w") as f:
         proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain"], cwd=repo, env=env, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
-        _wait_for_training(repo, proc, log)
-        prefect_server.kill()
-        time.sleep(OUTAGE_SECONDS)
-        assert proc.poll() is None or proc.returncode == 0, log.read_text()[-3000:]
-        prefect_server.start()
+        deadline = time.monotonic() + 180
+        while "pretraining " not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        outage(proc, log)
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    output = log.read_text()
+    return proc, log.read_text()
+
+
+@pytest.mark.slow
+def test_prefect_server_restarted_mid_run(tmp_path, prefect_server, small_tokenizer, sms_file, alpaca_file):
+    reference = _repo_with_data(tmp_path, "reference", small_tokenizer, sms_file, alpaca_file, **TRAINING)
+    repo = _repo_with_data(tmp_path, "disturbed", small_tokenizer, sms_file, alpaca_file, **TRAINING)
+    # Prefect retries an API call for about a minute by default (PREFECT_CLIENT_MAX_RETRIES=5);
+    # one more retry (two minutes) leaves a slow CI machine room to restart the server.
+    env = cli_env(PREFECT_API_URL=prefect_server.url, OMP_NUM_THREADS="1", PREFECT_CLIENT_MAX_RETRIES="6")
+    def outage(proc: subprocess.Popen, log: Path) -> None:
+        prefect_server.kill()
+        down = time.monotonic()
+        # The undisturbed run, once the disturbed one has trained (never two trainings at once):
+        # it fits in the outage.
+        while "pretrain done" not in log.read_text() and proc.poll() is None:
+            time.sleep(0.1)
+        out = run_cli(["pretrain"], reference, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - down)))
+        assert proc.poll() is None or proc.returncode == 0, log.read_text()[-3000:]
+        prefect_server.start()
+
+    proc, output = _pretrain_through(outage, repo, env, tmp_path / "pretrain.log")
     assert proc.returncode == 0, output[-3000:]
     a, b = _weights(reference), _weights(repo)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -147,22 +157,11 @@ def test_prefect_server_restarted_mid_run(tmp_path, prefect_server, small_tokeni
 
 @pytest.mark.slow
 def test_prefect_server_that_stays_away(tmp_path, prefect_server, small_tokenizer, sms_file, alpaca_file):
-    repo = _repo_with_data(tmp_path, "repo", small_tokenizer, sms_file, alpaca_file, **TRAINING)
+    repo = _repo_with_data(tmp_path, "repo", small_tokenizer, sms_file, alpaca_file,
+                           **{**TRAINING, "pretrain.max_steps": 1000})
     # One retry (2 s) instead of Prefect's minute: the same path, sooner.
     env = cli_env(PREFECT_API_URL=prefect_server.url, OMP_NUM_THREADS="1", PREFECT_CLIENT_MAX_RETRIES="1")
-    log = tmp_path / "pretrain.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain"], cwd=repo, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
-    try:
-        _wait_for_training(repo, proc, log)
-        prefect_server.kill()
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text()
+    proc, output = _pretrain_through(lambda proc, log: prefect_server.kill(), repo, env, tmp_path / "pretrain.log")
     assert proc.returncode == 0, output[-3000:]
     assert (repo / "checkpoints/pretrain/final/model.safetensors").is_file()
     warning = [line for line in output.splitlines() if "could not be recorded" in line]

@@ -19,6 +19,7 @@ stops a stage at once instead of after its step and checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -29,10 +30,12 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from conftest import BIN, SMS_LINES, cli_env, processes_in, run_cli, set_params, snapshot, stage_params
+from gptforge.signals import group_alive
 
 pytestmark = pytest.mark.slow
 
@@ -71,15 +74,28 @@ def stalling_server():
     server.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prepared_repo(tmp_path_factory, small_tokenizer) -> tuple[Path, dict]:
     """A repository in which every stage has run once, quickly, with tracking off: the inputs of
-    every stage exist, and so do the outputs a stopped run must not damage."""
+    every stage exist, and so do the outputs a stopped run must not damage. Made once per test
+    session and shared by the pytest-xdist workers (a file lock; 25 s here); tests copy it."""
+    from filelock import FileLock
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    root = tmp_path_factory.getbasetemp().parent / f"stop-{run}" if run else tmp_path_factory.getbasetemp() / "stop"
+    with FileLock(f"{root}.lock"):
+        if not (root / "extra.json").is_file():
+            extra = _prepare_every_stage(root, small_tokenizer)
+            (root / "extra.json").write_text(json.dumps(extra))
+    return root / "repo", json.loads((root / "extra.json").read_text())
+
+
+def _prepare_every_stage(root: Path, small_tokenizer: Path) -> dict:
     from conftest import REPO
 
-    root = tmp_path_factory.mktemp("stop")
+    shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
     repo = root / "repo"
-    repo.mkdir()
+    repo.mkdir(parents=True)
     for name in ("dvc.yaml", "params.yaml", ".dvcignore"):
         shutil.copy(REPO / name, repo / name)
     sms = root / "SMSSpamCollection"
@@ -98,7 +114,7 @@ def prepared_repo(tmp_path_factory, small_tokenizer) -> tuple[Path, dict]:
     rows = Path(params["evaluate.hellaswag.source"]).read_text().splitlines()
     big = root / "hellaswag_big.jsonl"
     big.write_text("\n".join(rows * 500) + "\n")
-    return repo, {"hellaswag_big": str(big)}
+    return {"hellaswag_big": str(big)}
 
 
 def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, dict]:
@@ -140,12 +156,27 @@ def _flow_run_state(api: str, flow_run_id: str) -> str:
         return json.load(r)["state"]["type"]
 
 
-def group_alive(pgid: int) -> bool:
+@contextlib.contextmanager
+def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subprocess.Popen]:
+    """`args` running in its own process group, output to `log`; on the way out whatever of the
+    group is still running is killed and the command reaped."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        yield proc
+    finally:
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def stopped_step(output: str, sig: str, repo: Path) -> int:
+    """The step pretrain says it stopped at, after checking that its checkpoint is complete."""
+    stopped = [line for line in output.splitlines() if f"pretrain stopped by {sig} at step" in line]
+    assert stopped, output[-3000:]
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert (repo / f"checkpoints/pretrain/step_{step:08d}/checksums.json").is_file()
+    return step
 
 
 def wait_gone(proc: subprocess.Popen, within: float) -> float:
@@ -181,26 +212,18 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", **env_extra)
     before = {k: v for k, v in snapshot(repo).items() if not k.startswith((".gptforge/", "checkpoints/pretrain/step_"))}
 
-    log = open(tmp_path / "stage.log", "w+")
-    proc = subprocess.Popen([str(BIN / "gptforge"), *args], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
+    log = tmp_path / "stage.log"
+    with started([str(BIN / "gptforge"), *args], repo, env, log) as proc:
         deadline = time.monotonic() + 180
         while not [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"]:
-            assert proc.poll() is None, f"{stage} ended before it could be stopped:\n{(tmp_path / 'stage.log').read_text()[-3000:]}"
+            assert proc.poll() is None, f"{stage} ended before it could be stopped:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the stage's MLflow run never started"
             time.sleep(0.2)
-        time.sleep(2.0)  # into its work
+        time.sleep(1.0)  # into its work
         assert proc.poll() is None, f"{stage} ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)
         took = wait_gone(proc, STOP_WITHIN)
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.seek(0)
-        output = log.read()
-        log.close()
+    output = log.read_text()
     assert took < STOP_WITHIN, f"{stage}: processes left {STOP_WITHIN:.0f} s after SIGTERM:\n{output[-3000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     last = output.strip().splitlines()[-1]
@@ -217,10 +240,7 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
     changed = sorted(k for k in before if after.get(k) != before[k])
     assert changed == [], f"{stage}: a stopped run changed what the earlier run wrote: {changed[:5]}"
     if stage == "pretrain":
-        stopped = [line for line in output.splitlines() if "pretrain stopped by SIGTERM at step" in line]
-        assert stopped, output[-3000:]
-        step = int(stopped[0].split(" at step ")[1].split(";")[0])
-        assert (repo / f"checkpoints/pretrain/step_{step:08d}/checksums.json").is_file()
+        stopped_step(output, "SIGTERM", repo)
 
 
 def _tracked_env(tmp_path: Path, mlflow_uri: str, **extra: str) -> tuple[dict, str]:
@@ -268,18 +288,12 @@ def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, re
                              "benchmark.steps": 100_000, "tracking.enabled": True, "tracking.experiment": experiment})
     env, uri = _tracked_env(tmp_path, mlflow_uri)
     log = tmp_path / "pipeline.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pipeline", "benchmark", "--no-pull", "--no-push"],
-                                cwd=repo_copy, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with started([str(BIN / "gptforge"), "pipeline", "benchmark", "--no-pull", "--no-push"], repo_copy, env,
+                 log) as proc:
         _wait_for_run(uri, experiment, "benchmark", proc, log)
         time.sleep(2.0)
         proc.send_signal(signal.SIGTERM)
         left = _gone_within(repo_copy, proc, STOP_WITHIN)
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     output = log.read_text()
     assert left == [], f"left {STOP_WITHIN:.0f} s after SIGTERM: {left}\n{output[-3000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
@@ -304,10 +318,7 @@ def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_toke
     # records the test can read afterwards.
     env, uri = _tracked_env(tmp_path, mlflow_uri, **({"PREFECT_API_URL": prefect_api} if how == "kill-dvc" else {}))
     log = tmp_path / "dvc.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "dvc"), "repro", "pretrain"], cwd=repo_copy, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with started([str(BIN / "dvc"), "repro", "pretrain"], repo_copy, env, log) as proc:
         _wait_for_run(uri, experiment, "pretrain", proc, log)
         time.sleep(2.0)
         if how == "ctrl-c":
@@ -315,17 +326,9 @@ def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_toke
         else:
             proc.send_signal(signal.SIGTERM)
         left = _gone_within(repo_copy, proc, STOP_WITHIN)
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     output = log.read_text()
     assert left == [], f"left {STOP_WITHIN:.0f} s after the signal: {left}\n{output[-3000:]}"
-    sig = "SIGINT" if how == "ctrl-c" else "SIGTERM"
-    stopped = [line for line in output.splitlines() if f"pretrain stopped by {sig} at step" in line]
-    assert stopped, output[-3000:]
-    step = int(stopped[0].split(" at step ")[1].split(";")[0])
-    assert (repo_copy / f"checkpoints/pretrain/step_{step:08d}/checksums.json").is_file()
+    stopped_step(output, "SIGINT" if how == "ctrl-c" else "SIGTERM", repo_copy)
     assert "ConnectError" not in output and "Traceback" not in output, output[-5000:]
     assert _statuses(uri, experiment)["pretrain"] == "KILLED"
     if how == "ctrl-c":
@@ -350,10 +353,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, prepared_repo, prefect_api, mlf
                         "tracking.enabled": True, "tracking.experiment": experiment})
     env, uri = _tracked_env(tmp_path, mlflow_uri, PREFECT_API_URL=prefect_api, OMP_NUM_THREADS="1")
     log = tmp_path / "pretrain.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain"], cwd=repo, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with started([str(BIN / "gptforge"), "pretrain"], repo, env, log) as proc:
         _wait_for_run(uri, experiment, "pretrain", proc, log)
         time.sleep(4.0)
         proc.send_signal(signal.SIGINT)
@@ -362,10 +362,6 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, prepared_repo, prefect_api, mlf
         start = time.monotonic()
         proc.wait(timeout=STOP_WITHIN)
         took = time.monotonic() - start
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     output = log.read_text()
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
     assert took < 10, f"{took:.1f} s after the second Ctrl-C\n{output[-3000:]}"

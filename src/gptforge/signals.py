@@ -171,6 +171,8 @@ def stop_with_launcher(poll_seconds: float = 1.0) -> None:
             time.sleep(poll_seconds)
             if os.getppid() == parent and _running(*launcher):
                 continue
+            if _stop_deadline.is_set():  # the signal that ended dvc reached us too: already stopping
+                return
             log.warning("dvc (pid %d), which started this stage, has gone: stopping as on SIGTERM", launcher[0])
             os.kill(os.getpid(), signal.SIGTERM)
             return
