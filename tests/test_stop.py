@@ -143,6 +143,10 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
     return args, params, env
 
 
+# What a stage prints once in the loop that a stop must end with a checkpoint.
+READY = {"pretrain": "pretraining "}
+
+
 def _runs(uri: str, experiment: str) -> list:
     from mlflow.tracking import MlflowClient
 
@@ -219,6 +223,9 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
             assert proc.poll() is None, f"{stage} ended before it could be stopped:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the stage's MLflow run never started"
             time.sleep(0.2)
+        while READY.get(stage, "") not in log.read_text():  # a stage that saves: into its loop
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
         time.sleep(1.0)  # into its work
         assert proc.poll() is None, f"{stage} ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)
