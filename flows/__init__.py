@@ -36,7 +36,9 @@ def temporary_server_in_own_session() -> None:
     import subprocess
     from unittest import mock
 
-    if os.environ.get("PREFECT_API_URL"):
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():  # a real server (environment or Prefect profile): nothing to start
         return
     from prefect.server.api import server as server_module
 

@@ -22,13 +22,12 @@ import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from typing import Callable, Iterator, Sequence
 
 import gptforge
 from gptforge.allocator import keep_freed_memory
-from gptforge.signals import stop_signal, stop_with_launcher, terminate_as_interrupt
+from gptforge.signals import exit_within, stop_signal, stop_with_launcher, terminate_as_interrupt
 from gptforge.errors import BadInput, GptforgeError
 
 log = logging.getLogger("gptforge")
@@ -452,7 +451,6 @@ def cmd_stage(args) -> int:
         stop_with_launcher()  # `kill` of the `dvc repro` that started this stage stops it too
     if use_prefect():
         from flows import run_stage_flow
-
         from flows.outage import say_unrecorded
 
         flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
@@ -623,30 +621,17 @@ def _silence_module_teardown() -> None:
 
 
 def entry() -> None:
-    """The `gptforge` command: `main`, then an exit that takes a bounded time (`exit_within`)."""
-    code = main()
-    exit_within(float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "5")), code)
-    sys.exit(code)
-
-
-def exit_within(seconds: float, code: int) -> None:
-    """End the process with `code` at most `seconds` from now, whatever is still running.
+    """The `gptforge` command: `main`, then an exit that takes a bounded time.
 
     What is left to send at exit (Prefect's events and logs, MLflow's queued metrics) is sent
     by threads and exit handlers that wait for a server: one that went away (a stopped
     temporary Prefect server, a tracking server down) was seen to hold a stopped stage for over
-    4 minutes in retries, and the pipeline waiting on it. A daemon timer exits the process once
-    the grace period is over, saying so; a clean exit never reaches it."""
-    def force_exit() -> None:
-        with contextlib.suppress(Exception):
-            sys.stderr.write(f"gptforge: exiting {seconds:g} s after the command ended: what was left to send to "
-                             "the Prefect API or the MLflow tracking server is dropped\n")
-            sys.stderr.flush()
-        os._exit(code)
-
-    timer = threading.Timer(seconds, force_exit)
-    timer.daemon = True
-    timer.start()
+    4 minutes in retries, and the pipeline waiting on it. GPTFORGE_EXIT_GRACE_SECONDS (5) bound it."""
+    code = main()
+    seconds = float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "5"))
+    exit_within(seconds, code, f"gptforge: exiting {seconds:g} s after the command ended: what was left to send to "
+                               "the Prefect API or the MLflow tracking server is dropped")
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -273,15 +273,20 @@ def arm_stop_deadline(signum: int, seconds: float | None = None) -> None:
         return
     _stop_deadline.set()
     seconds = STOP_GRACE_SECONDS if seconds is None else seconds
-    name = signal.Signals(signum).name
+    exit_within(seconds, 128 + signum,
+                f"\ngptforge: stopped by {signal.Signals(signum).name}: still busy {seconds:g} s after it (a checkpoint "
+                "being written, or records for a server that does not answer): exiting now, unsaved work and unsent "
+                "records are dropped")
 
+
+def exit_within(seconds: float, code: int, message: str) -> None:
+    """End the process with `code` at most `seconds` from now, whatever is still running, saying
+    `message` first; a process that ends sooner never hears of it (a daemon timer)."""
     def expire() -> None:
         with contextlib.suppress(Exception):
-            sys.stderr.write(f"\ngptforge: stopped by {name}: still busy {seconds:g} s after it (a checkpoint being "
-                             "written, or records for a server that does not answer): exiting now, unsaved work "
-                             "and unsent records are dropped\n")
+            sys.stderr.write(message + "\n")
             sys.stderr.flush()
-        os._exit(128 + signum)
+        os._exit(code)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
