@@ -264,6 +264,30 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 30
                           timeout=timeout)
 
 
+class Paused:
+    """A pretraining run held after step `step` (gptforge.pause): `env()` goes into the run's
+    environment, `wait(proc)` returns once the loop is paused there (or fails if the process
+    ended first), `release()` lets it go on. Tests act on a paused run instead of racing the
+    machine's training speed."""
+
+    def __init__(self, folder: Path, step: int) -> None:
+        self.path, self.step = Path(folder) / f"paused-at-{step}", step
+
+    def env(self) -> dict[str, str]:
+        return {"GPTFORGE_PAUSE_AT_STEP": str(self.step), "GPTFORGE_PAUSE_FILE": str(self.path)}
+
+    def wait(self, proc: subprocess.Popen, timeout: float = 600, output=lambda: "") -> None:
+        # A bound against a hang only: a run under load may need minutes to reach its step.
+        deadline = time.monotonic() + timeout
+        while not self.path.is_file():
+            assert proc.poll() is None, f"ended (exit {proc.returncode}) before step {self.step}:\n{output()[-3000:]}"
+            assert time.monotonic() < deadline, f"not paused at step {self.step} within {timeout:.0f} s"
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("gptforge: error:")]
 

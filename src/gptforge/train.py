@@ -36,6 +36,7 @@ from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.loader import ShardLoader
 from gptforge.model import GPT, GPTConfig
+from gptforge.pause import PausePoint
 from gptforge.signals import stop_requested
 from gptforge.steps import DIRECT, Steps
 from gptforge.tokenizer import describe, load_tokenizer
@@ -373,6 +374,7 @@ def _stop_now(stop, rt: Runtime) -> bool:
 
 def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | None) -> None:
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
+    pause = PausePoint.from_env(rt.master)
     while s.step < p.max_steps:
         step = s.step
         row: dict[str, Any] = {"step": step}
@@ -419,6 +421,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         if stopping:
             raise Stopped(stop.signum or 15, f"pretrain stopped by {stop.name or 'a signal'} at step {s.step}; "
                           f"checkpoint {s.last_ckpt} saved (resume: auto continues from it)")
+        pause.after(s.step)
 
 
 def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics/pretrain.json",
