@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # dvc runs each stage's `gptforge ...` cmd through a shell: it must find the venv's scripts.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test test-quick install clean
+.PHONY: run test test-quick test-load install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
+
+# The timing-heavy modules five times in a row beside a CPU-bound process (docs/testing.md).
+test-load: $(STAMP)
+	$(BIN)/python tests/under_load.py --rounds 5
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,6 +18,7 @@ SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_si
          "benchmark.device=cpu", "tracking.enabled=false"]
 
 
+@pytest.mark.slow
 def test_benchmark_writes_every_output(tmp_path):
     cfg = load_config(None, [*SMALL, "benchmark.variants=[baseline, sdpa, vocab50304]"])
     metrics = bench.benchmark(cfg, metrics_path=tmp_path / "metrics/benchmark.json",

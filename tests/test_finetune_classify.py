@@ -90,6 +90,7 @@ class RecordingSteps(Steps):
         return result
 
 
+@pytest.mark.slow
 def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, tmp_path):
     cfg = make_cfg(small_tokenizer, base)
     run, steps, out = FakeRun(), RecordingSteps(), outputs(tmp_path)

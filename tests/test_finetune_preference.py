@@ -107,6 +107,7 @@ def test_trl_dpo_loss_of_a_batch_equals_the_formula_in_float64(sft_gpt, tmp_path
 # The stage
 
 
+@pytest.mark.slow
 def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(sft_gpt, tmp_path):
     cfg = config(sft_gpt, "preference.epochs=2", "preference.eval_interval=4")
     data = write_splits(tmp_path / "data")
@@ -156,6 +157,7 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
     assert (tmp_path / "plots" / "preference_margins.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_pairs_identical_within_max_length_are_dropped_and_counted(sft_gpt, tmp_path):
     same_start = {"instruction": "Say hi.", "input": "", "chosen": "Hi there " * 30 + "friend.",
                   "rejected": "Hi there " * 30 + "you fool."}
@@ -166,6 +168,7 @@ def test_pairs_identical_within_max_length_are_dropped_and_counted(sft_gpt, tmp_
     assert metrics["skipped_too_long"] == 0
 
 
+@pytest.mark.slow
 def test_lora_uses_the_policy_without_its_adapter_as_the_reference(sft_gpt, tmp_path):
     cfg = config(sft_gpt, "preference.method=lora", "preference.max_samples=8", "preference.lr=5e-3")
     session = P.setup(cfg, write_splits(tmp_path / "data"))

@@ -72,6 +72,7 @@ def test_cli_bad_override_fails_before_any_work(repo_copy):
     assert (repo_copy / "params.yaml").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_pool_that_does_not_exist(repo_copy, prefect_api):
     out = run_cli(["pipeline", "--pool", "nosuchpool"], repo_copy, cli_env(PREFECT_API_URL=prefect_api), timeout=120)
     assert out.returncode == 2, out.stderr
@@ -80,6 +81,7 @@ def test_pool_that_does_not_exist(repo_copy, prefect_api):
     assert "prefect work-pool create nosuchpool" in line and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_pool_without_a_server(repo_copy):
     env = cli_env()
     env.pop("PREFECT_API_URL", None)

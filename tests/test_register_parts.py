@@ -61,6 +61,7 @@ def classifier_folder(base, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_pyfunc_predicts_in_a_fresh_process_what_classify_texts_does(classifier_folder, small_tokenizer, tracked,
                                                                      store, tmp_path):
     import mlflow
