@@ -27,7 +27,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 BIN = Path(sys.executable).parent
 
 # Before anything imports prefect, mlflow, datasets or transformers.
@@ -69,22 +68,16 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
 
 
 # --------------------------------------------------------------------------------------------
-# Real data (skips when ../shared/data is absent)
+# Real data: the package's embedded samples (gptforge.samples), so a clean clone needs nothing beside it
 
 
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir() -> Path:
-    path = SHARED_DATA / "gpt2_tokenizer"
-    if not (path / "encoder.json").is_file():
-        pytest.skip("../shared/data/gpt2_tokenizer is absent")
-    return path
+    """OpenAI's GPT-2 encoder.json + vocab.bpe, as the package embeds them (sample://gpt2_tokenizer)."""
+    from gptforge import samples
 
-
-@pytest.fixture(scope="session")
-def shakespeare() -> Path:
-    path = SHARED_DATA / "tinyshakespeare" / "input.txt"
-    if not path.is_file():
-        pytest.skip("../shared/data/tinyshakespeare is absent")
+    path = Path(samples.resolve("sample://gpt2_tokenizer"))
+    assert (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file(), f"{path} lacks the GPT-2 files"
     return path
 
 
@@ -121,7 +114,7 @@ SMALL_MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ", b"\n
 
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory) -> Path:
-    """A small byte-level BPE (280 tokens) in tiktoken's format, for tests without shared data."""
+    """A small byte-level BPE (280 tokens) in tiktoken's format, whose ids are easy to reason about."""
     tokens = []
     for t in SMALL_MERGES:
         if t == b" of":

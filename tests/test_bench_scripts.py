@@ -23,8 +23,8 @@ def run_script(name: str, *args: str, timeout: int = 300) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
+@pytest.mark.slow  # a benchmark script in its own interpreter: ~9 s here
 def test_bench_generate_compares_with_hugging_face_and_checks_the_tokens():
-    pytest.importorskip("transformers")
     r = run_script("bench_generate.py", "--config", "tiny", "--new-tokens", "20", "--repeats", "2")
     assert r["config"] == "tiny" and r["new_tokens"] == 20 and r["repeats"] == 2
     assert r["same_tokens"] is True and r["same_tokens_full_head"] is True
@@ -34,6 +34,7 @@ def test_bench_generate_compares_with_hugging_face_and_checks_the_tokens():
     assert r["speedup"] == pytest.approx(r["ours_tokens_per_sec"] / r["hf_tokens_per_sec"], rel=0.01)
 
 
+@pytest.mark.slow  # a benchmark script in its own interpreter: ~9 s here
 def test_bench_train_step_reports_the_median_of_the_timed_steps():
     r = run_script("bench_train_step.py", "--steps", "3", "--warmup", "1")
     assert r["timed_steps"] == 3 and r["warmup_steps"] == 1
@@ -43,7 +44,6 @@ def test_bench_train_step_reports_the_median_of_the_timed_steps():
 
 @pytest.mark.slow
 def test_bench_lora_trains_both_recipes_on_the_same_real_tokens():
-    pytest.importorskip("peft")
     r = run_script("bench_lora.py", "--recipes", "ours,stock", "--steps", "3", "--warmup", "1", "--repeats", "1",
                    "--hidden", "32", "--layers", "1", "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
                    "--heldout", "8")

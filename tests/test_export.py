@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.export import export_hf
 from gptforge.model import GPT, GPTConfig
 from gptforge.weights import save_model
-
-transformers = pytest.importorskip("transformers")
 
 
 def checkpoint(folder, n_vocab=50257, bias=True, seed=0):

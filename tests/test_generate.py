@@ -3,9 +3,12 @@ eot stops a sequence."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from conftest import REPO
 from gptforge.decoding import generate
 from gptforge.errors import BadInput
 from gptforge.model import GPT, GPTConfig, KVCache
@@ -186,13 +189,45 @@ def _reference_argmax(W: torch.Tensor, x: torch.Tensor) -> int:
     return int(torch.argmax(W.double() @ x.double()))
 
 
+def _int8_op_runs() -> bool:
+    """Whether torch has, for the CPU, the int8 kernel the greedy screen reads through: the
+    platform's part. Whether the screen then trusts the kernel is the code's, and asserted."""
+    op = getattr(torch, "_weight_int8pack_mm", None)
+    if op is None:
+        return False
+    try:
+        op(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.int8),
+           torch.ones(8, dtype=torch.bfloat16))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+INT8_OP = _int8_op_runs()
+needs_int8_op = pytest.mark.skipif(not INT8_OP, reason="this torch build has no _weight_int8pack_mm for the CPU")
+TORCH_PIN = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+
+
+@pytest.mark.skipif(torch.__version__.split("+")[0] != TORCH_PIN,
+                    reason=f"the int8 op is asserted on the pinned torch {TORCH_PIN} only")
+def test_the_pinned_torch_has_the_int8_screen():
+    """The pinned torch's CPU build has the int8 kernel, so here the screen is on for a float32
+    model: a bug that turned it off fails this test instead of showing as the skips below."""
+    from gptforge.decoding import GreedyHead
+
+    assert INT8_OP
+    m = model(block_size=64)
+    assert GreedyHead.usable(m.transformer.wte.weight)
+    assert GreedyHead.for_model(m) is not None  # the probe trusts the kernel's rounding
+
+
+@needs_int8_op
 def test_greedy_head_screen_finds_the_float64_argmax():
     """The int8 screen must return exactly the argmax of W·x (computed here in float64), on
     random heads and hidden states, and on rows built to be nearly tied with the winner."""
     from gptforge.decoding import GreedyHead
 
-    if not GreedyHead.usable(torch.zeros(64, 16)):
-        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert GreedyHead.usable(torch.zeros(64, 16))
     g = torch.Generator().manual_seed(0)
     for C, scale in [(32, 0.02), (128, 0.02), (128, 1.0), (96, 0.3)]:
         W = torch.randn(3000, C, generator=g) * scale
@@ -225,11 +260,11 @@ def test_greedy_head_screen_finds_the_float64_argmax():
     assert GreedyHead(W2).argmax(x) == min(3, win)
 
 
+@needs_int8_op
 def test_greedy_head_screen_declines_what_it_cannot_bound():
     from gptforge.decoding import GreedyHead
 
-    if not GreedyHead.usable(torch.zeros(64, 16)):
-        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert GreedyHead.usable(torch.zeros(64, 16))
     W = torch.randn(500, 32)
     screen = GreedyHead(W)
     assert screen.argmax(torch.full((32,), float("nan"))) is None
@@ -243,6 +278,7 @@ def test_greedy_head_screen_declines_what_it_cannot_bound():
     assert not GreedyHead.usable(W.bfloat16())
 
 
+@needs_int8_op
 def test_greedy_head_copy_follows_the_weights():
     """The int8 copy is kept on the model until its head changes: an in-place update (an
     optimizer step between two generations during training) must make a new one."""
@@ -250,8 +286,7 @@ def test_greedy_head_copy_follows_the_weights():
 
     m = model()
     a = GreedyHead.for_model(m)
-    if a is None:
-        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert a is not None
     assert GreedyHead.for_model(m) is a
     with torch.no_grad():
         m.transformer.wte.weight.mul_(-1.0)
@@ -265,6 +300,7 @@ def test_greedy_head_copy_follows_the_weights():
     assert "_greedy_head" not in m.__dict__
 
 
+@needs_int8_op
 def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     """Long greedy runs with the int8 screen give the tokens of the plain float32 head."""
     from gptforge.decoding import GreedyHead
@@ -275,8 +311,6 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     real_argmax = GreedyHead.argmax
     monkeypatch.setattr(GreedyHead, "argmax", lambda self, x: answered.append(real_argmax(self, x)) or answered[-1])
     with_screen = generate(m, idx, 60, temperature=0)
-    if not answered:
-        pytest.skip("this torch build has no _weight_int8pack_mm")
     assert len(answered) == 60 and None not in answered  # the screen chose every token
     calls = []
     monkeypatch.setattr(GreedyHead, "for_model", classmethod(lambda cls, m, build=True: calls.append(m) or None))
@@ -286,14 +320,14 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     assert len(set(without[0, 3:].tolist())) > 5
 
 
+@needs_int8_op
 def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(monkeypatch):
     """The bound assumes the int8 kernel's own rounding; a kernel 1% off must not be trusted:
     no screen, and greedy decoding falls back to the float32 head with the same tokens."""
     from gptforge.decoding import GreedyHead
 
     m = model()
-    if GreedyHead.for_model(m) is None:
-        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert GreedyHead.for_model(m) is not None  # trusted before the kernel is made worse
     idx = prompt()
     expected = generate(m, idx, 20, temperature=0)
     real = torch._weight_int8pack_mm
@@ -306,8 +340,9 @@ def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(mon
 def test_unmerged_lora_layers_decode_through_the_modules():
     """A model whose Linears are peft LoRA layers must decode with its adapters: the lean step
     (which reads .weight directly) is not used for it, and greedy tokens equal the merged model's."""
-    peft = pytest.importorskip("peft")
     import copy
+
+    import peft
 
     from gptforge.decoding import Decoder
 
@@ -340,12 +375,12 @@ def test_a_forward_hook_keeps_decoding_on_the_modules():
     assert len(seen) == 6  # the prefill and 5 decode steps all ran the hooked module
 
 
+@needs_int8_op
 def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
     from gptforge.decoding import GreedyHead
 
     m = model(block_size=64)
-    if not GreedyHead.usable(m.transformer.wte.weight):
-        pytest.skip("this torch build has no _weight_int8pack_mm")
+    assert GreedyHead.usable(m.transformer.wte.weight)
     generate(m, prompt(), 5, temperature=0)
     assert "_greedy_head" not in m.__dict__
     generate(m, prompt(), 20, temperature=0)

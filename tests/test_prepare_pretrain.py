@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 import gptforge.data.pretrain as P
 from conftest import snapshot, write_tiktoken
+from gptforge import samples
 from gptforge.config import load_config
 from gptforge.errors import BadInput
 from gptforge.tokenizer import load_tokenizer
@@ -76,14 +78,17 @@ def test_work_items_reassemble_the_documents():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_tinyshakespeare_gives_tiktokens_gpt2_ids(tmp_path, shakespeare, gpt2_tokenizer_dir, monkeypatch, workers):
+def test_fineweb_edu_sample_gives_tiktokens_gpt2_ids(tmp_path, gpt2_tokenizer_dir, monkeypatch, workers):
+    """The embedded FineWeb-Edu sample (1 MB of real English, with non-ASCII text) read through
+    `sample://` as one gzip-compressed .txt document, cut into many pieces."""
     monkeypatch.setattr(P, "PIECE_CHARS", 40_000)  # force many cuts and several work items
     monkeypatch.setattr(P, "READ_CHARS", 100_000)
-    cfg = config(shakespeare, gpt2_tokenizer_dir, val_tokens=30_000, shard_tokens=100_000, workers=workers)
+    cfg = config("sample://fineweb_edu_sample.txt.gz", gpt2_tokenizer_dir, val_tokens=30_000, shard_tokens=100_000,
+                 workers=workers)
     out = tmp_path / "data/pretrain"
     metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
     ids = read_tokens(out)
-    assert len(ids) == 338_026 == metrics["tokens"]
+    assert len(ids) == 217_889 == metrics["tokens"]
     assert ids[0] == 50256 and np.count_nonzero(ids == 50256) == 1
     # Independent reference: tiktoken's own gpt2 encoding rebuilt from the same BPE files.
     import tiktoken
@@ -97,8 +102,11 @@ def test_tinyshakespeare_gives_tiktokens_gpt2_ids(tmp_path, shakespeare, gpt2_to
             encoder_json_file=str(gpt2_tokenizer_dir / "encoder.json")),
         special_tokens={"<|endoftext|>": 50256},
     )
-    ref = ref_enc.encode_ordinary(shakespeare.read_text(encoding="utf-8"))
-    assert len(ref) == 338_025
+    with gzip.open(samples.resolve("sample://fineweb_edu_sample.txt.gz"), "rt", encoding="utf-8") as f:
+        text = f.read()
+    assert len(text) == 1_000_000 and len(text.encode("utf-8")) == 1_004_029  # as NOTICE describes it
+    ref = ref_enc.encode_ordinary(text)
+    assert len(ref) == 217_888
     np.testing.assert_array_equal(ids[1:], np.array(ref, dtype=np.uint16))
     assert read_tokens(out, "val").size == 30_000
 
