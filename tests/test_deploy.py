@@ -110,7 +110,8 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
         lock = yaml.safe_load((repo / "dvc.lock").read_text())
         assert set(lock["stages"]) == set(STAGES)
 
-        # Triggered again with no change: DVC finds every stage up to date, quickly.
+        # Triggered again with no change: DVC finds every stage up to date and rewrites no output.
+        outputs = stage_outputs(repo)
         start = time.monotonic()
         second = run_cli(["pipeline", "--pool", "local"], repo, env, timeout=600)
         second_seconds = time.monotonic() - start
@@ -119,7 +120,9 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
                                   order_by=["attributes.start_time DESC"])
         assert len(runs) == 2
         assert runs[0].data.metrics["stages_ran"] == 0 and runs[0].data.metrics["stages_up_to_date"] == len(STAGES)
-        assert second_seconds < 60 and second_seconds < first_seconds / 2, (first_seconds, second_seconds)
+        assert stage_outputs(repo) == outputs
+        # Reported, not asserted: both include the worker's polling and each flow run's start-up,
+        # which a loaded machine stretches; what "up to date" means is checked just above.
         print(f"first pipeline run {first_seconds:.1f} s, second (all up to date) {second_seconds:.1f} s")
 
         # The two UIs, as a user sees them.
@@ -144,6 +147,15 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
         stop_process(worker)
         worker_log.close()
         api.close()
+
+
+def stage_outputs(repo: Path) -> dict[str, int]:
+    """Every file the stages in dvc.lock wrote, with its modification time (ns)."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    paths = [repo / out["path"] for stage in lock["stages"].values() for out in stage.get("outs", [])]
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    assert files
+    return {str(f.relative_to(repo)): f.stat().st_mtime_ns for f in files}
 
 
 def _tail(path: Path, n: int = 3000) -> str:

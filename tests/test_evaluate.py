@@ -249,20 +249,19 @@ def test_generate_until_is_greedy_and_stops_at_until(model, enc):
     from lm_eval.api.instance import Instance
 
     lm = GptforgeLM(model, enc)
-    prompt = "Once upon a time"
+    prompt = "Hello"  # this model's greedy text from it: "ooooisisisisisisisis", no <|endoftext|>
     ids = torch.tensor([enc.encode_ordinary(prompt)])
     full = generate(model, ids, 12, temperature=0, eot_id=enc.eot_token)[0, ids.size(1):].tolist()
-    expected = enc.decode([t for t in full if t != enc.eot_token])
-    if enc.eot_token in full:
-        expected = enc.decode(full[: full.index(enc.eot_token)])
+    assert enc.eot_token not in full
+    expected = enc.decode(full)
     [text] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": ["\u2603"], "max_gen_toks": 12}), 0)],
                                disable_tqdm=True)
     assert text == expected
-    stop = expected[3:5] if len(expected) >= 5 else None
-    if stop:
-        [cut] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)],
-                                  disable_tqdm=True)
-        assert cut == expected.split(stop)[0]
+    stop = expected[len(expected) // 2:][:2]
+    assert expected.split(stop)[0]  # the stop first shows after some text: a cut in the right place shows
+    [cut] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)],
+                              disable_tqdm=True)
+    assert cut == expected.split(stop)[0]
 
 
 def test_vocabulary_mismatch_is_bad_input(enc):
@@ -275,23 +274,47 @@ def test_vocabulary_mismatch_is_bad_input(enc):
 # The stage, end to end
 
 
-def check_samples_against_model(folder: Path, model, enc) -> int:
-    """Every loglikelihood lm-eval logged equals the direct computation; returns how many
-    requests had more tokens than the model's window."""
-    long = 0
+def scores_from_samples(folder: Path, loglikelihood, tol: float = 1e-4) -> dict[str, dict[str, float]]:
+    """Each task's accuracies recomputed from the requests lm-eval logged (`samples_TASK.jsonl`):
+    `loglikelihood(context, continuation)` gives `(logprob, greedy)` (greedy None: not checked),
+    which every logged answer must equal. `acc` picks the highest log-likelihood, `acc_norm` the
+    highest per character of the choice (lm-eval's: the continuation without its leading space)."""
+    scores = {}
     files = sorted(folder.glob("samples_*.jsonl"))
     assert files
     for f in files:
+        correct = correct_norm = n = 0
         for line in f.read_text(encoding="utf-8").splitlines():
             sample = json.loads(line)
+            lls = []
             for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
-                ctx, cont = encode_pair(enc, context, continuation)
-                long += len(ctx) + len(cont) > BLOCK + 1
-                ref_lp, ref_greedy = direct_loglikelihood(model, ctx, cont)
+                ref_lp, ref_greedy = loglikelihood(context, continuation)
                 lp, greedy = resp[0]
-                assert lp == pytest.approx(ref_lp, abs=1e-4)
-                assert greedy == ref_greedy
-    return long
+                assert lp == pytest.approx(ref_lp, abs=tol)
+                assert ref_greedy is None or greedy == ref_greedy
+                lls.append(ref_lp)
+            lengths = [len(c) - 1 for _, c in sample["arguments"]]
+            acc = max(range(len(lls)), key=lambda i: lls[i]) == sample["target"]
+            acc_norm = max(range(len(lls)), key=lambda i: lls[i] / lengths[i]) == sample["target"]
+            assert sample["acc"] == float(acc) and sample.get("acc_norm", float(acc_norm)) == float(acc_norm)
+            correct, correct_norm, n = correct + acc, correct_norm + acc_norm, n + 1
+        scores[f.stem.removeprefix("samples_")] = {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
+    return scores
+
+
+def check_samples_against_model(folder: Path, model, enc) -> tuple[int, dict[str, dict[str, float]]]:
+    """`scores_from_samples` with our GPT's float64 log-probs, and how many requests had more
+    tokens than the model's window."""
+    long = 0
+
+    def loglikelihood(context: str, continuation: str) -> tuple[float, bool]:
+        nonlocal long
+        ctx, cont = encode_pair(enc, context, continuation)
+        long += len(ctx) + len(cont) > BLOCK + 1
+        return direct_loglikelihood(model, ctx, cont)
+
+    scores = scores_from_samples(folder, loglikelihood)
+    return long, scores
 
 
 def run_evaluate(tmp_path, small_tokenizer, checkpoint, fmt: str, fewshot: int | None = None) -> dict:
@@ -339,11 +362,18 @@ def test_evaluate_offline_end_to_end(tmp_path, monkeypatch, no_network, small_to
          "f1": 0.96}))
     (tmp_path / "metrics" / "instruct.json").write_text(json.dumps({"val_loss": 1.5, "test_loss": 1.4321}))
     metrics = run_evaluate(tmp_path, small_tokenizer, checkpoint, "jsonl")
+    # What lm-eval got through our LM equals the direct computation, left-truncation included;
+    # each accuracy is the one the direct log-likelihoods give.
+    long, direct = check_samples_against_model(Path("reports/evaluate/pretrain"), model, enc)
+    assert long > 0
+    subjects = [direct[f"mmlu_{s}"] for s in SUBJECTS]
+    direct["mmlu"] = {"acc": sum(d["acc"] * d["n"] for d in subjects) / 7, "n": 7}
     for task, n in (("hellaswag", 8), ("mmlu", 7), ("mmlu_abstract_algebra", 3), ("mmlu_high_school_biology", 4)):
-        assert metrics[f"pretrain.{task}.n"] == n
-        assert 0 <= metrics[f"pretrain.{task}.acc"] <= 1
+        assert metrics[f"pretrain.{task}.n"] == direct[task]["n"] == n
+        assert metrics[f"pretrain.{task}.acc"] == pytest.approx(direct[task]["acc"]), task
         assert f"pretrain.{task}.acc_stderr" in metrics
-    assert 0 <= metrics["pretrain.hellaswag.acc_norm"] <= 1 and "pretrain.hellaswag.acc_norm_stderr" in metrics
+    assert metrics["pretrain.hellaswag.acc_norm"] == pytest.approx(direct["hellaswag"]["acc_norm"])
+    assert "pretrain.hellaswag.acc_norm_stderr" in metrics
     subject_accs = [metrics[f"pretrain.mmlu_{s}.acc"] for s in SUBJECTS]
     assert subject_accs[0] != subject_accs[1]  # else the two averages below cannot differ
     assert metrics["pretrain.mmlu.acc_subject_mean"] == pytest.approx(sum(subject_accs) / 2)
@@ -361,8 +391,6 @@ def test_evaluate_offline_end_to_end(tmp_path, monkeypatch, no_network, small_to
     assert by_ind[1]["arguments"][0][0] == "Cleaning windows: How to clean windows. Mix the water and soap. Then"
     assert by_ind[4]["arguments"][0] == ["Swimming: A girl jumps into the pool and swims. She", " reaches the end."]
     assert by_ind[2]["target"] == 1  # the "1" label
-    # What lm-eval got through our LM equals the direct computation, left-truncation included.
-    assert check_samples_against_model(Path("reports/evaluate/pretrain"), model, enc) > 0
 
     report = Path("reports/evaluate.md").read_text()
     assert "| pretrain | hellaswag | acc_norm |" in report and "0.3114" in report
@@ -383,8 +411,7 @@ def test_in_loop_hellaswag_agrees_with_direct_computation(model, enc):
         ctx = enc.encode_ordinary(ex["ctx"])
         conts = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
         drop = max(0, len(ctx) + max(map(len, conts)) - BLOCK)  # the same context for every ending
-        if drop >= len(ctx):
-            continue
+        assert drop < len(ctx)  # every example keeps some context, so every one is scored
         sums, means = [], []
         for cont in conts:
             seq = ctx[drop:] + cont

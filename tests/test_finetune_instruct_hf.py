@@ -21,6 +21,8 @@ from gptforge.finetune.templates import IGNORE_INDEX, collate, encode
 from gptforge.hf_causal import HFTokenizer
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
 from test_dvc import dvc
+from test_evaluate import scores_from_samples
+from test_hf_downstream import lm_eval_pair, load, raw_loglikelihood
 
 RECORDS = [{"instruction": f"Name a colour, number {i}.", "input": "" if i % 2 else f"hint {i}",
             "output": f"The colour is {'red' if i % 3 else 'blue'}" + " indeed" * (i % 7)} for i in range(48)]
@@ -272,7 +274,12 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     ev = dvc(repo_copy, "repro", "--single-item", "evaluate", env=env)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
-    assert 0 <= evaluated["instruct.hellaswag.acc_norm"] <= 1
+    # the score as transformers' own logits of the fine-tuned folder give it, request by request
+    model, tok = load(final)
+    direct = scores_from_samples(repo_copy / "reports/evaluate/instruct", lambda context, continuation: (
+        raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None), tol=1e-3)
+    assert evaluated["instruct.hellaswag.n"] == direct["hellaswag"]["n"] == 4
+    assert evaluated["instruct.hellaswag.acc_norm"] == pytest.approx(direct["hellaswag"]["acc_norm"])
     again = dvc(repo_copy, "repro", "finetune_instruct", env=env)
     assert again.returncode == 0 and "Running stage" not in again.stdout
 

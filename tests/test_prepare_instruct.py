@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gptforge.config import load_config
-from gptforge.data import sources
 from gptforge.data.instruct import prepare_instruct
 from gptforge.errors import BadInput, SourceUnreachable
 from conftest import FakeRun
+from test_sources import https_to_loopback, server  # noqa: F401  (fixtures: a counting loopback server)
 
 
 def alpaca(n: int) -> list[dict]:
@@ -27,8 +27,9 @@ def write_json(path: Path, records) -> Path:
 
 def run_prepare(tmp_path: Path, source, *overrides: str, **kwargs) -> dict:
     cfg = load_config(None, [f"data.instruct.source={source}", *overrides])
+    kwargs.setdefault("raw_dir", tmp_path / "raw")
     return prepare_instruct(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "metrics" / "prepare_instruct.json",
-                            raw_dir=tmp_path / "raw", **kwargs)
+                            **kwargs)
 
 
 def read_split(tmp_path: Path, name: str) -> list[dict]:
@@ -158,15 +159,20 @@ def test_hub_unreachable(tmp_path, monkeypatch):
         run_prepare(tmp_path, "hf://tatsu-lab/alpaca")
 
 
-def test_url_source_goes_through_the_download_cache(tmp_path, monkeypatch):
+def test_url_source_goes_through_the_download_cache(tmp_path, server, https_to_loopback):
+    """The first run downloads from the loopback server, the second reads the download cache alone."""
     payload = json.dumps(alpaca(10)).encode()
+    server.files["/tatsu-lab/stanford_alpaca/main/alpaca_data.json"] = payload
+    url = f"https://{server.base}/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
 
-    def fake_download(url, dest, *, sha256=None, timeout=30.0):
-        Path(dest).parent.mkdir(parents=True, exist_ok=True)
-        Path(dest).write_bytes(payload)
-        return Path(dest)
-
-    monkeypatch.setattr(sources, "download_url", fake_download)
-    metrics = run_prepare(tmp_path, "https://raw.example/tatsu-lab/stanford_alpaca/main/alpaca_data.json")
+    first = run_prepare(tmp_path / "a", url, raw_dir=tmp_path / "raw")
+    assert server.requests == [("/tatsu-lab/stanford_alpaca/main/alpaca_data.json", None)]
     assert (tmp_path / "raw" / "alpaca_data.json").read_bytes() == payload
-    assert metrics["records"] == 10
+    assert first["records"] == 10
+    records = [r for s in ("train", "val", "test") for r in read_split(tmp_path / "a", s)]
+    assert sorted(records, key=lambda r: r["instruction"]) == alpaca(10)
+
+    second = run_prepare(tmp_path / "b", url, raw_dir=tmp_path / "raw")
+    assert len(server.requests) == 1  # no second request: the cached, sha256-verified file
+    assert second == first
+    assert all(read_split(tmp_path / "b", s) == read_split(tmp_path / "a", s) for s in ("train", "val", "test"))
