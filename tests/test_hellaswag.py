@@ -327,11 +327,26 @@ def test_evaluate_skips_examples_whose_ending_cannot_fit(enc, examples_file, cap
     assert "skipped" in caplog.text
 
 
-def test_evaluate_with_cpu_bf16_autocast(enc, examples_file):
+def test_evaluate_with_cpu_bf16_autocast_agrees_with_its_reference_and_with_fp32(enc, examples_file):
     examples = hs.load_examples(examples_file)
-    model = CausalMean(enc.n_vocab, enc.n_vocab, seed=1)
+    model = CausalMean(enc.n_vocab, enc.n_vocab, seed=1).eval()
+    head_dtypes = []
+    model.head.register_forward_hook(lambda m, i, out: head_dtypes.append(out.dtype))
     got = hs.evaluate(model, examples, enc, autocast_dtype=torch.bfloat16)
-    assert got["n"] == 4 and 0 <= got["acc_norm"] <= 1
+    assert set(head_dtypes) == {torch.bfloat16}  # autocast really ran the head in bf16
+    # The same scores one unpadded row at a time under the same autocast (log-softmax in float64).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert got == reference_evaluate(model, enc, examples)
+        bf16 = [reference_losses(model, enc, ex) for ex in examples]
+    fp32 = [reference_losses(model, enc, ex) for ex in examples]
+    # bf16 keeps 8 significant bits: the per-ending losses move, by little; wherever every
+    # choice's margin exceeds twice that move, fp32 must choose the same endings.
+    for k in (0, 1):  # the summed loss (acc), the mean loss (acc_norm)
+        moved = max(abs(a[k] - b[k]) for ea, eb in zip(fp32, bf16) for a, b in zip(ea, eb))
+        assert 0 < moved < 0.01, moved
+        margin = min(sorted(loss[k] for loss in ex)[1] - sorted(loss[k] for loss in ex)[0] for ex in fp32)
+        assert margin > 2 * moved, (k, margin, moved)
+    assert got == hs.evaluate(model, examples, enc)
 
 
 def test_evaluate_on_no_examples(enc):
