@@ -14,6 +14,10 @@ This module knows nothing of MLflow: `send(kind, payloads)` does the work, and r
 consecutive records of one kind together (for kinds in `batched`, as many as hold at most
 `batch` values in all: MLflow takes 1000 metrics a request), so a backlog of a training loop's
 metrics goes out in few requests.
+
+Time comes from `clock` and waits go through `wait` (`time.monotonic` and the waitable's own
+`wait(timeout)` by default): a test passes virtual ones to check the deadlines and the backoff
+exactly, whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 log = logging.getLogger("gptforge")
+
+
+def _wait(waitable: threading.Condition | threading.Event, timeout: float) -> bool:
+    return waitable.wait(timeout)
 
 
 @dataclass
@@ -52,6 +60,8 @@ class Outbox:
         label: str = "the server",  # names the receiver in warnings
         describe: Callable[[BaseException], str] | None = None,  # a failure in a few words
         name: str = "gptforge-outbox",
+        clock: Callable[[], float] = time.monotonic,  # `failing_since` is on its scale
+        wait: Callable[[threading.Condition | threading.Event, float], bool] = _wait,
     ) -> None:
         self._send = send
         self._retryable = retryable
@@ -60,6 +70,7 @@ class Outbox:
         self._batched = frozenset(batched)
         self._backoff = backoff
         self.label = label
+        self._clock, self._wait = clock, wait
         self._describe = describe or (lambda e: " ".join(f"{type(e).__name__}: {e}".split())[:300])
         self._queue: collections.deque[Record] = collections.deque()
         self._inflight: list[Record] = []  # taken from the queue's head; removed once sent or dropped
@@ -71,7 +82,7 @@ class Outbox:
         self.sent: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()  # non-retryable failures
         self.overflowed: collections.Counter[str] = collections.Counter()  # dropped when full
-        self.failing_since: float | None = None  # monotonic time of the first failure of an outage
+        self.failing_since: float | None = None  # `clock` time of the first failure of an outage
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -96,14 +107,14 @@ class Outbox:
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds until every record queued so far is sent or dropped.
         True when nothing is left. A sender in its backoff is woken to try again now."""
-        deadline = time.monotonic() + max(0.0, timeout)
+        deadline = self._clock() + max(0.0, timeout)
         self._poke.set()
         with self._cond:
             while self._queue or self._inflight:
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0 or not self._thread.is_alive():
                     return False
-                self._cond.wait(left)
+                self._wait(self._cond, left)
             return True
 
     def close(self, timeout: float) -> dict[str, int]:
@@ -173,7 +184,7 @@ class Outbox:
                     return
                 group = self._take()
             kind = group[0].kind
-            started = time.monotonic()
+            started = self._clock()
             try:
                 self._send(kind, [r.payload for r in group])
             except Exception as e:  # noqa: BLE001 - every failure is either retried or dropped and counted
@@ -185,7 +196,7 @@ class Outbox:
                             log.warning("%s is unreachable (%s); keeping what the run logs and retrying",
                                         self.label, reason)
                         self.last_error = reason
-                    self._poke.wait(delay)
+                    self._wait(self._poke, delay)
                     self._poke.clear()
                     delay = min(delay * 2, self._backoff[1])
                     continue
@@ -203,7 +214,7 @@ class Outbox:
             with self._cond:
                 if self.failing_since is not None:
                     log.warning("%s is reachable again after %.0f s; sending the %d records kept meanwhile",
-                                self.label, time.monotonic() - self.failing_since,
+                                self.label, self._clock() - self.failing_since,
                                 len(self._queue) + len(self._inflight))
                     self.failing_since = None
                 self.sent[kind] += sum(r.size for r in group)
