@@ -258,10 +258,10 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 30
 
 
 class Paused:
-    """A pretraining run held after step `step` (gptforge.pause): `env()` goes into the run's
-    environment, `wait(proc)` returns once the loop is paused there (or fails if the process
-    ended first), `release()` lets it go on. Tests act on a paused run instead of racing the
-    machine's training speed."""
+    """A run (pretraining or the serve engine) held after step `step` (gptforge.pause): `env()`
+    goes into the run's environment, `wait(proc)` returns once the loop is paused there (or
+    fails if the process ended first), `release()` lets it go on. Tests act on a paused run
+    instead of racing the machine's speed."""
 
     def __init__(self, folder: Path, step: int) -> None:
         self.path, self.step = Path(folder) / f"paused-at-{step}", step

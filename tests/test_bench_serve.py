@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -81,7 +82,15 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
         assert lv["errors"] == 0 and lv["requests"] == 2 * lv["clients"]
         assert lv["completion_tokens_per_request"] == {"min": 8, "max": 8}
         assert lv["prompt_tokens_per_request"] == [r["settings"]["prompt_tokens"]]
-        assert lv["aggregate_tokens_per_sec"] > 0 and lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0
+        assert lv["completion_tokens"] == 8 * lv["requests"] and lv["tokens_per_event"] >= 1
+        # Measured figures, reported rather than judged: a first token takes a model step (> 0),
+        # but events read from one HTTP chunk share a timestamp, so an inter-token gap of 0 ms
+        # is a real value. What holds whatever the timing: the percentiles are there, finite
+        # and in order.
+        ttft, itl = lv["ttft_ms"], lv["itl_ms"]
+        assert lv["aggregate_tokens_per_sec"] > 0 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["max"] < math.inf
+        assert 0 <= itl["p50"] <= itl["p95"] <= itl["max"] < math.inf
+        print(f"{lv['clients']} client(s): {lv['aggregate_tokens_per_sec']} tokens/s, TTFT {ttft}, ITL {itl}")
     assert r["same_text_as_generate"] is True  # greedy through the server = direct generate
     assert r["direct_generate"]["b1"]["tokens_per_sec"] > 0 and "b2" in r["direct_generate"]
     t = r["targets"]

@@ -9,6 +9,7 @@ answers, `class_probabilities` for the classifier, the tokenizer for the usage c
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -19,7 +20,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import BIN
+from conftest import BIN, Paused
 from hf_models import make_tiny_causal_lm
 from serve_support import PARAMS, Server, tiny_classifier, tiny_gpt
 
@@ -33,7 +34,7 @@ PROMPT = "The capital of France is"
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     gpt = tiny_gpt(root / "tiny")
-    return {"tiny": gpt, "llama": make_tiny_causal_lm(root / "llama", "llama"),
+    return {"tiny": gpt, "llama": make_tiny_causal_lm(root / "llama", "llama", max_positions=1024),
             "spam": tiny_classifier(root / "spam", gpt), "root": root}
 
 
@@ -67,6 +68,25 @@ def encode(text: str) -> list[int]:
     from gptforge.tokenizer import load_tokenizer
 
     return load_tokenizer(load_config(PARAMS).tokenizer.path).encode_ordinary(text)
+
+
+def running(server) -> float:
+    return metric(server, "gptforge_running_requests")
+
+
+def metric(server, name: str) -> float:
+    """A series of the server's /metrics, summed over its models."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf'^{name}\{{model="[^"]+"\}} (\S+)$', text, re.M))
+
+
+def wait_until(condition, what: str, timeout: float = 120) -> None:
+    """Poll `condition` until true. The timeout is a bound against a hang only: what is waited
+    for comes within a few steps of the model, seconds on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(0.05)
 
 
 # -- the OpenAI client -----------------------------------------------------------------------
@@ -137,29 +157,34 @@ def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, ser
     assert alone == expected
 
     # Eight streams of other prompts (other lengths: rows at other positions) are decoding when
-    # the request goes in, and are still decoding when it ends.
-    started, results = threading.Barrier(9), {}
+    # the request goes in (the server counts them running) and still decoding when it ends (none
+    # has finished: each may go on for 900 tokens, the request takes 40; they are closed after).
+    chunks, finished, enough = {}, set(), threading.Event()
 
     def other(i: int) -> None:
-        stream = client.completions.create(model=model, prompt="Some other words " * (i + 1), max_tokens=100,
-                                           temperature=0, stream=True)
-        for chunk in stream:
-            results.setdefault(i, []).append(time.monotonic())
-            if len(results[i]) == 1:
-                started.wait(timeout=60)
+        with client.completions.create(model=model, prompt="Some other words " * (i + 1), max_tokens=900,
+                                       temperature=0, stream=True) as stream:
+            for chunk in stream:
+                chunks[i] = chunks.get(i, 0) + 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finished.add(i)
+                if enough.is_set():
+                    break
 
     threads = [threading.Thread(target=other, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    started.wait(timeout=60)
-    begin = time.monotonic()
-    among = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0).choices[0].text
-    end = time.monotonic()
-    for t in threads:
-        t.join(timeout=120)
+    try:
+        wait_until(lambda: running(server) == 8, "the eight other streams decoding")
+        among = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0).choices[0].text
+        ended_before = set(finished)
+    finally:
+        enough.set()
+        for t in threads:
+            t.join(timeout=120)
     assert among == expected
-    for times in results.values():  # every other stream produced tokens before and after it
-        assert times[0] < begin and times[-1] > end
+    assert not ended_before and sorted(chunks) == list(range(8))
+    wait_until(lambda: running(server) == 0, "the closed streams to leave the batch")
 
 
 # -- classify ------------------------------------------------------------------------------
@@ -185,56 +210,48 @@ def test_classify_gives_the_classifiers_probabilities(folders, server):
 
 # -- streams, disconnects, queue ------------------------------------------------------------
 
-def running(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r'^gptforge_running_requests\{model="[^"]+"\} (\S+)$', text, re.M))
-
-
-def test_sse_wire_format_and_a_disconnect_frees_the_slot_at_once(server):
-    # 1,000 tokens take the server about a second: the disconnect comes long before the end.
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+def test_sse_wire_format(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        reader = r.iter_lines()  # (leaving a for loop over it would close the connection)
-        lines = [next(reader) for _ in range(6)]
-        assert running(server) == 1
-        r.close()  # the client goes away mid-answer
-        closed = time.monotonic()
-    while running(server) and time.monotonic() < closed + 0.5:
-        time.sleep(0.02)
-    assert running(server) == 0
-    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-    assert events and all(e["object"] == "text_completion" for e in events)
-
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "max_tokens": 5}, headers=auth(),
-                      timeout=60) as r:
         data = [line for line in r.iter_lines() if line]
     assert data[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in data)
-    assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+    events = [json.loads(line[6:]) for line in data[:-1]]
+    assert events and all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_full_queue_answers_429_and_a_freed_slot_takes_the_next(folders, tmp_path):
-    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1")
+def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes_the_slot(folders, tmp_path):
+    # The engine holds after its 2nd step (gptforge.pause): the first request's prefill and one
+    # decode step. The batch of one is full, and stays so until the test lets the engine go on.
+    paused = Paused(tmp_path, 2)
+    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1",
+                 env={**os.environ, **paused.env()})
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b:
             first = a.send(a.build_request("POST", "/v1/completions", json=body), stream=True)
-            first_lines = first.iter_lines()
-            next(first_lines)  # decoding: the batch of one is full
-            second = b.send(b.build_request("POST", "/v1/completions", json=body), stream=True)  # queued
-            time.sleep(0.3)
+            paused.wait(srv.proc, output=srv.log.read_text)
+            assert next(first.iter_lines()).startswith("data: ")  # decoding
+            # Its answer's headers come after the submission: waiting in the queue of one.
+            second = b.send(b.build_request("POST", "/v1/completions", json={**body, "max_tokens": 5}), stream=True)
             client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
             with pytest.raises(openai.RateLimitError, match="waiting"):
                 client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
-            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-            assert 'gptforge_waiting_requests{model="tiny"} 1.0' in metrics
-            first.close()  # its slot goes to the waiting request
-            freed = time.monotonic()
-            second_lines = second.iter_lines()
-            assert next(second_lines).startswith("data: ")
-            assert time.monotonic() - freed < 1.0
-            second.close()
+            assert (running(srv), metric(srv, "gptforge_waiting_requests")) == (1, 1)
+            first.close()  # the client goes away mid-answer
+            paused.release()
+            # Its slot goes to the waiting request, which answers in full.
+            data = [line for line in second.iter_lines() if line]
+            assert data[-1] == "data: [DONE]" and json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+        wait_until(lambda: running(srv) == 0, "the batch to empty")
+        # The first was cancelled, not run on to its 1000 tokens: what it generated is the
+        # total less the second's 5 (2 before the pause, and any step before its cancel landed).
+        first_tokens = metric(srv, "gptforge_generated_tokens_total") - 5
+        print(f"the disconnected request generated {first_tokens:.0f} tokens")
+        assert 2 <= first_tokens < 1000
     finally:
+        paused.release()
         srv.stop()
 
 

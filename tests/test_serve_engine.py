@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -106,51 +107,104 @@ def test_max_tokens_and_the_context_end_with_length():
     assert reason == "length" and len(req.prompt_ids) + len(req.generated) == 12
 
 
-def test_requests_share_steps_and_join_a_running_batch():
-    plans = {(9, 1): [1] * 20, (9, 2): [2] * 5, (9, 3): [1] * 8}
-    results, engine = run(plans, ((9, 1), Sampling(max_tokens=20, temperature=0)),
-                          ((9, 2), Sampling(max_tokens=5, temperature=0)),
-                          ((9, 3), Sampling(max_tokens=8, temperature=0)))
-    assert ["".join(p) for p, _, _ in results] == ["a" * 20, "b" * 5, "a" * 8]
-    sizes = engine.backend.batch_sizes
-    assert max(sizes) == 3 and sizes[-1] == 1  # decoded together, the longest alone at the end
-    assert engine.steps < 20 + 5 + 8  # far fewer steps than one request at a time
-
-
 class Gated(Script):
-    """A Script whose decode steps wait for `gate`: the test decides when the engine moves on."""
+    """A Script whose decode steps wait for `gate` (`at_gate` is set while one waits): the test
+    decides when the engine moves on."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
+        self.gate, self.at_gate = threading.Event(), threading.Event()
 
     def decode(self, tokens):
+        self.at_gate.set()
         self.gate.wait(timeout=30)
         return super().decode(tokens)
 
 
-def test_a_cancelled_request_leaves_the_batch_and_a_full_queue_refuses():
+async def collect(request: Request) -> str:
+    pieces = []
+    while (event := await request.events.get()).finish_reason is None:
+        pieces.append(event.text)
+    return "".join(pieces)
+
+
+def test_requests_share_steps_and_join_a_running_batch():
+    async def main():
+        backend = Gated({(9, 1): [1] * 20, (9, 2): [2] * 5, (9, 3): [1] * 8})
+        engine = Engine(backend, decode)
+        engine.start()
+        try:
+            first = engine.submit([9, 1], Sampling(max_tokens=20, temperature=0), {0})
+            # The other two come while the first is decoding (held at its first decode step).
+            assert await asyncio.to_thread(backend.at_gate.wait, 30)
+            others = [engine.submit([9, n], Sampling(max_tokens=m, temperature=0), {0}) for n, m in ((2, 5), (3, 8))]
+            backend.gate.set()
+            return await asyncio.gather(*map(collect, [first, *others])), engine
+        finally:
+            backend.gate.set()
+            await engine.stop()
+    texts, engine = asyncio.run(main())
+    assert texts == ["a" * 20, "b" * 5, "a" * 8]
+    # Step 1 prefills the first, step 2 decodes it (held while the others come), step 3 decodes
+    # it and prefills the others, which join its batch; each row leaves after its last token:
+    # 5 and 8 tokens from step 3 on, 20 from step 1.
+    assert engine.backend.batch_sizes == [1, 1] + [3] * 4 + [2] * 3 + [1] * 10
+    assert engine.steps == 20  # one request's steps: the others took none of their own
+
+
+def test_a_cancelled_request_leaves_the_batch_at_the_next_step_and_a_full_queue_refuses():
     async def main():
         backend = Gated({(9, 9): [1] * 60}, max_batch=1)
         engine = Engine(backend, decode, max_queue=1)
         engine.start()
         try:
             first = engine.submit([9, 9], Sampling(max_tokens=60, temperature=0), {0})
-            await first.events.get()  # the prefill's token; the first decode step waits at the gate
+            await first.events.get()  # the prefill's token
+            assert await asyncio.to_thread(backend.at_gate.wait, 30)  # its first decode step is held
             second = engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
             with pytest.raises(QueueFull):
                 engine.submit([9, 9], Sampling(max_tokens=3, temperature=0), {0})
             first.cancel()
             backend.gate.set()
-            while (await second.events.get()).finish_reason is None:
-                pass
-            return first, second
+            await collect(second)
+            return first, second, engine
         finally:
             backend.gate.set()
             await engine.stop()
-    first, second = asyncio.run(main())
+    first, second, engine = asyncio.run(main())
     assert first.finish_reason == "cancelled" and len(first.generated) < 60
     assert second.finish_reason == "length"
+    # The first's prefill, its decode step held at the gate, then the second's 3 steps: the
+    # cancelled row left at once, it did not run on to its 60 tokens.
+    assert engine.steps == 2 + 3
+
+
+def test_the_pause_holds_the_engine_after_its_nth_step_until_its_file_is_removed(tmp_path, monkeypatch):
+    """gptforge.pause in the engine: what the server's tests hold a batch with."""
+    path = tmp_path / "paused"
+    monkeypatch.setenv("GPTFORGE_PAUSE_AT_STEP", "3")
+    monkeypatch.setenv("GPTFORGE_PAUSE_FILE", str(path))
+
+    async def main():
+        engine = Engine(Script({(9, 9): [1] * 10}), decode)
+        engine.start()
+        try:
+            request = engine.submit([9, 9], Sampling(max_tokens=10, temperature=0), {0})
+            for _ in range(3):  # the tokens of the steps before the hold reach the event loop
+                await request.events.get()
+            deadline = time.monotonic() + 60  # against a hang only
+            while not path.is_file():
+                assert time.monotonic() < deadline, "the engine never paused"
+                await asyncio.sleep(0.01)
+            held = engine.steps, request.events.qsize()
+            path.unlink()
+            return held, "a" * 3 + await collect(request), request
+        finally:
+            path.unlink(missing_ok=True)
+            await engine.stop()
+    held, text, request = asyncio.run(main())
+    assert held == (3, 0)  # held after step 3: no fourth token while the file is there
+    assert text == "a" * 10 and request.finish_reason == "length"
 
 
 # -- sampling against its formula -------------------------------------------------------------

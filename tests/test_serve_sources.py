@@ -210,15 +210,23 @@ def test_a_registry_that_does_not_exist(cfg, tmp_path, monkeypatch):
 def test_an_unreachable_tracking_server_fails_in_one_line_within_seconds(cfg, monkeypatch):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")):
-        monkeypatch.setenv(name, value)  # what gptforge.register.models sets (restored after the test)
+    # Unset, so that gptforge's own bound (gptforge.register.models) is what is checked; set first
+    # so that monkeypatch also removes what gptforge sets, after the test.
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     importlib.import_module("mlflow")  # its import (seconds on a loaded machine) is not what is timed
 
     start = time.monotonic()
     with pytest.raises(SourceUnreachable, match=f"the MLflow tracking server {url} cannot be reached") as e:
         resolve("models:/gptforge-instruct@champion", cfg)
-    assert time.monotonic() - start < 10
+    took = time.monotonic() - start
     one_line(e)
+    # gptforge.register.models bounds MLflow's retries to 2 (a few seconds); MLflow's own 7, with
+    # their backoff, take minutes. 60 s tells the two apart on any machine, however loaded.
+    print(f"unreachable tracking server reported after {took:.1f} s")
+    assert took < 60
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ that records what it was given and answers SIGTERM, as vLLM's server does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,15 +29,18 @@ from gptforge.weights import save_model
 
 BLOCK = 48
 GPT2_TOKENIZER = sample("sample://gpt2_tokenizer")
-# Stands in for /opt/vllm/bin/python: writes its arguments and VLLM_API_KEY as JSON, then
-# serves until SIGTERM (exit 0, as vLLM's server does) or exits at once with STUB_EXIT.
+# Stands in for /opt/vllm/bin/python: writes its arguments, VLLM_API_KEY and its pid as JSON
+# (whole, once its SIGTERM handler is in place), then serves until SIGTERM (exit 0, as vLLM's
+# server does) or exits at once with STUB_EXIT.
 STUB = """#!/usr/bin/env python3
 import json, os, signal, sys, time
-with open(os.environ["STUB_OUT"], "w") as f:
-    json.dump({"argv": sys.argv[1:], "api_key": os.environ.get("VLLM_API_KEY")}, f)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+out = os.environ["STUB_OUT"]
+with open(out + ".tmp", "w") as f:
+    json.dump({"argv": sys.argv[1:], "api_key": os.environ.get("VLLM_API_KEY"), "pid": os.getpid()}, f)
+os.replace(out + ".tmp", out)
 if "STUB_EXIT" in os.environ:
     sys.exit(int(os.environ["STUB_EXIT"]))
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 while True:
     time.sleep(0.1)
 """
@@ -222,6 +226,17 @@ def test_exit_code_of_vllm_is_ours(stub, tmp_path, cfg, monkeypatch, caplog):
     assert "/invocations route serves the model without it" in caplog.text
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.slow  # a subprocess that imports gptforge
 def test_sigterm_reaches_vllm(stub, tmp_path):
     """vLLM runs as our child: a SIGTERM to gptforge (docker stop) stops it, and we exit 143."""
     folder = hf_folder(tmp_path / "m")
@@ -232,24 +247,35 @@ def test_sigterm_reaches_vllm(stub, tmp_path):
             f"sys.exit(run_vllm([ModelSource('m', 'hf', Path({str(folder)!r}), None, 'm')], host='127.0.0.1', "
             "port=8126, api_key=None, cfg=load_config(None)))")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    child = None
     try:
-        deadline = time.monotonic() + 60
-        while not stub.exists() and time.monotonic() < deadline:  # the stand-in has started
-            time.sleep(0.1)
-        assert stub.exists(), "vLLM's stand-in never started"
-        time.sleep(0.3)
+        # Sent once both ends are ready, not after a pause: the stand-in has started (its file is
+        # written after its handler is set) and gptforge forwards SIGTERM (run_vllm called
+        # directly sets no SIGTERM handler but forwarded_to's). The deadline is against a hang only.
+        deadline = time.monotonic() + 120
+        while not (stub.exists() and catches(proc.pid, signal.SIGTERM)):
+            assert proc.poll() is None, f"gptforge exited with {proc.returncode} before vLLM's stand-in ran"
+            assert time.monotonic() < deadline, "vLLM's stand-in never started under a forwarding gptforge"
+            time.sleep(0.05)
+        child = json.loads(stub.read_text())["pid"]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # the stand-in is gone, not orphaned
+            os.kill(child, 0)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
 # Through the CLI
 
 
+@pytest.mark.slow  # the command line in a subprocess
 def test_cli_without_vllm_one_line(checkpoint, tmp_path):
     from conftest import cli_env, last_error_line, run_cli
 

@@ -1,14 +1,20 @@
-"""A pause point in the pretraining loop, for tests and for a person who wants to act mid-run.
+"""A pause point in a loop that runs for a long time (pretraining, the serve engine), for tests
+and for a person who wants to act mid-run.
 
 With `GPTFORGE_PAUSE_AT_STEP=N` and `GPTFORGE_PAUSE_FILE=PATH` in its environment, the loop
-stops after its Nth step (the checkpoint of that step, if one is due, already written): it
-writes PATH ("paused at step N, pid P", whole or absent) and waits until PATH is removed. A
-test that must act while training is under way (send a stop signal, SIGKILL the run, take its
-tracking server away) waits for the file instead of racing the machine's training speed, then
-removes it. Signals behave as anywhere in the loop: the first SIGINT/SIGTERM is recorded and
-acted on once the pause is released (at the end of the next step), a second one stops at once,
-in the pause. Under DDP only rank 0 pauses; the other ranks wait for it in their next
-collective. Unset, a step costs one comparison.
+holds once, after its Nth step: it writes PATH ("paused at step N, pid P", whole or absent) and
+waits until PATH is removed. A test that must act while work is under way (send a stop signal,
+SIGKILL the run, take its tracking server away, fill the serve engine's queue) waits for the
+file instead of racing the machine's speed, then removes it.
+
+- Pretraining holds after step N and its checkpoint, if one was due. Signals behave as anywhere
+  in the loop: the first SIGINT/SIGTERM is recorded and acted on at the end of the step after
+  the release; a second one stops at once, in the pause. Under DDP only rank 0 holds; the
+  other ranks wait for it in their next collective.
+- The serve engine's scheduling thread holds after its Nth step (each served model's engine at
+  its own) while the HTTP side goes on answering; the server's shutdown waits for the release.
+
+Unset, a step costs one comparison.
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ which the HTTP handler streams out. A stop string is found there, one step behin
 the row computes one token more, which is dropped. Before, the loop ran on the event loop and
 handed each step to a worker thread: the two waited for each other every step (16 clients
 got 969 tokens/s then, 1010-1134 since, in bench_serve.py runs on this CPU).
+
+`gptforge.pause` holds the loop once, after its Nth step (GPTFORGE_PAUSE_AT_STEP, with
+GPTFORGE_PAUSE_FILE; each served model's engine at its own Nth step), while the event loop goes
+on answering: tests act on a batch in a known state (full, mid-answer) instead of racing the
+model's speed. Unset, a step costs one comparison.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from gptforge.pause import PausePoint
 
 
 class QueueFull(Exception):
@@ -118,6 +125,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pause = PausePoint.from_env()
         self.steps = 0
 
     # -- the API side (event loop) -------------------------------------------------------
@@ -182,6 +190,7 @@ class Engine:
                 request.ended = (token in request.stop_ids or len(request.fed) >= request.sampling.max_tokens
                                  or len(request.prompt_ids) + len(request.fed) >= self.context)
             self._loop.call_soon_threadsafe(self._deliver, list(zip(self.running, tokens)), time.perf_counter())
+            self._pause.after(self.steps)
 
     def _step(self, keep: list[int], decoding: list[Request], admitted: list[Request]) -> list[int]:
         """Drop the finished rows, decode the running ones, prefill the new ones, and pick every

@@ -7,7 +7,7 @@
 // Tokens/s = (completion tokens - 1) / (time of the last delta - time of the first): the decode
 // rate after the first token, whose wait is shown apart as the time to first token. When every
 // delta came at once (no measurable interval) it is completion tokens / time from send to the
-// last delta.
+// last delta. #stats keeps the times these come from as data-sent, data-first and data-last.
 // Classifier: POST v1/classify, the label and each class's probability.
 // Everything the server sends is shown with textContent or createTextNode, never as HTML.
 "use strict";
@@ -120,6 +120,7 @@ function formatSeconds(ms) {
 }
 
 function showStats(t) {
+  Object.assign($("stats").dataset, { sent: t.sent, first: t.first ?? "", last: t.last ?? "" });
   if (t.first === null) {
     for (const id of ["tps", "ttft", "ntokens"]) $(id).textContent = "–";
     return;
