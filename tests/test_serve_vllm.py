@@ -179,6 +179,7 @@ def test_a_hugging_face_folder_is_served_as_it_is(stub, tmp_path, cfg):
     assert "s3cret" not in got["argv"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_exported_once_per_weights(stub, checkpoint, cfg, tmp_path):
     import shutil
 
