@@ -16,17 +16,17 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from torch.distributed.run import parse_args as torchrun_args
 
-from conftest import BIN, cli_env, error_lines, free_port, run_cli
+from conftest import BIN, Paused, cli_env, error_lines, free_port, run_cli
 from gptforge import child_output, launch
 from gptforge.config import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.tracking import env_tags
 from test_cli import prefect_get
+from test_stop import logged, wait_until
 from test_train import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
 
 # --------------------------------------------------------------------------------------------
@@ -297,27 +297,41 @@ def test_a_failed_job_raises_stage_failed_with_the_workers_reason(tmp_path, monk
 @pytest.mark.parametrize("sig, returncode", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokenizer, sig, returncode):
+    """The signal comes while the workers train: rank 0 paused after step 2 (gptforge.pause),
+    rank 1 waiting for it in its next collective; released once rank 0 has taken it."""
     import psutil
 
-    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain", *_args(*TINY, f"tokenizer.path={small_tokenizer}",
-                                                                          "pretrain.nproc_per_node=2",
-                                                                          "pretrain.max_steps=100000")],
-                            cwd=_workdir(tmp_path, "w", shards), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    pause = Paused(tmp_path, 2)
+    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **pause.env())
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain",
+                                 *_args(*TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nproc_per_node=2",
+                                        "pretrain.max_steps=100000")],
+                                cwd=_workdir(tmp_path, "w", shards), env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        job: list[psutil.Process] = []
-        while len(job) < 3 and time.monotonic() < deadline:  # torchrun and its two workers
-            time.sleep(0.5)
-            job = psutil.Process(proc.pid).children(recursive=True)
-        assert len(job) >= 3, "the job did not start"
-        time.sleep(3)  # let the workers get into training
+        pause.wait(proc, output=log.read_text)
+        job = psutil.Process(proc.pid).children(recursive=True)
+        assert len(job) >= 3, [p.cmdline() for p in job]  # torchrun and its two workers
         proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=90)
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
+        pause.release()
+        # The job's own stop bounds: the launcher SIGKILLs what is left of the job 25 s after
+        # the signal (signals.GROUP_GRACE_SECONDS) and exits soon after; the rest is a margin
+        # for a machine busy with another process.
+        proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # failed: no job is left behind, paused or not
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
-    assert proc.returncode == returncode, stderr[-3000:]
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == returncode, output[-3000:]
+    # Rank 0 took it in the pause and stopped after the next step, with its checkpoint.
+    assert f"pretrain stopped by {sig.name} at step 3; checkpoint checkpoints/pretrain/step_00000003 saved" in output, \
+        output[-3000:]
+    assert (tmp_path / "w/checkpoints/pretrain/step_00000003/checksums.json").is_file()
+    # The launcher waits for the whole job before it exits: this only reaps what it left.
     gone, alive = psutil.wait_procs(job, timeout=10)
     assert not alive, [p.cmdline() for p in alive]

@@ -6,6 +6,10 @@
   state is restored too).
 - While one runs, a second `dvc repro` and a second `gptforge pipeline` are refused with a
   clear message and change nothing; so is a second run of the same stage.
+
+Where a test acts on a running pretraining, the run is paused after a checkpointed step
+(gptforge.pause, conftest.Paused) instead of raced: it is running, at a known step, however
+fast or slow the machine.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,11 +25,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import BIN, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params
+from conftest import BIN, Paused, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params
 from gptforge import locks
+from test_stop import logged, wait_until
 
-LONG_PRETRAIN = {"pretrain.max_steps": 2000, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
+LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
                  "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}
+PAUSE_AT = 100  # a checkpointed step (pretrain.ckpt_interval), in the middle of training
 
 
 def _hold_in_another_process(cwd: Path, code: str) -> subprocess.Popen:
@@ -93,10 +98,17 @@ def _weights(repo: Path) -> dict[str, torch.Tensor]:
     return load_file(repo / "checkpoints/pretrain/final/model.safetensors")
 
 
-def _dvc(repo: Path, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "dvc"), *args], cwd=repo, env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            **popen)
+def _dvc(repo: Path, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen:
+    """`dvc ARGS` in its own process group; its output piped, or written to `log` (a paused run
+    is not read from while it waits)."""
+    out = open(log, "w") if log else subprocess.PIPE
+    try:
+        return subprocess.Popen([str(BIN / "dvc"), *args], cwd=repo,
+                                env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env),
+                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    finally:
+        if log:
+            out.close()
 
 
 @pytest.mark.slow
@@ -112,41 +124,42 @@ def test_dvc_repro_killed_mid_pretrain_resumes_to_the_same_weights(tmp_path, rep
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out[-3000:]
 
-    first = _dvc(repo_copy, "repro", "pretrain")
+    pause = Paused(tmp_path, PAUSE_AT)
+    log = tmp_path / "first.log"
+    first = _dvc(repo_copy, "repro", "pretrain", log=log, **pause.env())
     ckpts = repo_copy / "checkpoints/pretrain"
-    deadline = time.monotonic() + 300
-    while not (ckpts / "step_00000100").is_dir() and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert first.poll() is None, "pretrain finished before it could be killed: make it longer"
+    try:
+        pause.wait(first, output=log.read_text)
 
-    # While it runs: a second dvc repro and a second pipeline are refused and change nothing.
-    lock_before = (repo_copy / "dvc.lock").read_bytes()
-    params_before = (repo_copy / "params.yaml").read_bytes()
-    second = _dvc(repo_copy, "repro", "pretrain")
-    second_out, _ = second.communicate(timeout=120)
-    # DVC's own refusal: its repository lock, or (while a stage command runs) the stage's files.
-    assert second.returncode != 0, second_out
-    assert "Unable to acquire lock" in second_out or "is busy, it is being blocked by" in second_out, second_out
-    pipe = run_cli(["pipeline", "-S", "pretrain.lr=0.5"], repo_copy, cli_env(GPTFORGE_PREFECT="0"), timeout=120)
-    assert pipe.returncode == 1, pipe.stderr
-    assert error_lines(pipe.stderr)[0].startswith(f"gptforge: error: a DVC command is running in {repo_copy}")
-    assert (repo_copy / "params.yaml").read_bytes() == params_before
-    assert first.poll() is None, "the first run must still be running for this check to mean anything"
-
-    # Kill it right after its next checkpoint, in the middle of training.
-    newest = max(p.name for p in ckpts.glob("step_*"))
-    while max(p.name for p in ckpts.glob("step_*")) == newest and first.poll() is None:
-        time.sleep(0.01)
-    assert first.poll() is None, "pretrain finished before it could be killed: make it longer"
-    os.killpg(first.pid, signal.SIGKILL)  # dvc, the stage command and all: nothing gets to clean up
-    first.wait()
+        # While it runs (paused after step 100): a second dvc repro and a second pipeline are
+        # refused and change nothing.
+        lock_before = (repo_copy / "dvc.lock").read_bytes()
+        params_before = (repo_copy / "params.yaml").read_bytes()
+        second = _dvc(repo_copy, "repro", "pretrain")
+        second_out, _ = second.communicate(timeout=120)
+        # DVC's own refusal: its repository lock, or (while a stage command runs) the stage's files.
+        assert second.returncode != 0, second_out
+        assert "Unable to acquire lock" in second_out or "is busy, it is being blocked by" in second_out, second_out
+        pipe = run_cli(["pipeline", "-S", "pretrain.lr=0.5"], repo_copy, cli_env(GPTFORGE_PREFECT="0"), timeout=120)
+        assert pipe.returncode == 1, pipe.stderr
+        assert error_lines(pipe.stderr)[0].startswith(f"gptforge: error: a DVC command is running in {repo_copy}")
+        assert (repo_copy / "params.yaml").read_bytes() == params_before
+        assert first.poll() is None and pause.path.is_file(), "the first run must still be running, paused"
+        assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_{PAUSE_AT:08d}"]
+    finally:
+        # Killed right after its checkpoint of step 100, in the middle of training (or, when a
+        # check failed, not left behind): dvc, the stage command and all, nothing gets to clean up.
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
     assert not (ckpts / "final").exists()
     assert (repo_copy / "dvc.lock").read_bytes() == lock_before  # pretrain not recorded as done
 
     again = _dvc(repo_copy, "repro", "pretrain")
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0, out[-3000:]
-    assert "Running stage 'pretrain'" in out and "resumed from" in out
+    assert "Running stage 'pretrain'" in out, out[-3000:]
+    assert "resumed from" in out and f"step_{PAUSE_AT:08d} at step {PAUSE_AT}" in out, out[-3000:]
     a, b = _weights(reference), _weights(repo_copy)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())
@@ -163,20 +176,36 @@ def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp
               "tracking.enabled": True, "tracking.experiment": "pipeline-sigterm"}
     set_params(repo_copy, **params)
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
-    proc = subprocess.Popen([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"], cwd=repo_copy,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pause = Paused(tmp_path, PAUSE_AT)
+    log = tmp_path / "pipeline.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"],
+                                cwd=repo_copy, env={**env, **pause.env()}, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
     ckpts = repo_copy / "checkpoints/pretrain"
-    deadline = time.monotonic() + 300
-    while not (ckpts / "step_00000100").is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the pipeline finished before it could be stopped"
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    try:
+        pause.wait(proc, output=log.read_text)
+        proc.send_signal(signal.SIGTERM)
+        # The stage takes it while paused (the pipeline passes it on through dvc), then stops
+        # after the next step.
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
+        pause.release()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:  # failed: no run is left behind, paused or not
+            import psutil
+
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("gptforge: pipeline stopped by SIGTERM")
     stopped = [line for line in err.splitlines() if "pretrain stopped by SIGTERM at step" in line]
     assert stopped, err[-3000:]
     step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert step == PAUSE_AT + 1, err[-3000:]
     assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file() and not (ckpts / "final").exists()
     assert processes_in(repo_copy) == []  # dvc and the stage command are gone too
 

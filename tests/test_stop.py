@@ -2,19 +2,24 @@
 
 Each stage runs as users run it (`gptforge ...` under Prefect, tracked in MLflow) in a copy of
 a repository where every stage's inputs were made by a quick run of the stages before it. Its
-work is made long, the way real runs are long: downloads from a server that never answers
-(the data stages, the hub fetch), many steps or epochs (training, the benchmark), a big
-evaluation set. Once its MLflow run is open, the command gets SIGTERM (what a Prefect worker
-cancelling the run, `docker stop` or `kill` send). Then, within 30 s: the command has exited
-with 143 and says it was stopped in its last line, its MLflow run is KILLED, its Prefect flow
-run is Crashed or Cancelled, no process it started is left, and the outputs of the earlier run
-are intact (pretrain also leaves a checkpoint of the step it stopped at).
+work is made long, the way real runs are long, and so that no machine is fast enough to finish
+it first: requests to a server that never answers (the data stages, the hub fetch, the model
+registry), endless epochs (fine-tuning, the benchmark), a big evaluation set (two models on
+3000 examples). Once its MLflow run is open and its work under way (a condition the stage
+itself shows: its request reached the server, a line it logs, pretraining paused at a step by
+gptforge.pause), the command gets SIGTERM (what a Prefect worker cancelling the run,
+`docker stop` or `kill` send). Then, within 30 s: the command has exited with 143 and says it
+was stopped in its last line, its MLflow run is KILLED, its Prefect flow run is Crashed or
+Cancelled, no process it started is left, and the outputs of the earlier run are intact
+(pretrain also leaves a checkpoint of the step after the one it was paused at).
 
 Above the stages: SIGTERM to `gptforge pipeline` while `benchmark` runs (the case that hung
 for minutes: its temporary Prefect server stopped before the stage that still reported to it),
 Ctrl-C to `dvc repro` (SIGINT to its whole process group, its stage's temporary Prefect server
 included), SIGTERM to `dvc repro` alone (dvc passes nothing on), and a second Ctrl-C, which
-stops a stage at once instead of after its step and checkpoint.
+stops a stage at once instead of after its step and checkpoint. Pretraining is paused where a
+test must act on it (conftest.Paused), never raced; the benchmark, which cannot be paused, is
+signalled once it logs that it is timing its variants.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ from typing import Iterator
 
 import pytest
 
-from conftest import BIN, SMS_LINES, cli_env, processes_in, run_cli, set_params, snapshot, stage_params
+from conftest import BIN, SMS_LINES, Paused, cli_env, processes_in, run_cli, set_params, snapshot, stage_params
 from gptforge.signals import group_alive
 
-pytestmark = pytest.mark.slow
-
-STOP_WITHIN = 30.0  # seconds from the signal to a process-free folder (the issue's bound)
+# Seconds from the signal to a process-free folder: the bound users expect, and the point of
+# these tests. The stage's own deadline (STOP_GRACE_SECONDS, 20 s) ends it sooner whatever it
+# still waits for; the rest is margin for a machine busy with another process.
+STOP_WITHIN = 30.0
+# A bound against a hang only (a stage starting under load: imports, Prefect, MLflow).
+START_WITHIN = 300.0
 
 
 class StallingServer:
@@ -110,11 +118,20 @@ def _prepare_every_stage(root: Path, small_tokenizer: Path) -> dict:
                  ["pretrain"], ["finetune", "classify"], ["finetune", "instruct"]):
         out = run_cli(args, repo, env, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-    # A large HellaSwag file makes the evaluation last.
-    rows = Path(params["evaluate.hellaswag.source"]).read_text().splitlines()
+    # A large HellaSwag file makes the evaluation last: 3000 distinct examples (repeated ones
+    # share their requests), tens of seconds of scoring per model here.
+    rows = [json.loads(line) for line in Path(params["evaluate.hellaswag.source"]).read_text().splitlines()]
     big = root / "hellaswag_big.jsonl"
-    big.write_text("\n".join(rows * 500) + "\n")
+    with open(big, "w") as f:
+        for i in range(3000):
+            row = {**rows[i % len(rows)], "ctx_a": f"A man cuts onion number {i}."}
+            f.write(json.dumps({**row, "ctx": f"{row['ctx_a']} {row['ctx_b']}"}) + "\n")
     return {"hellaswag_big": str(big)}
+
+
+# One variant timed for 100,000 steps; the baseline left out, so that the stage logs that it
+# skipped it once it is timing the variants, on any device.
+BENCHMARK_FOREVER = {"benchmark.steps": 100_000, "benchmark.variants": ["sdpa"]}
 
 
 def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, dict]:
@@ -132,19 +149,27 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
         "finetune_classify": (["finetune", "classify"], {"classify.epochs": 100_000}),
         "finetune_instruct": (["finetune", "instruct"], {"instruct.epochs": 100_000}),
         "finetune_preference": (["finetune", "preference"], {"preference.epochs": 100_000, "preference.max_samples": None}),
-        "evaluate": (["evaluate"], {"evaluate.hellaswag.source": extra["hellaswag_big"]}),
+        "evaluate": (["evaluate"], {"evaluate.hellaswag.source": extra["hellaswag_big"], "evaluate.limit": None}),
         "register": (["register"], {}),
-        "benchmark": (["benchmark"], {"benchmark.steps": 100_000}),
+        "benchmark": (["benchmark"], BENCHMARK_FOREVER),
     }
     args, params = table[stage]
-    # The hub fetch goes to the stalling server too, with timeouts far beyond the test.
-    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": stall, "HF_HUB_ETAG_TIMEOUT": "600",
-           "HF_HUB_DOWNLOAD_TIMEOUT": "600"} if stage == "prepare_base" else {}
+    # The hub fetch and the registry (its run stays in the test's database) go to the stalling
+    # server too, with timeouts far beyond the test.
+    env = {"prepare_base": {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": stall, "HF_HUB_ETAG_TIMEOUT": "600",
+                            "HF_HUB_DOWNLOAD_TIMEOUT": "600"},
+           "register": {"MLFLOW_REGISTRY_URI": stall, "MLFLOW_HTTP_REQUEST_TIMEOUT": "600",
+                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}}.get(stage, {})
     return args, params, env
 
 
-# What a stage prints once in the loop that a stop must end with a checkpoint.
-READY = {"pretrain": "pretraining "}
+# The stages whose work is a request to the stalling server: under way once it has connected.
+STALLED = {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base", "register"}
+# What the others log once their work is under way (an epoch or a step done, the scoring or the
+# timing started); pretrain is paused instead.
+READY = {"finetune_classify": "steps so far", "finetune_instruct": "steps so far", "finetune_preference": "margin=",
+         "evaluate": "pretrain loglikelihood", "benchmark": "benchmark baseline: skipped"}
+PAUSE_AT = 2  # pretrain's pause: a checkpointed step (pretrain.ckpt_interval 2 in stage_params)
 
 
 def _runs(uri: str, experiment: str) -> list:
@@ -174,6 +199,22 @@ def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subpro
         proc.wait()
 
 
+def wait_until(condition, proc: subprocess.Popen, log: Path, what: str, within: float = START_WITHIN,
+               alive=None) -> None:
+    """Until `condition()` holds; fails if `proc` (or what `alive()` watches) ends first. `within`
+    is a bound against a hang."""
+    deadline = time.monotonic() + within
+    alive = alive or (lambda: proc.poll() is None)
+    while not condition():
+        assert alive(), f"ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"not {what} within {within:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def logged(log: Path, text: str):
+    return lambda: text in log.read_text()
+
+
 def stopped_step(output: str, sig: str, repo: Path) -> int:
     """The step pretrain says it stopped at, after checking that its checkpoint is complete."""
     stopped = [line for line in output.splitlines() if f"pretrain stopped by {sig} at step" in line]
@@ -183,9 +224,10 @@ def stopped_step(output: str, sig: str, repo: Path) -> int:
     return step
 
 
-def wait_gone(proc: subprocess.Popen, within: float) -> float:
-    """Seconds until `proc` and every process of its group have exited (or `within` passed)."""
-    start = time.monotonic()
+def wait_gone(proc: subprocess.Popen, within: float, since: float) -> float:
+    """Seconds from `since` (a time.monotonic()) until `proc` and every process of its group have
+    exited (or `within` passed)."""
+    start = since
     while time.monotonic() - start < within and (proc.poll() is None or group_alive(proc.pid)):
         time.sleep(0.1)
     return time.monotonic() - start
@@ -197,11 +239,13 @@ STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_p
 
 
 def test_every_stage_is_in_the_table():
+    """A table check (not slow): every stage of gptforge.stages is stopped by a test here."""
     from gptforge.stages import STAGES as TABLE
 
     assert sorted(STAGES) == sorted(TABLE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server, prefect_api, mlflow_uri):
     source, extra = prepared_repo
@@ -216,21 +260,29 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", **env_extra)
     before = {k: v for k, v in snapshot(repo).items() if not k.startswith((".gptforge/", "checkpoints/pretrain/step_"))}
 
+    pause = Paused(tmp_path, PAUSE_AT)
+    if stage == "pretrain":
+        env.update(pause.env())
+    connections = len(stalling_server.held)
+
     log = tmp_path / "stage.log"
     with started([str(BIN / "gptforge"), *args], repo, env, log) as proc:
-        deadline = time.monotonic() + 180
-        while not [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"]:
-            assert proc.poll() is None, f"{stage} ended before it could be stopped:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the stage's MLflow run never started"
-            time.sleep(0.2)
-        while READY.get(stage, "") not in log.read_text():  # a stage that saves: into its loop
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-        time.sleep(1.0)  # into its work
-        assert proc.poll() is None, f"{stage} ended before it could be stopped"
+        wait_until(lambda: [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"], proc, log,
+                   "its MLflow run started")
+        if stage in STALLED:
+            wait_until(lambda: len(stalling_server.held) > connections, proc, log, "waiting for the server")
+        elif stage in READY:
+            wait_until(logged(log, READY[stage]), proc, log, f"logging {READY[stage]!r}")
+        elif stage == "pretrain":
+            pause.wait(proc, output=log.read_text)
         proc.send_signal(signal.SIGTERM)
-        took = wait_gone(proc, STOP_WITHIN)
+        start = time.monotonic()
+        if stage == "pretrain":  # the signal is taken while paused, then acted on after the next step
+            wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", STOP_WITHIN)
+            pause.release()
+        took = wait_gone(proc, STOP_WITHIN, since=start)
     output = log.read_text()
+    print(f"{stage}: gone {took:.1f} s after SIGTERM")
     assert took < STOP_WITHIN, f"{stage}: processes left {STOP_WITHIN:.0f} s after SIGTERM:\n{output[-3000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     last = output.strip().splitlines()[-1]
@@ -247,7 +299,7 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
     changed = sorted(k for k in before if after.get(k) != before[k])
     assert changed == [], f"{stage}: a stopped run changed what the earlier run wrote: {changed[:5]}"
     if stage == "pretrain":
-        stopped_step(output, "SIGTERM", repo)
+        assert stopped_step(output, "SIGTERM", repo) == PAUSE_AT + 1, output[-3000:]
 
 
 def _tracked_env(tmp_path: Path, mlflow_uri: str, **extra: str) -> tuple[dict, str]:
@@ -262,22 +314,20 @@ def _tracked_env(tmp_path: Path, mlflow_uri: str, **extra: str) -> tuple[dict, s
     return env, uri
 
 
-def _wait_for_run(uri: str, experiment: str, stage: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not [r for r in _runs(uri, experiment)
-               if r.data.tags.get("gptforge.stage") == stage and r.info.status == "RUNNING"]:
-        assert proc.poll() is None, f"ended before {stage} could be stopped:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{stage}'s MLflow run never started:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+def _wait_for_run(uri: str, experiment: str, stage: str, proc: subprocess.Popen, log: Path) -> None:
+    wait_until(lambda: [r for r in _runs(uri, experiment)
+                        if r.data.tags.get("gptforge.stage") == stage and r.info.status == "RUNNING"],
+               proc, log, f"{stage}'s MLflow run started")
 
 
 def _statuses(uri: str, experiment: str) -> dict[str, str]:
     return {r.data.tags.get("gptforge.stage"): r.info.status for r in _runs(uri, experiment)}
 
 
-def _gone_within(repo: Path, proc: subprocess.Popen, within: float) -> list[str]:
-    """The processes still running in `repo` `within` seconds from now (none is the goal)."""
-    deadline = time.monotonic() + within
+def _gone_within(repo: Path, proc: subprocess.Popen, within: float, since: float) -> list[str]:
+    """The processes still running in `repo` `within` seconds from `since` (a time.monotonic()),
+    or none as soon as none is (the goal)."""
+    deadline = since + within
     while time.monotonic() < deadline:
         left = processes_in(repo)
         if proc.poll() is not None and not left:
@@ -286,21 +336,22 @@ def _gone_within(repo: Path, proc: subprocess.Popen, within: float) -> list[str]
     return processes_in(repo) or ["(the command itself)"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, repo_copy, small_tokenizer, sms_file,
                                                                     alpaca_file, mlflow_uri):
     """The issue's "Why": SIGTERM to `gptforge pipeline` (no Prefect server configured: its
     temporary one) while the benchmark stage runs."""
     experiment = "stop-pipeline"
-    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
-                             "benchmark.steps": 100_000, "tracking.enabled": True, "tracking.experiment": experiment})
+    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **BENCHMARK_FOREVER,
+                             "tracking.enabled": True, "tracking.experiment": experiment})
     env, uri = _tracked_env(tmp_path, mlflow_uri)
     log = tmp_path / "pipeline.log"
     with started([str(BIN / "gptforge"), "pipeline", "benchmark", "--no-pull", "--no-push"], repo_copy, env,
                  log) as proc:
         _wait_for_run(uri, experiment, "benchmark", proc, log)
-        time.sleep(2.0)
+        wait_until(logged(log, READY["benchmark"]), proc, log, "timing the benchmark")
         proc.send_signal(signal.SIGTERM)
-        left = _gone_within(repo_copy, proc, STOP_WITHIN)
+        left = _gone_within(repo_copy, proc, STOP_WITHIN, since=time.monotonic())
     output = log.read_text()
     assert left == [], f"left {STOP_WITHIN:.0f} s after SIGTERM: {left}\n{output[-3000:]}"
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
@@ -312,30 +363,38 @@ def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, re
     assert statuses["pipeline"] == "KILLED" and statuses["benchmark"] == "KILLED", statuses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "kill-dvc"])
 def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file,
                                             mlflow_uri, prefect_api):
     """Ctrl-C in the terminal of `dvc repro` (SIGINT to its process group: dvc, the stage and,
-    were it in that group, the stage's temporary Prefect server), and `kill` of dvc alone."""
+    were it in that group, the stage's temporary Prefect server), and `kill` of dvc alone, while
+    the stage is paused in its training loop (the pause reaches it through dvc's environment)."""
     experiment = f"stop-dvc-{how}"
     set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
                              "pretrain.max_steps": 100_000, "pretrain.ckpt_interval": 50,
                              "tracking.enabled": True, "tracking.experiment": experiment})
     # Ctrl-C: the stage's own temporary Prefect server; kill: the session's server, whose
     # records the test can read afterwards.
-    env, uri = _tracked_env(tmp_path, mlflow_uri, **({"PREFECT_API_URL": prefect_api} if how == "kill-dvc" else {}))
+    pause = Paused(tmp_path, PAUSE_AT)
+    env, uri = _tracked_env(tmp_path, mlflow_uri, **pause.env(),
+                            **({"PREFECT_API_URL": prefect_api} if how == "kill-dvc" else {}))
     log = tmp_path / "dvc.log"
     with started([str(BIN / "dvc"), "repro", "pretrain"], repo_copy, env, log) as proc:
-        _wait_for_run(uri, experiment, "pretrain", proc, log)
-        time.sleep(2.0)
+        pause.wait(proc, output=log.read_text)
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGTERM)
-        left = _gone_within(repo_copy, proc, STOP_WITHIN)
+        start = time.monotonic()
+        # The stage takes it while paused (kill: once it sees dvc gone), then stops after one more step.
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", STOP_WITHIN,
+                   alive=lambda: bool(processes_in(repo_copy)))  # the stage may outlive dvc
+        pause.release()
+        left = _gone_within(repo_copy, proc, STOP_WITHIN, since=start)
     output = log.read_text()
     assert left == [], f"left {STOP_WITHIN:.0f} s after the signal: {left}\n{output[-3000:]}"
-    stopped_step(output, "SIGINT" if how == "ctrl-c" else "SIGTERM", repo_copy)
+    assert stopped_step(output, "SIGINT" if how == "ctrl-c" else "SIGTERM", repo_copy) == PAUSE_AT + 1
     assert "ConnectError" not in output and "Traceback" not in output, output[-5000:]
     assert _statuses(uri, experiment)["pretrain"] == "KILLED"
     if how == "ctrl-c":
@@ -346,35 +405,42 @@ def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_toke
         assert _flow_run_state(prefect_api, run.data.tags["prefect.flow_run_id"]) in ("CRASHED", "CANCELLED")
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once(tmp_path, prepared_repo, prefect_api, mlflow_uri):
-    """The first SIGINT asks pretrain to finish its step (seconds here) and checkpoint; a second
-    one, right after, stops it at once: no checkpoint is started, none is left half-written."""
+    """The first SIGINT asks pretrain to finish its step and checkpoint; a second one stops it at
+    once: no checkpoint is started, none is left half-written. The run is paused after its
+    checkpointed step 2 and never released, so the first SIGINT alone would never end it: what
+    ends it is the second."""
     source, _ = prepared_repo
     repo = tmp_path / "repo"
     shutil.copytree(source, repo, symlinks=True)
     experiment = "stop-twice"
-    # About 2 s per step on one thread: a step the second Ctrl-C does not wait for.
-    set_params(repo, **{"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 256, "model.block_size": 128,
-                        "pretrain.batch_size": 2, "pretrain.batch_tokens": 4096, "pretrain.max_steps": 1000,
-                        "pretrain.resume": "never", "pretrain.eval_interval": 1000, "pretrain.ckpt_interval": 1000,
+    set_params(repo, **{"pretrain.max_steps": 1000, "pretrain.resume": "never",
                         "tracking.enabled": True, "tracking.experiment": experiment})
-    env, uri = _tracked_env(tmp_path, mlflow_uri, PREFECT_API_URL=prefect_api, OMP_NUM_THREADS="1")
+    pause = Paused(tmp_path, PAUSE_AT)
+    # The stop deadline (an exit with the same code, STOP_GRACE_SECONDS after the first signal)
+    # is put beyond the test, so that it cannot pass for the second Ctrl-C.
+    env, uri = _tracked_env(tmp_path, mlflow_uri, PREFECT_API_URL=prefect_api, OMP_NUM_THREADS="1",
+                            GPTFORGE_STOP_GRACE_SECONDS="600", **pause.env())
     log = tmp_path / "pretrain.log"
     with started([str(BIN / "gptforge"), "pretrain"], repo, env, log) as proc:
-        _wait_for_run(uri, experiment, "pretrain", proc, log)
-        time.sleep(4.0)
+        pause.wait(proc, output=log.read_text)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the first Ctrl-C", STOP_WITHIN)
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
-        proc.wait(timeout=STOP_WITHIN)
-        took = time.monotonic() - start
+        try:
+            proc.wait(timeout=STOP_WITHIN)  # a bound against a hang: paused, only the signal can end it
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_WITHIN:.0f} s after the second Ctrl-C:\n{log.read_text()[-3000:]}")
+        print(f"exited {time.monotonic() - start:.1f} s after the second Ctrl-C")
     output = log.read_text()
     assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
-    assert took < 10, f"{took:.1f} s after the second Ctrl-C\n{output[-3000:]}"
-    assert "stopping after this step" in output and "stopped by SIGINT at step" not in output, output[-3000:]
+    assert pause.path.is_file()  # never released: it ended in the pause
+    assert "stopped by SIGINT at step" not in output and "still busy" not in output, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("gptforge: "), output[-3000:]
-    assert sorted(p.name for p in (repo / "checkpoints/pretrain").iterdir() if p.name.startswith("step_")) == [] or \
-        all((p / "checksums.json").is_file() for p in (repo / "checkpoints/pretrain").glob("step_*"))
+    steps = sorted((repo / "checkpoints/pretrain").glob("step_*"))
+    assert [p.name for p in steps] == [f"step_{PAUSE_AT:08d}"], steps  # none started for a later step
+    assert (steps[0] / "checksums.json").is_file()
     assert [p.name for p in (repo / "checkpoints/pretrain").iterdir() if not p.name.startswith(("step_", "final"))] == []
     assert _statuses(uri, experiment)["pretrain"] == "KILLED"

@@ -9,18 +9,18 @@ import math
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, cli_env, error_lines
+from conftest import BIN, Paused, cli_env, error_lines
 from gptforge import train as T
 from gptforge.config import load_config
 from gptforge.data.pretrain import prepare_pretrain
 from gptforge.errors import BadInput, StageFailed
+from test_stop import logged, started, wait_until
 
 # A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.vocab_size=320",
@@ -171,13 +171,22 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights
+# Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights. The run
+# to interrupt is paused after a checkpointed step (gptforge.pause), not raced.
 
 
-def _cli(args, cwd, **env):
-    return subprocess.Popen([str(BIN / "gptforge"), "pretrain", *args], cwd=cwd,
-                            env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _cli(args, cwd, log: Path, **env):
+    """`gptforge pretrain ARGS` running, its output to `log` (a paused run is not read from while
+    it waits); killed on the way out if still running (a failed test leaves no paused run)."""
+    return started([str(BIN / "gptforge"), "pretrain", *args], cwd,
+                   cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env), log)
+
+
+def _finished(args, cwd, log: Path, **env) -> str:
+    """The output of a run that must end well (the timeout is a bound against a hang)."""
+    with _cli(args, cwd, log, **env) as proc:
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    return log.read_text()
 
 
 def _kill_args(small_tokenizer) -> list[str]:
@@ -196,16 +205,9 @@ def _workdir(root: Path, shards: Path) -> Path:
 def uninterrupted(tmp_path_factory, shards, small_tokenizer) -> Path:
     """The reference: the 300-step run of the kill tests, never interrupted."""
     root = _workdir(tmp_path_factory.mktemp("straight"), shards)
-    straight = _cli(_kill_args(small_tokenizer), root)
-    assert straight.wait(timeout=600) == 0, straight.stderr.read()
+    log = root.parent / f"{root.name}.log"
+    _finished(_kill_args(small_tokenizer), root, log)
     return root
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be stopped: make it longer"
 
 
 def _assert_same_final(a_root: Path, b_root: Path) -> None:
@@ -224,17 +226,19 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, 
                                                                        uninterrupted):
     args = _kill_args(small_tokenizer)
     root = _workdir(tmp_path / "killed", shards)
-    killed = _cli(args, root)
+    pause = Paused(tmp_path, 100)  # a checkpointed step (ckpt_interval 20), a third of the way
+    log = tmp_path / "killed.log"
     ckpts = root / "checkpoints/pretrain"
-    _wait_for(ckpts / "step_00000100", killed)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
+    with _cli(args, root, log, **pause.env()) as killed:
+        pause.wait(killed, output=log.read_text)
+        assert (ckpts / "step_00000100/checksums.json").is_file()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
     assert not (ckpts / "final").exists()
 
-    resumed = _cli(args, root)
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err
-    assert "resumed from" in err and "at step" in err
+    log = tmp_path / "resumed.log"
+    err = _finished(args, root, log)
+    assert "resumed from" in err and "step_00000100 at step 100" in err, err[-3000:]
     _assert_same_final(uninterrupted, root)
 
 
@@ -243,19 +247,26 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, 
 def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path, shards, small_tokenizer,
                                                                         uninterrupted, mlflow_uri, sig):
     """A polite stop (worker drained, docker stop, Ctrl-C) saves the step it is at, ends the
-    MLflow run as KILLED, exits 128+signal; resuming from that checkpoint ends bit-identical."""
+    MLflow run as KILLED, exits 128+signal; resuming from that checkpoint ends bit-identical.
+    The signal comes while the run is paused after step 40: it is acted on at the end of step 41,
+    a step no regular checkpoint falls on."""
     args = _kill_args(small_tokenizer) + ["-S", "tracking.enabled=true", "-S", f"tracking.experiment=stop-{sig.name}"]
     root = _workdir(tmp_path / "stopped", shards)
-    proc = _cli(args, root, MLFLOW_TRACKING_URI=mlflow_uri)
+    pause = Paused(tmp_path, 40)
+    log = tmp_path / "stopped.log"
     ckpts = root / "checkpoints/pretrain"
-    _wait_for(ckpts / "step_00000040", proc)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + sig, err
+    with _cli(args, root, log, MLFLOW_TRACKING_URI=mlflow_uri, **pause.env()) as proc:
+        pause.wait(proc, output=log.read_text)
+        proc.send_signal(sig)
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
+        pause.release()
+        proc.wait(timeout=300)  # a bound against a hang: one more step and a checkpoint
+    err = log.read_text()
+    assert proc.returncode == 128 + sig, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"gptforge: pretrain stopped by {sig.name} at step ") and "Traceback" not in err
-    step = int(last.split(" at step ")[1].split(";")[0])
-    assert 40 <= step < 300 and (ckpts / f"step_{step:08d}" / "checksums.json").is_file()
+    step = pause.step + 1
+    assert last.startswith(f"gptforge: pretrain stopped by {sig.name} at step {step};") and "Traceback" not in err, last
+    assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file()
     assert not (ckpts / "final").exists()
 
     from mlflow.tracking import MlflowClient
@@ -265,10 +276,9 @@ def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path
     [run] = client.search_runs([exp.experiment_id])
     assert run.info.status == "KILLED"
 
-    resumed = _cli(args, root, MLFLOW_TRACKING_URI=mlflow_uri)
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err
-    assert f"step_{step:08d}" in err and f"at step {step}" in err
+    log = tmp_path / "resumed.log"
+    err = _finished(args, root, log, MLFLOW_TRACKING_URI=mlflow_uri)
+    assert f"step_{step:08d} at step {step}" in err, err[-3000:]
     _assert_same_final(uninterrupted, root)
 
 
@@ -335,6 +345,7 @@ def test_init_from_a_checkpoint_with_more_positions_crops_them(tmp_path, shards,
     assert not torch.equal(cropped.transformer.wpe.weight, source.transformer.wpe.weight[:16])  # and it trained
 
 
+@pytest.mark.slow  # three CLI processes
 def test_cli_pretrain_bad_inputs_are_one_line(tmp_path):
     r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "model.n_embd=130", "-S", "model.n_head=4"],
                        cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)
@@ -377,25 +388,19 @@ def test_ddp_two_processes_match_one_process(tmp_path, shards, small_tokenizer):
 # bf16 autocast and torch.compile on the CPU
 
 
-def _first_losses(cfg, shards, n=3):
-    rt = T.setup_runtime(cfg)
-    from gptforge.loader import ShardLoader
-    from gptforge.model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_model_config(cfg.model, 281))
-    raw = model
-    if rt.compile:
-        model = torch.compile(model)
-    opt = raw.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loader = ShardLoader(shards, "train", 4, 16, seed=1, shuffle=True)
-    return [T.train_step(model, raw, opt, scaler, loader, 1, rt, lr=1e-3, grad_clip=1.0)[0] for _ in range(n)]
+def _first_losses(cfg, shards, out: Path, n=3) -> tuple[T.Session, list[float]]:
+    """The recipe's own session (gptforge.train.setup, as the stage builds it: runtime, model,
+    torch.compile when pretrain.compile asks, optimizer, loader) and its first `n` losses."""
+    s = T.setup(cfg, shards, out)
+    return s, [T.train_step(s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, s.rt,
+                            lr=1e-3, grad_clip=1.0)[0] for _ in range(n)]
 
 
-def test_bf16_autocast_matches_fp32(shards, small_tokenizer):
-    fp32 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=fp32"), shards)
-    bf16 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=bf16"), shards)
+def test_bf16_autocast_matches_fp32(tmp_path, shards, small_tokenizer):
+    s, fp32 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=fp32"), shards, tmp_path / "fp32")
+    assert s.rt.precision == "fp32"
+    s, bf16 = _first_losses(small_cfg(small_tokenizer, "pretrain.precision=bf16"), shards, tmp_path / "bf16")
+    assert s.rt.precision == "bf16"
     # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 0.2% per value); matmuls accumulate
     # in fp32, so the loss (a mean over 64 tokens of log-softmax in fp32) moves by well under 1%.
     for a, b in zip(fp32, bf16):
@@ -404,9 +409,19 @@ def test_bf16_autocast_matches_fp32(shards, small_tokenizer):
 
 
 @pytest.mark.slow
-def test_compile_matches_eager(shards, small_tokenizer):
-    eager = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=false"), shards, n=2)
-    compiled = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=true"), shards, n=2)
+def test_compile_matches_eager(tmp_path, shards, small_tokenizer):
+    """pretrain.compile=true makes the recipe compile its model (dynamo captured and inductor
+    compiled the training graphs), and the compiled steps give the eager losses."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    s, eager = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=false"), shards, tmp_path / "eager", n=2)
+    assert not s.rt.compile and s.model is s.raw_model
+    counters.clear()
+    s, compiled = _first_losses(small_cfg(small_tokenizer, "pretrain.compile=true"), shards, tmp_path / "compiled", n=2)
+    assert s.rt.compile and isinstance(s.model, OptimizedModule) and s.model._orig_mod is s.raw_model
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters)  # dynamo captured the forward
+    assert counters["inductor"], dict(counters)  # and inductor compiled it (or took it from its cache)
     # Same fp32 math; inductor fuses and may reorder reductions: differences at fp32 rounding.
     for a, b in zip(eager, compiled):
         assert abs(a - b) <= 1e-4 * abs(a), (a, b)
