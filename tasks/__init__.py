@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gptforge.signals import stop_cause
 from gptforge.steps import Retry, Steps, retryable
 
 T = TypeVar("T")
@@ -36,4 +37,10 @@ class PrefectSteps(Steps):
         if retry is not None:
             options.update(retries=retry.retries, retry_delay_seconds=retry.delays() or 0,
                            retry_condition_fn=_retry_condition)
-        return task(fn, **options)(*args, **kwargs)
+        try:
+            return task(fn, **options)(*args, **kwargs)
+        except Exception as e:
+            stop = stop_cause(e)
+            if stop is None:
+                raise
+            raise stop from None  # the stop itself, so the flow run ends Crashed and the run KILLED

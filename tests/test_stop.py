@@ -245,6 +245,44 @@ def test_every_stage_is_in_the_table():
     assert sorted(STAGES) == sorted(TABLE)
 
 
+def _stop_turned_into(error_type: type[Exception]) -> Exception:
+    """What Prefect's task engine raises when SIGTERM lands as a task run starts: its crash
+    handler fails on the half-made run (ValueError('Task run is not set')) while handling the stop."""
+    from gptforge.signals import Terminated
+
+    try:
+        try:
+            raise Terminated(signal.SIGTERM)
+        except BaseException:
+            raise error_type("Task run is not set")
+    except error_type as e:
+        return e
+
+
+def test_a_stop_that_a_library_turned_into_another_error_is_still_a_stop(monkeypatch, capsys):
+    import tasks
+    from gptforge import cli
+    from gptforge.signals import Terminated, stop_cause, stop_signal
+
+    error = _stop_turned_into(ValueError)
+    assert stop_signal(error) is None and isinstance(stop_cause(error), Terminated)
+    assert stop_cause(ValueError("a real failure")) is None
+
+    # A step: the stop itself comes out, so the flow run ends Crashed and the MLflow run KILLED.
+    monkeypatch.setattr(tasks, "task", lambda fn, **options: fn)
+    with pytest.raises(Terminated):
+        tasks.PrefectSteps()(lambda: (_ for _ in ()).throw(_stop_turned_into(ValueError)))
+    with pytest.raises(ValueError, match="a real failure"):
+        tasks.PrefectSteps()(lambda: (_ for _ in ()).throw(ValueError("a real failure")))
+
+    # The command: exit 143 and a stop line, not a failure's exit 1.
+    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: type(
+        "A", (), {"func": staticmethod(lambda args: (_ for _ in ()).throw(_stop_turned_into(RuntimeError)))})()})())
+    assert cli.main([]) == 128 + signal.SIGTERM
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("gptforge: stopped by SIGTERM (RuntimeError on the way out: "), last
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server, prefect_api, mlflow_uri):

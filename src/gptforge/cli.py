@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import gptforge
 from gptforge.allocator import keep_freed_memory
-from gptforge.signals import exit_within, stop_signal, stop_with_launcher, terminate_as_interrupt
+from gptforge.signals import exit_within, stop_cause, stop_signal, stop_with_launcher, terminate_as_interrupt
 from gptforge.errors import BadInput, GptforgeError
 
 log = logging.getLogger("gptforge")
@@ -655,6 +655,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gptforge: {_one_line(e) or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
     except Exception as e:  # an unexpected failure: still one line unless debugging
+        stop = stop_cause(e)
+        if stop is not None:  # stopped, and a library's cleanup raised on the way out
+            signum = stop_signal(stop)
+            print(f"gptforge: stopped by {signal.Signals(signum).name} ({type(e).__name__} on the way out: "
+                  f"{_one_line(e)})", file=sys.stderr)
+            return 128 + signum
         if debug:
             traceback.print_exc()
         print(f"gptforge: error: {type(e).__name__}: {_one_line(e)} (GPTFORGE_DEBUG=1 shows the traceback)",

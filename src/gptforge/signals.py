@@ -320,6 +320,21 @@ def deadline_on_stop() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def stop_cause(error: BaseException) -> BaseException | None:
+    """The stop (a KeyboardInterrupt, ours or Ctrl-C's, or Prefect's TerminationSignal) that
+    `error` is or was raised while handling, else None. A library whose cleanup fails on the
+    interrupted state turns the stop into another error: a SIGTERM that lands as a Prefect task
+    run starts makes Prefect's task engine raise ValueError('Task run is not set') from its
+    crash handler. The run was stopped all the same, and is ended as stopped."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if stop_signal(error) is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def stop_signal(error: BaseException) -> int | None:
     """The signal that stopped the run, when `error` says it was stopped: a KeyboardInterrupt
     (SIGINT, or ours with its `signum`) or Prefect's TerminationSignal (its `signal`, told by

@@ -544,9 +544,9 @@ def start_run(
             run.log_params(params)
         yield run
     except BaseException as e:  # stopped (Ctrl-C, SIGTERM, Prefect's termination): KILLED; else FAILED
-        from gptforge.signals import stop_signal
+        from gptforge.signals import stop_cause
 
-        status = "KILLED" if stop_signal(e) is not None else "FAILED"
+        status = "KILLED" if stop_cause(e) is not None else "FAILED"
         raise
     finally:
         status = "FAILED" if run.failed and status == "FINISHED" else status
