@@ -8,6 +8,7 @@ every CLI subprocess talks to through PREFECT_API_URL, and a migrated MLflow dat
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -257,6 +258,47 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 30
                           timeout=timeout)
 
 
+def wait_until(condition, proc: subprocess.Popen, log: Path, what: str, within: float = 300.0,
+               alive=None) -> None:
+    """Until `condition()` holds; fails if `proc` (or what `alive()` watches) ends first, showing
+    the end of `log`. `within` is a bound against a hang only (a command starting under load:
+    imports, Prefect, MLflow)."""
+    deadline = time.monotonic() + within
+    alive = alive or (lambda: proc.poll() is None)
+    while not condition():
+        assert alive(), f"ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"not {what} within {within:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def logged(log: Path, text: str):
+    return lambda: text in log.read_text()
+
+
+@contextlib.contextmanager
+def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subprocess.Popen]:
+    """`args` running in its own process group, output to `log` (a paused run is not read from
+    while it waits); on the way out whatever it started that still runs is killed (its group,
+    and processes it put in groups of their own: dvc under the pipeline, torchrun's workers) and
+    the command reaped, so a failed test leaves no run behind, paused or not."""
+    import psutil
+
+    from gptforge.signals import group_alive
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class Paused:
     """A run (pretraining or the serve engine) held after step `step` (gptforge.pause): `env()`
     goes into the run's environment, `wait(proc)` returns once the loop is paused there (or
@@ -279,6 +321,13 @@ class Paused:
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def release_once_taken(self, proc: subprocess.Popen, log: Path, within: float = 30.0, alive=None) -> None:
+        """After a stop signal sent to the paused run: once its loop has taken it (the handler
+        logs "stopping after this step"), release it, so it stops after the next step. `within`:
+        the stop bound users expect; `alive` for a run that may outlive `proc` (a stage under dvc)."""
+        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within, alive)
+        self.release()
 
 
 def error_lines(stderr: str) -> list[str]:

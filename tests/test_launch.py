@@ -20,13 +20,12 @@ import sys
 import pytest
 from torch.distributed.run import parse_args as torchrun_args
 
-from conftest import BIN, Paused, cli_env, error_lines, free_port, run_cli
+from conftest import BIN, Paused, cli_env, error_lines, free_port, run_cli, started
 from gptforge import child_output, launch
 from gptforge.config import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.tracking import env_tags
 from test_cli import prefect_get
-from test_stop import logged, wait_until
 from test_train import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
 
 # --------------------------------------------------------------------------------------------
@@ -304,28 +303,18 @@ def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokeniz
     pause = Paused(tmp_path, 2)
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **pause.env())
     log = tmp_path / "job.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain",
-                                 *_args(*TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nproc_per_node=2",
-                                        "pretrain.max_steps=100000")],
-                                cwd=_workdir(tmp_path, "w", shards), env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+    with started([str(BIN / "gptforge"), "pretrain", *_args(*TINY, f"tokenizer.path={small_tokenizer}",
+                                                           "pretrain.nproc_per_node=2", "pretrain.max_steps=100000")],
+                 _workdir(tmp_path, "w", shards), env, log) as proc:
         pause.wait(proc, output=log.read_text)
         job = psutil.Process(proc.pid).children(recursive=True)
         assert len(job) >= 3, [p.cmdline() for p in job]  # torchrun and its two workers
         proc.send_signal(sig)
-        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
-        pause.release()
+        pause.release_once_taken(proc, log)
         # The job's own stop bounds: the launcher SIGKILLs what is left of the job 25 s after
         # the signal (signals.GROUP_GRACE_SECONDS) and exits soon after; the rest is a margin
         # for a machine busy with another process.
         proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:  # failed: no job is left behind, paused or not
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
     output = log.read_text()
     assert proc.returncode == returncode, output[-3000:]
     # Rank 0 took it in the pause and stopped after the next step, with its checkpoint.

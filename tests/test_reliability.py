@@ -25,9 +25,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import BIN, Paused, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params
+from conftest import (BIN, Paused, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params,
+                      started)
 from gptforge import locks
-from test_stop import logged, wait_until
 
 LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
                  "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}
@@ -178,27 +178,15 @@ def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
     pause = Paused(tmp_path, PAUSE_AT)
     log = tmp_path / "pipeline.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"],
-                                cwd=repo_copy, env={**env, **pause.env()}, stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
     ckpts = repo_copy / "checkpoints/pretrain"
-    try:
+    with started([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"], repo_copy,
+                 {**env, **pause.env()}, log) as proc:
         pause.wait(proc, output=log.read_text)
         proc.send_signal(signal.SIGTERM)
         # The stage takes it while paused (the pipeline passes it on through dvc), then stops
         # after the next step.
-        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
-        pause.release()
+        pause.release_once_taken(proc, log)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:  # failed: no run is left behind, paused or not
-            import psutil
-
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
     err = log.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("gptforge: pipeline stopped by SIGTERM")

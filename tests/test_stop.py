@@ -24,7 +24,6 @@ signalled once it logs that it is timing its variants.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -35,11 +34,11 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from conftest import BIN, SMS_LINES, Paused, cli_env, processes_in, run_cli, set_params, snapshot, stage_params
+from conftest import (BIN, SMS_LINES, Paused, cli_env, logged, processes_in, run_cli, set_params, snapshot,
+                      stage_params, started, wait_until)
 from gptforge.signals import group_alive
 
 # Seconds from the signal to a process-free folder: the bound users expect, and the point of
@@ -185,36 +184,6 @@ def _flow_run_state(api: str, flow_run_id: str) -> str:
         return json.load(r)["state"]["type"]
 
 
-@contextlib.contextmanager
-def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subprocess.Popen]:
-    """`args` running in its own process group, output to `log`; on the way out whatever of the
-    group is still running is killed and the command reaped."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def wait_until(condition, proc: subprocess.Popen, log: Path, what: str, within: float = START_WITHIN,
-               alive=None) -> None:
-    """Until `condition()` holds; fails if `proc` (or what `alive()` watches) ends first. `within`
-    is a bound against a hang."""
-    deadline = time.monotonic() + within
-    alive = alive or (lambda: proc.poll() is None)
-    while not condition():
-        assert alive(), f"ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"not {what} within {within:.0f} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-
-
-def logged(log: Path, text: str):
-    return lambda: text in log.read_text()
-
-
 def stopped_step(output: str, sig: str, repo: Path) -> int:
     """The step pretrain says it stopped at, after checking that its checkpoint is complete."""
     stopped = [line for line in output.splitlines() if f"pretrain stopped by {sig} at step" in line]
@@ -316,8 +285,7 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
         proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
         if stage == "pretrain":  # the signal is taken while paused, then acted on after the next step
-            wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", STOP_WITHIN)
-            pause.release()
+            pause.release_once_taken(proc, log, STOP_WITHIN)
         took = wait_gone(proc, STOP_WITHIN, since=start)
     output = log.read_text()
     print(f"{stage}: gone {took:.1f} s after SIGTERM")
@@ -426,9 +394,7 @@ def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_toke
             proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
         # The stage takes it while paused (kill: once it sees dvc gone), then stops after one more step.
-        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", STOP_WITHIN,
-                   alive=lambda: bool(processes_in(repo_copy)))  # the stage may outlive dvc
-        pause.release()
+        pause.release_once_taken(proc, log, STOP_WITHIN, alive=lambda: bool(processes_in(repo_copy)))
         left = _gone_within(repo_copy, proc, STOP_WITHIN, since=start)
     output = log.read_text()
     assert left == [], f"left {STOP_WITHIN:.0f} s after the signal: {left}\n{output[-3000:]}"

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, Paused, cli_env, error_lines
+from conftest import BIN, Paused, cli_env, error_lines, started
 from gptforge import train as T
 from gptforge.config import load_config
 from gptforge.data.pretrain import prepare_pretrain
 from gptforge.errors import BadInput, StageFailed
-from test_stop import logged, started, wait_until
+
 
 # A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.vocab_size=320",
@@ -258,8 +258,7 @@ def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path
     with _cli(args, root, log, MLFLOW_TRACKING_URI=mlflow_uri, **pause.env()) as proc:
         pause.wait(proc, output=log.read_text)
         proc.send_signal(sig)
-        wait_until(logged(log, "stopping after this step"), proc, log, "taking the signal", within=30)
-        pause.release()
+        pause.release_once_taken(proc, log)
         proc.wait(timeout=300)  # a bound against a hang: one more step and a checkpoint
     err = log.read_text()
     assert proc.returncode == 128 + sig, err[-3000:]
