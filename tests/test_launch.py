@@ -321,6 +321,7 @@ def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokeniz
     assert f"pretrain stopped by {sig.name} at step 3; checkpoint checkpoints/pretrain/step_00000003 saved" in output, \
         output[-3000:]
     assert (tmp_path / "w/checkpoints/pretrain/step_00000003/checksums.json").is_file()
+    assert f"pretrain stopped by {sig.name} at step 3; checkpoint of rank 0 saved" in output  # rank 1's line
     # The launcher waits for the whole job before it exits: this only reaps what it left.
     gone, alive = psutil.wait_procs(job, timeout=10)
     assert not alive, [p.cmdline() for p in alive]

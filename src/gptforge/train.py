@@ -420,7 +420,8 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
             dist.barrier()
         if stopping:
             raise Stopped(stop.signum or 15, f"pretrain stopped by {stop.name or 'a signal'} at step {s.step}; "
-                          f"checkpoint {s.last_ckpt} saved (resume: auto continues from it)")
+                          f"checkpoint {s.last_ckpt if rt.master else 'of rank 0'} saved (resume: auto continues "
+                          "from it)")
         pause.after(s.step)
 
 
