@@ -252,6 +252,33 @@ def test_a_stop_that_a_library_turned_into_another_error_is_still_a_stop(monkeyp
     assert last.startswith("gptforge: stopped by SIGTERM (RuntimeError on the way out: "), last
 
 
+def test_a_stop_raised_where_python_drops_exceptions_is_sent_again(monkeypatch):
+    """A signal handler's stop raised inside a weakref callback (a garbage collection) is
+    printed as "Exception ignored" and dropped by Python: the hook sends the signal again."""
+    import sys
+    import weakref
+
+    from gptforge import signals
+
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: pytest.fail(f"not a stop: {u.exc_value!r}"))
+    monkeypatch.setattr(sys, "unraisablehook", signals._redelivering(sys.unraisablehook))
+    try:
+        class Collected:
+            pass
+
+        thing = Collected()
+        ref = weakref.ref(thing, lambda r: (_ for _ in ()).throw(signals.Terminated(signal.SIGTERM)))
+        del thing  # the callback raises the stop; Python drops it and calls the hook
+        deadline = time.monotonic() + 60  # a bound against a hang only
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs in this (main) thread, between these sleeps
+        assert got == [signal.SIGTERM] and ref() is None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server, prefect_api, mlflow_uri):

@@ -241,7 +241,8 @@ def terminate_as_interrupt() -> None:
     of ending the process on the spot: `finally` blocks run, MLflow runs end KILLED, the CLI
     exits with 143. Either arms the stop deadline. Loops that save first (`stop_requested`) and
     Prefect's own bridge inside a flow run install their handlers over this one
-    (`deadline_on_stop` wraps Prefect's)."""
+    (`deadline_on_stop` wraps Prefect's). A stop raised where Python drops exceptions is sent
+    again (`_redelivering`)."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -257,6 +258,30 @@ def terminate_as_interrupt() -> None:
     # `dvc repro` starts a stage's command with SIGINT ignored, and Python keeps an inherited
     # SIG_IGN: a stage under dvc (or the pipeline) went on to the end through Ctrl-C. Replaced.
     signal.signal(signal.SIGINT, on_int)
+    if not getattr(sys.unraisablehook, "redelivers_stops", False):
+        sys.unraisablehook = _redelivering(sys.unraisablehook)
+
+
+def _redelivering(previous):
+    """An unraisable hook that sends a swallowed stop again. A handler that raises (ours, or
+    Prefect's TerminationSignal) runs wherever the main thread is, and Python drops what is
+    raised inside a weakref callback or a `__del__` ("Exception ignored in ..."): the stop was
+    lost, and the stage worked on until the stop deadline killed it with its runs left RUNNING
+    (seen when SIGTERM met a garbage collection during the benchmark). The same signal is sent
+    again, a moment later, to be raised where the program is; other unraisables go on to the
+    hook that was in place."""
+    def hook(unraisable) -> None:
+        signum = stop_signal(unraisable.exc_value) if unraisable.exc_value is not None else None
+        if signum is None:
+            return previous(unraisable)
+        log.debug("a stop (%s) was raised where Python drops exceptions; sending it again",
+                  signal.Signals(signum).name)
+        again = threading.Timer(0.01, os.kill, args=(os.getpid(), signum))
+        again.daemon = True
+        again.start()
+
+    hook.redelivers_stops = True
+    return hook
 
 
 _stop_deadline = threading.Event()
