@@ -195,12 +195,15 @@ class MlflowRun(NullRun):
         outbox.put("end", status)
         left = outbox.close(max(0.0, deadline - time.monotonic()))
         if left:
-            since = (f" for the last {time.monotonic() - outbox.failing_since:.0f} s"
-                     if outbox.failing_since is not None else "")
+            if outbox.failing_since is not None:
+                why = (f"was unreachable for the last {time.monotonic() - outbox.failing_since:.0f} s (waited "
+                       f"{timeout:.0f} s; last error: {outbox.last_error})")
+            else:  # its request since the server went is still in MLflow's own retries: no failure seen yet
+                why = f"did not answer (waited {timeout:.0f} s; a request was still in flight)"
             items = " and ".join(x for x in (_counts(left), f"its status {status}" if "end" in left else "") if x)
             dropped = f"; earlier, {_dropped_note(outbox)}" if outbox.dropped else ""
-            log.warning("MLflow: run %s could not record %s: the server at %s was unreachable%s (waited %.0f s; "
-                        "last error: %s)%s", self.run_id, items, self.uri, since, timeout, outbox.last_error, dropped)
+            log.warning("MLflow: run %s could not record %s: the server at %s %s%s", self.run_id, items, self.uri,
+                        why, dropped)
         elif outbox.dropped:
             log.warning("MLflow: run %s is recorded but %s (tag %s)", self.run_id, _dropped_note(outbox), DROPPED_TAG)
 
