@@ -182,6 +182,22 @@ def test_rejected_records_are_dropped_once_counted_and_the_rest_goes_on(caplog):
     assert warnings == ["the fake server rejected a metric record, dropped (Rejected: invalid value)"]
 
 
+def test_a_failure_after_close_adds_no_warning_after_the_closing_line(caplog):
+    """The request in flight at the close fails afterwards: the owner's closing line already said
+    what was left, so the sender says nothing more (it was once seen after the closing line)."""
+    gate = threading.Event()
+    sender = FakeSender(lambda *a: Transient("refused"), gate=gate)
+    with caplog.at_level(logging.WARNING, logger="gptforge"):
+        box = outbox(sender)
+        box.put("metric", "m0")
+        assert sender.entered.wait(HANG)  # the request is in flight, no failure seen yet
+        assert box.close(0) == {"metric": 1}
+        gate.set()  # now it fails
+        box._thread.join(HANG)
+    assert not box._thread.is_alive() and sender.attempts == 1
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def test_a_full_buffer_drops_the_oldest_metrics_and_keeps_the_rest():
     gate = threading.Event()
     sender = FakeSender(gate=gate)  # blocked: nothing leaves until the gate opens

@@ -191,7 +191,9 @@ class Outbox:
                 reason = self._describe(e)
                 if self._retryable(e):
                     with self._cond:
-                        if self.failing_since is None:
+                        # Once closed, the owner's closing line has said what is left: no retry
+                        # is coming, and a warning after it would not be the last word.
+                        if self.failing_since is None and not self._closed:
                             self.failing_since = started
                             log.warning("%s is unreachable (%s); keeping what the run logs and retrying",
                                         self.label, reason)
