@@ -27,6 +27,16 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
+# absl (which rouge-score imports) makes a logging handler at import whose stream is the
+# sys.stderr of that moment: inside a test, pytest's capture stream. Prefect's import runs
+# logging.config.dictConfig, which closes every handler made so far, and absl's handler closes
+# a stream that is not the current sys.stderr: pytest's capture, so the worker dies ("lost
+# sys.stderr") in whatever test imports Prefect after one that imported rouge-score. Made here,
+# before any test, on the real stderr (which absl never closes).
+import absl.logging  # noqa: E402
+
+absl.logging.get_absl_handler().python_handler.setStream(sys.__stderr__)
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -360,6 +370,8 @@ def repo_copy(tmp_path) -> Path:
     for code in ("src", "kernels"):  # the stages' code deps
         shutil.copytree(REPO / code, dst / code, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / ".gitignore", dst / ".gitignore")
+    (dst / "data" / "synthetic").mkdir(parents=True)  # git carries it: prepare_instruct's dependency
+    shutil.copy(REPO / "data" / "synthetic" / "README.md", dst / "data" / "synthetic" / "README.md")
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
@@ -420,32 +432,36 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
 # A fake LLM judge (an OpenAI-compatible chat completions endpoint on 127.0.0.1)
 
 
-class FakeJudge:
-    """POST /v1/chat/completions -> a chat completion whose content depends on the prompt:
-    "85" when the response equals the reference, "I think 150" when the response mentions
-    "overflow", "Score: 12" otherwise. `fail_first` requests answer HTTP `fail_status` first."""
+class ChatEndpoint:
+    """A scripted OpenAI-compatible server on 127.0.0.1: POST /v1/chat/completions answers
+    `self.answer(body)`, which returns the reply's content (a str: a chat completion with usage
+    counts) or (status, payload) for an HTTP error. Every request is recorded (path, headers,
+    body). `fail_first` requests answer HTTP `fail_status` first."""
 
     def __init__(self, fail_first: int = 0, fail_status: int = 500):
         self.requests: list[dict] = []
         self.fail_first, self.fail_status = fail_first, fail_status
-        judge = self
+        self.lock = threading.Lock()
+        endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                judge.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
-                if len(judge.requests) <= judge.fail_first:
-                    return self._send(judge.fail_status, {"error": "busy"})
+                with endpoint.lock:
+                    endpoint.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                    failing = len(endpoint.requests) <= endpoint.fail_first
+                if failing:
+                    return self._send(endpoint.fail_status, {"error": "busy"})
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": "no such path"})
-                prompt = body["messages"][0]["content"]
-                reference = re.search(r"correct output `(.*?)`, score", prompt, re.S).group(1)
-                response = re.search(r"model response `(.*?)` on a scale", prompt, re.S).group(1)
-                content = ("85" if response == reference else "I think 150" if "overflow" in response
-                           else "Score: 12")
+                answer = endpoint.answer(body)
+                if not isinstance(answer, str):
+                    return self._send(*answer)
                 self._send(200, {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": content}}]})
+                                              "message": {"role": "assistant", "content": answer}}],
+                                 "usage": {"prompt_tokens": len(json.dumps(body["messages"])) // 4,
+                                           "completion_tokens": max(1, len(answer) // 4)}})
 
             def _send(self, status, payload):
                 data = json.dumps(payload).encode()
@@ -459,13 +475,28 @@ class FakeJudge:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
+    def answer(self, body: dict) -> str | tuple[int, dict]:
+        raise NotImplementedError
+
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+class FakeJudge(ChatEndpoint):
+    """The instruct stage's judge: "85" when the response equals the reference, "I think 150"
+    when the response mentions "overflow", "Score: 12" otherwise."""
+
+    def answer(self, body: dict) -> str:
+        prompt = body["messages"][0]["content"]
+        reference = re.search(r"correct output `(.*?)`, score", prompt, re.S).group(1)
+        response = re.search(r"model response `(.*?)` on a scale", prompt, re.S).group(1)
+        return "85" if response == reference else "I think 150" if "overflow" in response else "Score: 12"
 
 
 @pytest.fixture
@@ -473,6 +504,7 @@ def no_proxy(monkeypatch):
     for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("GPTFORGE_JUDGE_API_KEY", raising=False)
+    monkeypatch.delenv("GPTFORGE_SYNTH_API_KEY", raising=False)
 
 
 @pytest.fixture

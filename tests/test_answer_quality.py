@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 import types
 import urllib.request
 
 import pytest
 
 from conftest import FakeJudge
+from gptforge import openai_client
 from gptforge.errors import BadInput
 from gptforge.finetune import answer_quality as Q
 
@@ -115,7 +117,7 @@ def test_judge_unreachable_server_gives_error_not_exception(no_proxy, monkeypatc
     attempts, sleeps = [], []
     urlopen = urllib.request.urlopen
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **kw: attempts.append(1) or urlopen(*a, **kw))
-    monkeypatch.setattr(Q, "time", types.SimpleNamespace(sleep=sleeps.append))
+    monkeypatch.setattr(openai_client, "time", types.SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
     result = Q.judge_scores(ROWS * 2, url=f"http://127.0.0.1:{port}/v1", model="m")
     # The first row is tried 3 times (backoff 0.5 + 1 s), then no other row is tried.
     assert len(attempts) == 3 and sleeps == [0.5, 1.0]

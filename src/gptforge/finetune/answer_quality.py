@@ -12,15 +12,11 @@ degrades to "unscored": a judge outage must not fail the fine-tuning stage.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
 import re
 import string
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,61 +115,36 @@ class JudgeResult:
     error: str | None = None  # set when the judge stopped early (unreachable server)
 
 
-class _Unreachable(Exception):
-    pass
-
-
-def _ask(endpoint: str, body: bytes, headers: dict[str, str], timeout: float, retries: int) -> Any:
-    """POST once, retrying connection errors, timeouts, 5xx and 429 with 0.5 s doubling backoff.
-    Raises _Unreachable when the connection itself kept failing, HTTPError for other HTTP failures."""
-    delay = 0.5
-    for attempt in range(retries + 1):
-        try:
-            request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return json.loads(reply.read())
-        except urllib.error.HTTPError as exc:  # before URLError: it is a subclass
-            if attempt == retries or not (exc.code == 429 or exc.code >= 500):
-                raise
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, timeout, cut off
-            if attempt == retries:
-                reason = getattr(exc, "reason", exc)
-                raise _Unreachable(f"{type(reason).__name__}: {reason}") from exc
-        time.sleep(delay)
-        delay *= 2
-    raise AssertionError("unreachable")
-
-
 def judge_scores(rows: Sequence[Row], *, url: str, model: str, api_key: str | None = None,
                  timeout: float = 60.0, retries: int = 2) -> JudgeResult:
     """Score every response 0..100 with an LLM on an OpenAI-compatible server at `url` (base URL,
     e.g. http://127.0.0.1:11434/v1). Unparsable or out-of-range replies and failed requests leave
     that row unscored (None); a server that cannot be reached stops the judging, sets `error`
     and leaves every remaining row unscored. Never raises for the server's sake."""
-    if not re.match(r"https?://", url or ""):
-        raise BadInput(f"instruct.judge.url: {url!r} is not an http:// or https:// URL")
-    endpoint = url.rstrip("/") + "/chat/completions"
-    headers = {"Content-Type": "application/json"}
+    from gptforge.openai_client import BadReply, ChatClient, EndpointError, Unreachable, check_url
+
+    try:
+        check_url(url, "instruct.judge.url")
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     api_key = api_key if api_key is not None else os.environ.get("GPTFORGE_JUDGE_API_KEY")
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    client = ChatClient(url, model, api_key=api_key, timeout=timeout, retries=retries)
     result = JudgeResult()
     for row in tqdm(rows, desc="judge", leave=False):
         if result.error is not None:
             result.scores.append(None)
             continue
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": judge_prompt(row)}],
-                           "temperature": 0, "max_tokens": 16, "seed": 123}).encode()
         score = None
         try:
-            reply = _ask(endpoint, body, headers, timeout, retries)
-            score = parse_score(reply["choices"][0]["message"]["content"])
-        except _Unreachable as exc:
-            result.error = f"judge at {endpoint} unreachable ({exc}); remaining rows unscored"
+            reply = client.complete([{"role": "user", "content": judge_prompt(row)}], temperature=0, max_tokens=16,
+                                    seed=123)
+            score = parse_score(reply.content)
+        except Unreachable as exc:
+            result.error = f"judge at {client.endpoint} unreachable ({exc}); remaining rows unscored"
             log.warning("instruct: %s", result.error)
-        except urllib.error.HTTPError as exc:
-            log.warning("instruct: judge answered HTTP %s for row %d; row unscored", exc.code, len(result.scores))
-        except (ValueError, KeyError, IndexError, TypeError):
+        except EndpointError as exc:
+            log.warning("instruct: judge answered HTTP %s for row %d; row unscored", exc.status, len(result.scores))
+        except BadReply:
             log.warning("instruct: judge reply for row %d is not a chat completion; row unscored",
                         len(result.scores))
         result.scores.append(score)
