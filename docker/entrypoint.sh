@@ -7,6 +7,10 @@
 #       `prefect flow-run execute`; `docker run IMAGE gptforge pretrain` runs a stage by hand.
 set -euo pipefail
 
+# prepare_instruct's DVC dependency: git carries data/synthetic in a clone, but a data volume
+# made before it existed lacks it (docs/synthesize.md).
+mkdir -p /workspace/gptforge/data/synthetic 2>/dev/null || true
+
 if [[ $# -gt 0 && "$1" != "worker" ]]; then
     exec "$@"
 fi

@@ -106,7 +106,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     assert "unknown key 'data.zzzzqqq'" in msg
     assert "valid keys: download, pretrain, classify, instruct" in msg
     msg = bad({"qwxz": 1})
-    assert "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, evaluate, benchmark, base, tracking, registry" in msg
+    assert "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, evaluate, benchmark, base, synthesize, tracking, registry" in msg
 
 
 def test_unknown_key_with_newline_stays_one_line():
@@ -473,3 +473,14 @@ def test_any_override_text_gives_config_or_one_line_bad_input(text):
         load_config(None, [text])
     except BadInput as e:
         assert str(e).splitlines() == [str(e)]
+
+
+@pytest.mark.parametrize("param", ["base.models", "synthesize.documents"])
+def test_foreach_entry_names_cannot_hold_a_dot(param):
+    """DVC reads the param `base.models.qwen2.5-0.5b` as nested keys and fails the stage
+    ("Parameters ... are missing"): such a name is refused when the config loads."""
+    extra = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoint.model=m"]
+    msg = bad(overrides=[f"{param}={{qwen2.5-0.5b: somewhere}}", *extra])
+    assert f"name 'qwen2.5-0.5b' must be letters, digits, '_' or '-'" in msg and f"{param}.qwen2.5-0.5b" in msg
+    ok = load_config(None, [f"{param}={{qwen2_5-0_5b: somewhere}}", *extra])
+    assert ok.flat()[f"{param}.qwen2_5-0_5b"] == "somewhere"

@@ -161,18 +161,60 @@ def test_hub_unreachable(tmp_path, monkeypatch):
 
 def test_url_source_goes_through_the_download_cache(tmp_path, server, https_to_loopback):
     """The first run downloads from the loopback server, the second reads the download cache alone."""
-    payload = json.dumps(alpaca(10)).encode()
+    payload = json.dumps(alpaca(20)).encode()  # 20 records: every split gets one
     server.files["/tatsu-lab/stanford_alpaca/main/alpaca_data.json"] = payload
     url = f"https://{server.base}/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
 
     first = run_prepare(tmp_path / "a", url, raw_dir=tmp_path / "raw")
     assert server.requests == [("/tatsu-lab/stanford_alpaca/main/alpaca_data.json", None)]
     assert (tmp_path / "raw" / "alpaca_data.json").read_bytes() == payload
-    assert first["records"] == 10
+    assert first["records"] == 20
     records = [r for s in ("train", "val", "test") for r in read_split(tmp_path / "a", s)]
-    assert sorted(records, key=lambda r: r["instruction"]) == alpaca(10)
+    assert sorted(records, key=lambda r: r["instruction"]) == sorted(alpaca(20), key=lambda r: r["instruction"])
 
     second = run_prepare(tmp_path / "b", url, raw_dir=tmp_path / "raw")
     assert len(server.requests) == 1  # no second request: the cached, sha256-verified file
     assert second == first
     assert all(read_split(tmp_path / "b", s) == read_split(tmp_path / "a", s) for s in ("train", "val", "test"))
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic://NAME: the pairs the synthesize stage kept
+
+
+SYNTHETIC = ["synthesize.documents={docs: manual}", "synthesize.endpoint.url=http://127.0.0.1:9/v1",
+             "synthesize.endpoint.model=m"]
+
+
+def test_synthetic_source_reads_the_kept_pairs_and_keeps_their_provenance(tmp_path):
+    kept = [{"instruction": f"What is point {i}?", "input": "", "output": f"Point {i} is a fact.",
+             "source": "guide.md", "chunk": f"guide.md#{i // 3}", "span": [i * 10, i * 10 + 40],
+             "scores": {"grounding": 1.0}} for i in range(20)]
+    folder = tmp_path / "synthetic" / "docs"
+    folder.mkdir(parents=True)
+    (folder / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    metrics = run_prepare(tmp_path, "synthetic://docs", *SYNTHETIC, synthetic_root=tmp_path / "synthetic")
+    assert metrics["records"] == 20 and metrics["invalid"] == 0
+    records = [r for s in ("train", "val", "test") for r in read_split(tmp_path, s)]
+    assert sorted(records, key=lambda r: r["span"]) == kept  # every key, provenance included
+
+
+def test_synthetic_source_not_made_yet_names_the_command(tmp_path):
+    with pytest.raises(BadInput, match=r"synthetic://docs reads .*qa.jsonl, which does not exist: run "
+                                       r"`gptforge synthesize -S synthesize.only=docs`"):
+        run_prepare(tmp_path, "synthetic://docs", *SYNTHETIC, synthetic_root=tmp_path / "synthetic")
+
+
+def test_synthetic_source_must_name_a_documents_entry():
+    with pytest.raises(BadInput, match=r"data.instruct.source: synthetic://other names no entry of "
+                                       r"synthesize.documents \(entries: docs\)"):
+        load_config(None, ["data.instruct.source=synthetic://other", *SYNTHETIC])
+
+
+def test_a_split_that_would_be_empty_is_refused_with_the_record_count(tmp_path):
+    before = list((tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else []
+    with pytest.raises(BadInput) as refused:
+        run_prepare(tmp_path, write_json(tmp_path / "few.json", alpaca(12)))
+    assert str(refused.value) == ("data.instruct.splits: 12 records leave the val split (0.05) empty: give it a "
+                                  "larger share or the source more records")
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").rglob("*")) == before

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, SMS_LINES, Paused, cli_env, logged, processes_in, run_cli, set_params, snapshot,
+from conftest import (BIN, REPO, SMS_LINES, Paused, cli_env, logged, processes_in, run_cli, set_params, snapshot,
                       stage_params, started, wait_until)
 from gptforge.signals import group_alive
 
@@ -151,6 +151,10 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
         "evaluate": (["evaluate"], {"evaluate.hellaswag.source": extra["hellaswag_big"], "evaluate.limit": None}),
         "register": (["register"], {}),
         "benchmark": (["benchmark"], BENCHMARK_FOREVER),
+        # every request of the first chunks waits on the stalling endpoint (the project's docs/ as the documents)
+        "synthesize": (["synthesize"], {"synthesize.documents": {"manual": str(REPO / "docs")},
+                                        "synthesize.endpoint.url": f"{stall}/v1", "synthesize.endpoint.model": "m",
+                                        "synthesize.endpoint.timeout": 600, "synthesize.endpoint.retries": 0}),
     }
     args, params = table[stage]
     # The hub fetch and the registry (its run stays in the test's database) go to the stalling
@@ -163,7 +167,8 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
 
 
 # The stages whose work is a request to the stalling server: under way once it has connected.
-STALLED = {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base", "register"}
+STALLED = {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base", "register",
+           "synthesize"}
 # What the others log once their work is under way (an epoch or a step done, the scoring or the
 # timing started); pretrain is paused instead.
 READY = {"finetune_classify": "steps so far", "finetune_instruct": "steps so far", "finetune_preference": "margin=",
@@ -204,7 +209,7 @@ def wait_gone(proc: subprocess.Popen, within: float, since: float) -> float:
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base",
           "pretrain", "finetune_classify", "finetune_instruct", "finetune_preference", "evaluate", "register",
-          "benchmark"]
+          "benchmark", "synthesize"]
 
 
 def test_every_stage_is_in_the_table():

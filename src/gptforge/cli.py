@@ -39,6 +39,7 @@ FLOW_MODULES = {
     "prepare_instruct": "flows.prepare",
     "prepare_preference": "flows.prepare",
     "prepare_base": "flows.prepare",
+    "synthesize": "flows.synthesize",
     "pretrain": "flows.pretrain",
     "finetune_classify": "flows.finetune",
     "finetune_instruct": "flows.finetune",
@@ -103,6 +104,12 @@ def build_parser() -> Parser:
         p = prepare_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
         _config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    stage = STAGES["synthesize"]
+    p = sub.add_parser("synthesize", help=stage.summary, description=f"DVC stage synthesize@NAME: {stage.summary}. "
+                       "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY.")
+    _config_args(p)
+    p.set_defaults(func=cmd_stage, stage="synthesize")
 
     stage = STAGES["pretrain"]
     p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "

@@ -60,6 +60,31 @@ def _check_source(value: str) -> str:
     return value
 
 
+def _check_instruct_source(value: str) -> str:
+    """The instruct source may also be `synthetic://NAME`: the kept pairs of stage synthesize@NAME."""
+    if isinstance(value, str) and value.startswith("synthetic://"):
+        if not re.fullmatch(NAME_PATTERN, value[len("synthetic://"):]):
+            raise ValueError(f"synthetic:// sources are synthetic://NAME, NAME an entry of synthesize.documents, "
+                             f"got {value!r}")
+        return value
+    return _check_source(value)
+
+
+# No '.': DVC reads the param `base.models.NAME` (`synthesize.documents.NAME`) with the dots as nesting.
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]*"
+
+
+def _check_names(value: dict[str, str], param: str, folder: str) -> dict[str, str]:
+    """Entry names of a foreach stage's mapping (they name its output folders) and non-empty values."""
+    for key, source in value.items():
+        if not re.fullmatch(NAME_PATTERN, key):
+            raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names the folder {folder} and "
+                             f"the DVC param {param}.{key}, where a '.' would nest)")
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"{param}.{key}: expected a non-empty string, got {source!r}")
+    return value
+
+
 def _check_splits(value: list[float]) -> list[float]:
     if len(value) != 3:
         raise ValueError(f"needs 3 fractions (train, val, test), got {len(value)}")
@@ -116,14 +141,14 @@ class ClassifyData(Section):
 
 
 class InstructData(Section):
-    source: str = ALPACA_URL
+    source: str = ALPACA_URL  # or synthetic://NAME: the pairs stage synthesize@NAME kept
     sha256: Optional[str] = None
     split: str = "train"  # for hf:// sources
     splits: list[float] = [0.85, 0.05, 0.10]
     seed: int = 123
 
     _sample = field_validator("source", mode="before")(_resolve_sample)
-    _source = field_validator("source")(_check_source)
+    _source = field_validator("source")(_check_instruct_source)
     _splits = field_validator("splits")(_check_splits)
 
 
@@ -416,13 +441,83 @@ class BaseModelsConfig(Section):
     @field_validator("models")
     @classmethod
     def _names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, source in value.items():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", key):
-                raise ValueError(f"name {key!r} must be letters, digits, '.', '_' or '-' "
-                                 "(it names the folder checkpoints/base/NAME)")
-            if not isinstance(source, str) or not source.strip():
-                raise ValueError(f"base.models.{key}: expected a hub id or a local folder, got {source!r}")
+        return _check_names(value, "base.models", "checkpoints/base/NAME")
+
+
+class SynthEndpoint(Section):
+    # An OpenAI-compatible endpoint: base URL with its /v1 (vLLM, Ollama, a hosted API, gptforge
+    # serve) and the model it serves. The key, if it needs one: GPTFORGE_SYNTH_API_KEY.
+    url: Optional[str] = None
+    model: Optional[str] = None
+    timeout: float = Field(300.0, gt=0, description="seconds for one request")
+    retries: int = Field(4, ge=0, description="extra attempts on connection errors, 429 and 5xx (doubling backoff)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL (base URL with /v1), got {value!r}")
         return value
+
+
+def _filter_default(name: str) -> Any:
+    from gptforge.synthesize.filters import DEFAULTS
+
+    return DEFAULTS[name]
+
+
+class SynthFilters(Section):
+    # The thresholds of the pair filters (gptforge.synthesize.filters; docs/synthesize.md).
+    min_question_chars: int = Field(default_factory=lambda: _filter_default("min_question_chars"), ge=0)
+    max_question_chars: int = Field(default_factory=lambda: _filter_default("max_question_chars"), gt=0)
+    min_answer_chars: int = Field(default_factory=lambda: _filter_default("min_answer_chars"), ge=0)
+    max_answer_chars: int = Field(default_factory=lambda: _filter_default("max_answer_chars"), gt=0)
+    # share of the answer's content words found in its chunk
+    min_grounding: float = Field(default_factory=lambda: _filter_default("min_grounding"), ge=0, le=1)
+    # Jaccard similarity of question + answer shingles at or above which a pair repeats an earlier one
+    near_duplicate: float = Field(default_factory=lambda: _filter_default("near_duplicate"), gt=0, le=1)
+
+
+class SynthCurate(Section):
+    # LLM-as-judge curation (synthetic-data-kit's curate step): the endpoint rates each pair 1-10;
+    # pairs below `threshold` are dropped.
+    enabled: bool = False
+    threshold: float = Field(7.0, ge=1, le=10)
+
+
+class SynthesizeConfig(Section):
+    # NAME -> a folder or file of .md, .txt and .pdf: stage synthesize@NAME writes
+    # data/synthetic/NAME/ (qa.jsonl, chunks.jsonl, dataset_info.json). Empty: no such stage.
+    documents: dict[str, str] = {}
+    only: Optional[str] = None  # `gptforge synthesize` makes this entry alone (dvc.yaml sets it)
+    chunk_tokens: int = Field(512, gt=0, description="chunk size limit in GPT-2 tokens")
+    chunk_overlap: int = Field(64, ge=0, description="GPT-2 tokens consecutive chunks may share (at most)")
+    # chunks shorter than this (a heading alone before a long code block) are not asked about
+    min_chunk_tokens: int = Field(32, ge=0)
+    pairs_per_chunk: int = Field(3, gt=0)
+    concurrency: int = Field(8, gt=0, description="requests in flight at once")
+    temperature: float = Field(0.7, ge=0)
+    max_tokens: int = Field(1024, gt=0, description="completion tokens per request")
+    seed: int = 123
+    endpoint: SynthEndpoint = SynthEndpoint()
+    filters: SynthFilters = SynthFilters()
+    verify: bool = False  # ask the endpoint whether the chunk supports each answer; drop the unsupported
+    curate: SynthCurate = SynthCurate()
+
+    @field_validator("documents")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_names(value, "synthesize.documents", "data/synthetic/NAME")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.chunk_overlap >= self.chunk_tokens:
+            raise ValueError(f"synthesize.chunk_overlap ({self.chunk_overlap}) must be below synthesize.chunk_tokens "
+                             f"({self.chunk_tokens})")
+        if self.documents and (self.endpoint.url is None or self.endpoint.model is None):
+            raise ValueError("synthesize.documents has entries: set synthesize.endpoint.url and "
+                             "synthesize.endpoint.model (an OpenAI-compatible server and its model)")
+        return self
 
 
 class TrackingConfig(Section):
@@ -450,8 +545,18 @@ class Config(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
     base: BaseModelsConfig = BaseModelsConfig()
+    synthesize: SynthesizeConfig = SynthesizeConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
+
+    @model_validator(mode="after")
+    def _synthetic_source(self):
+        source = self.data.instruct.source
+        if source.startswith("synthetic://") and source[len("synthetic://"):] not in self.synthesize.documents:
+            known = ", ".join(self.synthesize.documents) or "none"
+            raise ValueError(f"data.instruct.source: {source} names no entry of synthesize.documents "
+                             f"(entries: {known})")
+        return self
 
     def flat(self, *sections: str) -> dict[str, Any]:
         """Flattened `a.b.c -> value` view, restricted to the named top-level sections."""

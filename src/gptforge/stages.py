@@ -50,6 +50,9 @@ STAGES: dict[str, Stage] = {
               "preference pairs (prompt, chosen, rejected) -> train/val/test jsonl (data/preference/)"),
         Stage("prepare_base", "gptforge.base_models:prepare_base", ("base",),
               "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)"),
+        Stage("synthesize", "gptforge.synthesize.stage:synthesize", ("tokenizer", "synthesize"),
+              "documents -> checked question/answer pairs from an OpenAI-compatible endpoint (data/synthetic/NAME/)",
+              headline=("kept", "pairs_returned", "requests")),
         Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
               headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
@@ -123,6 +126,15 @@ def check_inputs(name: str, cfg: Config) -> None:
         source = cfg.flat()[param]
         if "://" not in source and not Path(source).exists():
             raise BadInput(f"{param}: local source not found: {source}")
+    if name == "synthesize":
+        s = cfg.synthesize
+        if not s.documents:
+            raise BadInput("synthesize.documents is empty: add NAME: FOLDER_OR_FILE (of .md, .txt, .pdf)")
+        for key in [s.only] if s.only is not None else list(s.documents):
+            if key not in s.documents:
+                raise BadInput(f"synthesize.documents has no entry {key!r} (entries: {', '.join(s.documents)})")
+            if not Path(s.documents[key]).exists():
+                raise BadInput(f"synthesize.documents.{key}: {s.documents[key]} not found")
     if name == "prepare_pretrain":
         from gptforge.tokenizer import check_fits_uint16, load_tokenizer
 

@@ -1,7 +1,9 @@
 """`prepare instruct`: Alpaca-style records -> `{train,val,test}.jsonl` (`instruction`, `input`, `output`).
 
 Sources (`data.instruct.source`): Stanford Alpaca's `alpaca_data.json` URL, `hf://tatsu-lab/alpaca`
-(split `data.instruct.split`), or a local `.json` list / `.jsonl` / `.csv` / `.parquet` file.
+(split `data.instruct.split`), a local `.json` list / `.jsonl` / `.csv` / `.parquet` file, or
+`synthetic://NAME`: the pairs stage synthesize@NAME kept (`data/synthetic/NAME/qa.jsonl`), whose
+provenance keys (`source`, `chunk`, `span`, `scores`) stay in the split files.
 
 A record needs string `instruction` and `output`; a missing or null `input` means "" (Alpaca
 leaves it empty for most records). Records that break this are skipped and counted as
@@ -24,13 +26,14 @@ from gptforge.errors import BadInput
 from gptforge.steps import DIRECT, Steps
 from gptforge.tracking import NullRun, publish_metrics
 
-from gptforge.data.sources import shuffle_split, source_records, write_splits
+from gptforge.data.sources import read_records, shuffle_split, source_records, write_splits
 
 log = logging.getLogger("gptforge")
 
 PARAM = "data.instruct.source"
 FIELDS = ("instruction", "input", "output")
 REQUIRED = ("instruction", "output")
+PROVENANCE = ("source", "chunk", "span", "scores")  # kept from synthetic:// records
 
 
 @dataclass
@@ -49,12 +52,18 @@ def prepare_instruct(
     out_dir: str | os.PathLike = "data/instruct",
     metrics_path: str | os.PathLike = "metrics/prepare_instruct.json",
     raw_dir: str | os.PathLike = "data/raw",
+    synthetic_root: str | os.PathLike = "data/synthetic",
 ) -> dict:
     d = cfg.data.instruct
-    records = source_records(d.source, param=PARAM, split=d.split, sha256=d.sha256, download=cfg.data.download,
-                             steps=steps, raw_dir=raw_dir)
-    validated = steps(validate_records, records, where=f"{PARAM} {d.source}")
+    synthetic = d.source.startswith("synthetic://")
+    if synthetic:
+        records = steps(synthetic_records, d.source.removeprefix("synthetic://"), synthetic_root)
+    else:
+        records = source_records(d.source, param=PARAM, split=d.split, sha256=d.sha256,
+                                 download=cfg.data.download, steps=steps, raw_dir=raw_dir)
+    validated = steps(validate_records, records, where=f"{PARAM} {d.source}", keep=PROVENANCE if synthetic else ())
     splits = steps(shuffle_split, validated.records, d.splits, d.seed)
+    check_no_empty_split(splits, d.splits, len(validated.records))
     steps(write_splits, splits, out_dir)
 
     metrics = {"records": validated.total, "invalid": validated.invalid, "dropped_empty": validated.dropped_empty,
@@ -65,8 +74,29 @@ def prepare_instruct(
     return metrics
 
 
-def validate_records(records: Sequence[Any], *, where: str) -> Validated:
-    """Keep well-formed, non-blank records with exactly `instruction`, `input`, `output`.
+def synthetic_records(name: str, root: str | os.PathLike = "data/synthetic") -> list[Any]:
+    """The kept pairs of stage synthesize@NAME (`root/NAME/qa.jsonl`)."""
+    from gptforge.synthesize.stage import synthetic_path
+
+    path = synthetic_path(name, root)
+    if not path.is_file():
+        raise BadInput(f"{PARAM}: synthetic://{name} reads {path}, which does not exist: run "
+                       f"`gptforge synthesize -S synthesize.only={name}` (or `dvc repro synthesize@{name}`) first")
+    return read_records(path, param=PARAM)
+
+
+def check_no_empty_split(splits: dict[str, list], fractions: Sequence[float], n: int) -> None:
+    """A split given a share that rounds to no record is refused (a test split of 0 would leave
+    the fine-tuning stage nothing to score): one line naming the record count."""
+    for (name, items), fraction in zip(splits.items(), fractions):
+        if fraction > 0 and not items:
+            raise BadInput(f"data.instruct.splits: {n} records leave the {name} split ({fraction:g}) empty: "
+                           "give it a larger share or the source more records")
+
+
+def validate_records(records: Sequence[Any], *, where: str, keep: Sequence[str] = ()) -> Validated:
+    """Keep well-formed, non-blank records with exactly `instruction`, `input`, `output` (and the
+    keys in `keep`, when a record has them).
 
     Messages count records from 1, as lines are counted (in a .jsonl file they are the same).
     """
@@ -90,7 +120,8 @@ def validate_records(records: Sequence[Any], *, where: str) -> Validated:
         if not instruction.strip() or not output.strip():
             out.dropped_empty += 1
             continue
-        out.records.append({"instruction": instruction, "input": record.get("input") or "", "output": output})
+        out.records.append({"instruction": instruction, "input": record.get("input") or "", "output": output,
+                            **{key: record[key] for key in keep if key in record}})
 
     for key in REQUIRED:
         if missing[key] * 2 > out.total:
