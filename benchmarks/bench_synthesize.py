@@ -11,8 +11,8 @@ shared), the first `--chunks` of them. Each measurement runs the stage's own `ge
 cache, so every chunk is a request. The levels take turns for `--rounds` rounds (1, 8, 1, 8, ...)
 and each figure is the median over the rounds.
 
-- The fixed-delay endpoint is a threaded HTTP server in this process that sleeps `--delay` s
-  (200 ms) per request and answers three well-formed pairs: at concurrency 1 the stage can do
+- The fixed-delay endpoint is the tests' scripted server (tests/chat_endpoint.py, threaded, in
+  this process) sleeping `--delay` s (200 ms) per request, answering three well-formed pairs: at concurrency 1 the stage can do
   at most 60/delay requests a minute, at 8 eight times that; the ratio shows what the stage's
   own work costs (the target: 8 requests in flight give at least 6x the pairs/min of 1).
 - `gptforge serve` on bench_generate's tiny model (1,024 positions, random weights, continuous batching, in a
@@ -32,58 +32,31 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))  # the scripted OpenAI-compatible server the tests use
 
+from chat_endpoint import ChatEndpoint  # noqa: E402
 from bench_serve import _cpu_model, _git, free_port, start_server, stop_server, wait_healthy  # noqa: E402
 
 PAIRS = json.dumps([{"question": f"What does step {i} of the pipeline do?", "answer": f"Step {i} runs a stage."}
                     for i in range(3)])
 
 
-class FixedDelayEndpoint:
+class FixedDelayEndpoint(ChatEndpoint):
     """/v1/chat/completions answered after `delay` seconds with three pairs, on 127.0.0.1."""
 
     def __init__(self, delay: float) -> None:
-        self.requests = 0
-        lock = threading.Lock()
-        owner = self
+        super().__init__()
+        self.delay = delay
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
-                time.sleep(delay)
-                with lock:
-                    owner.requests += 1
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": "fixed",
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": PAIRS}}],
-                                   "usage": {"prompt_tokens": 400, "completion_tokens": 60}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, body: dict) -> str:
+        time.sleep(self.delay)
+        return PAIRS
 
 
 def docs_chunks(n: int, tokenizer_path: str | None) -> list:

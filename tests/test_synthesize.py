@@ -17,7 +17,7 @@ import yaml
 
 from conftest import BIN, ChatEndpoint, cli_env, last_error_line, run_cli, set_params, snapshot, started, wait_until
 from gptforge.config import load_config
-from gptforge.errors import BadInput, SourceUnreachable, StageFailed
+from gptforge.errors import SourceUnreachable, StageFailed
 from gptforge.synthesize.stage import synthesize
 
 DOC = """# Rivers

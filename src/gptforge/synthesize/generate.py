@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from gptforge.openai_client import BadReply, ChatClient, Completion, EndpointError
+from gptforge.openai_client import ChatClient, Completion, EndpointError
 
 log = logging.getLogger("gptforge")
 
@@ -264,6 +264,6 @@ def run_bounded(fn: Callable[[T], R], items: Iterable[T], concurrency: int) -> I
         stop.set()
 
 
-__all__ = ["Asker", "BadReply", "ResponseCache", "Reply", "Unparseable", "curate_messages", "pair_fields",
+__all__ = ["Asker", "ResponseCache", "Reply", "Unparseable", "curate_messages", "pair_fields",
            "pairs_messages", "parse_pairs", "parse_rating", "parse_verdict", "request_key", "run_bounded",
            "verify_messages"]
