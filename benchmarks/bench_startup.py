@@ -1,0 +1,159 @@
+"""What a stage's orchestration costs: the data stage prepare_classify as a user types it, with
+tracking and Prefect on and with both off, and inside `gptforge pipeline`.
+
+    python benchmarks/bench_startup.py [--repeats 5] [--pipeline-repeats 3] [--out FILE.json]
+
+On a fresh clone of this repository in a temporary folder (its committed state, the embedded
+SMS sample), with no servers configured (no PREFECT_API_URL, no MLFLOW_TRACKING_URI: MLflow's
+SQLite store in the clone, a temporary Prefect server per process, PREFECT_HOME in the
+temporary folder), each case runs once unmeasured (first-use costs: migrations, caches) and
+then `--repeats` times; the figure is the median wall time of the whole process:
+
+- on:  `dvc repro -f -s prepare_classify`, tracking.enabled true, Prefect on (what a user gets);
+- off: the same with tracking.enabled false and GPTFORGE_PREFECT=0;
+- tracking only / Prefect only: one of the two on, to split their costs;
+- the command alone (both off): `gptforge prepare classify` without dvc;
+- `python -c pass` and `python -c "import gptforge.cli, gptforge.stages, gptforge.data.classify"`;
+- inside the pipeline: `gptforge pipeline prepare_classify --force` (tracking and Prefect on),
+  the stage's own duration as the pipeline reports it ("prepare_classify ran in X s").
+
+The breakdown is made of differences between those medians (python start, library imports, the
+work, dvc, tracking set-up, Prefect), so its parts are measured, not estimated. The last two
+lines are the typed case's two medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve import _cpu_model  # noqa: E402
+
+
+def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"bench_startup: {' '.join(cmd)} failed ({done.returncode}):\n"
+                         f"{(done.stdout + done.stderr)[-3000:]}")
+    return seconds, done
+
+
+def median_of(cmd: list[str], cwd: Path, env: dict, repeats: int) -> dict:
+    timed(cmd, cwd, env)  # once unmeasured: first-use costs
+    times = [timed(cmd, cwd, env)[0] for _ in range(repeats)]
+    return {"median_s": round(statistics.median(times), 3), "runs_s": [round(t, 3) for t in times]}
+
+
+def set_tracking(clone: Path, enabled: bool) -> None:
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["tracking"]["enabled"] = enabled
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--pipeline-repeats", type=int, default=3)
+    ap.add_argument("--out", default=None, help="also write the figures as JSON")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
+        tmp = Path(tmp)
+        clone = tmp / "gptforge"
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+        base_env = {k: v for k, v in os.environ.items()
+                    if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME")}
+        base_env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PREFECT_HOME=str(tmp / "prefect-home"),
+                        DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1")
+        no_prefect = {**base_env, "GPTFORGE_PREFECT": "0"}
+        dvc = [str(BIN / "dvc"), "repro", "-f", "-s", "prepare_classify"]
+        command = [str(BIN / "gptforge"), "prepare", "classify"]
+        py = sys.executable
+        cases: dict[str, dict] = {}
+
+        set_tracking(clone, True)
+        print("bench_startup: dvc repro, tracking and Prefect on ...", file=sys.stderr, flush=True)
+        cases["on"] = median_of(dvc, clone, base_env, args.repeats)
+        cases["tracking_only"] = median_of(dvc, clone, no_prefect, args.repeats)
+        set_tracking(clone, False)
+        print("bench_startup: dvc repro, both off ...", file=sys.stderr, flush=True)
+        cases["off"] = median_of(dvc, clone, no_prefect, args.repeats)
+        cases["prefect_only"] = median_of(dvc, clone, base_env, args.repeats)
+        cases["command_off"] = median_of(command, clone, no_prefect, args.repeats)
+        cases["python"] = median_of([py, "-c", "pass"], clone, no_prefect, args.repeats)
+        cases["imports"] = median_of([py, "-c", "import gptforge.cli, gptforge.stages, gptforge.data.classify"],
+                                     clone, no_prefect, args.repeats)
+
+        set_tracking(clone, True)
+        print("bench_startup: gptforge pipeline prepare_classify --force ...", file=sys.stderr, flush=True)
+        inside, whole = [], []
+        pipeline = [str(BIN / "gptforge"), "pipeline", "prepare_classify", "--force", "--no-pull", "--no-push"]
+        for i in range(args.pipeline_repeats + 1):
+            seconds, done = timed(pipeline, clone, base_env)
+            found = re.search(r"prepare_classify\s+ran in ([0-9.]+) s", done.stdout + done.stderr)
+            if not found:
+                raise SystemExit("bench_startup: the pipeline did not report prepare_classify's duration:\n"
+                                 + (done.stdout + done.stderr)[-3000:])
+            if i:  # the first run is unmeasured, as for the other cases
+                inside.append(float(found.group(1)))
+                whole.append(seconds)
+        cases["inside_pipeline"] = {"median_s": round(statistics.median(inside), 3), "runs_s": inside,
+                                    "pipeline_median_s": round(statistics.median(whole), 3)}
+
+    m = {name: case["median_s"] for name, case in cases.items()}
+    breakdown = {
+        "python start": m["python"],
+        "library imports (cli, stage table, the stage's module)": m["imports"] - m["python"],
+        "the stage's work (and its own imports)": m["command_off"] - m["imports"],
+        "dvc repro around it": m["off"] - m["command_off"],
+        "tracking set-up (MLflow import, SQLite store, the run)": m["tracking_only"] - m["off"],
+        "Prefect (temporary server, flow and task runs)": m["prefect_only"] - m["off"],
+    }
+    result = {
+        "benchmark": "startup",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+                    "python": platform.python_version()},
+        "repeats": args.repeats, "cases": cases, "breakdown_s": {k: round(v, 3) for k, v in breakdown.items()},
+        "on_over_off": round(m["on"] / m["off"], 2),
+        "inside_pipeline_over_off": round(m["inside_pipeline"] / m["off"], 2),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip(),
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"prepare_classify, medians of {args.repeats} runs ({result['machine']['processor']}, "
+          f"{result['machine']['cpu_count']} cores, {result['date']}):")
+    for name in ("on", "tracking_only", "prefect_only", "off", "command_off", "imports", "python"):
+        print(f"  {name:<16} {m[name]:7.2f} s")
+    print(f"  inside the pipeline (its report): {m['inside_pipeline']:.2f} s "
+          f"({result['inside_pipeline_over_off']}x off; the pipeline run: {cases['inside_pipeline']['pipeline_median_s']:.1f} s)")
+    print("breakdown of the typed case with both on:")
+    for name, seconds in breakdown.items():
+        print(f"  {name:<58} {seconds:6.2f} s")
+    print(f"median with tracking and Prefect on: {m['on']:.2f} s")
+    print(f"median with both off: {m['off']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
