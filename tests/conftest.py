@@ -92,6 +92,19 @@ def gpt2_tokenizer_dir() -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_stale_cli_log_handler():
+    """A test that runs `gptforge.cli.main` in-process leaves the CLI's log handler on the
+    "gptforge" logger, writing to that test's captured stderr, which is closed after it: a
+    later test's log line would be a "Logging error". The handler goes with the test."""
+    yield
+    import logging
+
+    log = logging.getLogger("gptforge")
+    for handler in [h for h in log.handlers if getattr(h, "gptforge_cli", False)]:
+        log.removeHandler(handler)
+
+
 # --------------------------------------------------------------------------------------------
 # Fixture data the tests make
 
