@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gptforge import samples
+from gptforge.synthesize.filters import DEFAULTS as FILTER_DEFAULTS
 from gptforge.errors import BadInput
 
 DEFAULT_PARAMS = "params.yaml"
@@ -460,22 +461,16 @@ class SynthEndpoint(Section):
         return value
 
 
-def _filter_default(name: str) -> Any:
-    from gptforge.synthesize.filters import DEFAULTS
-
-    return DEFAULTS[name]
-
-
 class SynthFilters(Section):
     # The thresholds of the pair filters (gptforge.synthesize.filters; docs/synthesize.md).
-    min_question_chars: int = Field(default_factory=lambda: _filter_default("min_question_chars"), ge=0)
-    max_question_chars: int = Field(default_factory=lambda: _filter_default("max_question_chars"), gt=0)
-    min_answer_chars: int = Field(default_factory=lambda: _filter_default("min_answer_chars"), ge=0)
-    max_answer_chars: int = Field(default_factory=lambda: _filter_default("max_answer_chars"), gt=0)
+    min_question_chars: int = Field(FILTER_DEFAULTS["min_question_chars"], ge=0)
+    max_question_chars: int = Field(FILTER_DEFAULTS["max_question_chars"], gt=0)
+    min_answer_chars: int = Field(FILTER_DEFAULTS["min_answer_chars"], ge=0)
+    max_answer_chars: int = Field(FILTER_DEFAULTS["max_answer_chars"], gt=0)
     # share of the answer's content words found in its chunk
-    min_grounding: float = Field(default_factory=lambda: _filter_default("min_grounding"), ge=0, le=1)
+    min_grounding: float = Field(FILTER_DEFAULTS["min_grounding"], ge=0, le=1)
     # Jaccard similarity of question + answer shingles at or above which a pair repeats an earlier one
-    near_duplicate: float = Field(default_factory=lambda: _filter_default("near_duplicate"), gt=0, le=1)
+    near_duplicate: float = Field(FILTER_DEFAULTS["near_duplicate"], gt=0, le=1)
 
 
 class SynthCurate(Section):

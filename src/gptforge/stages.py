@@ -127,14 +127,11 @@ def check_inputs(name: str, cfg: Config) -> None:
         if "://" not in source and not Path(source).exists():
             raise BadInput(f"{param}: local source not found: {source}")
     if name == "synthesize":
-        s = cfg.synthesize
-        if not s.documents:
-            raise BadInput("synthesize.documents is empty: add NAME: FOLDER_OR_FILE (of .md, .txt, .pdf)")
-        for key in [s.only] if s.only is not None else list(s.documents):
-            if key not in s.documents:
-                raise BadInput(f"synthesize.documents has no entry {key!r} (entries: {', '.join(s.documents)})")
-            if not Path(s.documents[key]).exists():
-                raise BadInput(f"synthesize.documents.{key}: {s.documents[key]} not found")
+        from gptforge.synthesize.stage import selected_documents
+
+        for key in selected_documents(cfg.synthesize):
+            if not Path(cfg.synthesize.documents[key]).exists():
+                raise BadInput(f"synthesize.documents.{key}: {cfg.synthesize.documents[key]} not found")
     if name == "prepare_pretrain":
         from gptforge.tokenizer import check_fits_uint16, load_tokenizer
 

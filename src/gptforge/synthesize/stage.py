@@ -81,18 +81,23 @@ def synthesize(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), out_root
                cache_dir: str | os.PathLike | None = None) -> dict:
     """Make `synthesize.documents[synthesize.only]` (every entry when `only` is null): dvc.yaml's
     synthesize@NAME runs `gptforge synthesize -S synthesize.only=NAME`."""
-    s = cfg.synthesize
-    if not s.documents:
-        raise BadInput("synthesize.documents is empty: add NAME: FOLDER_OR_FILE (of .md, .txt, .pdf)")
-    if s.only is not None and s.only not in s.documents:
-        raise BadInput(f"synthesize.documents has no entry {s.only!r} (entries: {', '.join(s.documents)})")
     metrics: dict[str, float] = {}
-    names = [s.only] if s.only is not None else list(s.documents)
+    names = selected_documents(cfg.synthesize)
     for name in names:
         got = synthesize_one(cfg, name, steps=steps, run=run, out_root=out_root, reports_dir=reports_dir,
                              metrics_dir=metrics_dir, cache_dir=cache_dir)
         metrics.update({f"{name}.{k}": v for k, v in got.items()} if len(names) > 1 else got)
     return metrics
+
+
+def selected_documents(s) -> list[str]:
+    """The entries of `synthesize.documents` this run makes (`synthesize.only`, else all); BadInput
+    when there are none or `only` names no entry."""
+    if not s.documents:
+        raise BadInput("synthesize.documents is empty: add NAME: FOLDER_OR_FILE (of .md, .txt, .pdf)")
+    if s.only is not None and s.only not in s.documents:
+        raise BadInput(f"synthesize.documents has no entry {s.only!r} (entries: {', '.join(s.documents)})")
+    return [s.only] if s.only is not None else list(s.documents)
 
 
 def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str | os.PathLike,
