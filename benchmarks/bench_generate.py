@@ -11,7 +11,7 @@ pad/eos set so it cannot stop early; ours runs `generate(temperature=0)` with no
 The JSON printed at the end has both speeds, the ratio, and whether the two produced the same
 tokens.
 
-What makes ours faster (see gptforge.decoding): each decode step runs as straight functional
+What makes ours faster (see gptforge.modeling.decoding): each decode step runs as straight functional
 calls over weights gathered once (`Decoder`), and greedy steps find the argmax through an
 int8 copy of the head whose candidates are then checked exactly (`GreedyHead`), so a token
 reads ~40 MB of head instead of 154 MB at GPT-2 124M. `ours_full_head` is the same run with
@@ -40,9 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from gptforge.decoding import GreedyHead, generate  # noqa: E402
-from gptforge.hf_convert import to_hf  # noqa: E402
-from gptforge.model import GPT, GPTConfig  # noqa: E402
+from gptforge.modeling.decoding import GreedyHead, generate  # noqa: E402
+from gptforge.modeling.gpt import GPT, GPTConfig  # noqa: E402
+from gptforge.modeling.hf_convert import to_hf  # noqa: E402
 
 CONFIGS = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256),

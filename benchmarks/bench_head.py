@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from gptforge.model import head_logits
+from gptforge.modeling.gpt import head_logits
 
 
 def head_as_mm(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ def encode_split(tokenizer, records, max_length: int):
     """gptforge's encoding (Alpaca template, response + eos) of `records`; every one must fit
     whole, so that no recipe truncates."""
     from gptforge.finetune.templates import encode_all
-    from gptforge.hf_causal import HFTokenizer
+    from gptforge.modeling.hf_causal import HFTokenizer
 
     examples, kept = encode_all(records, "alpaca", HFTokenizer(tokenizer), max_length)
     longest = max(len(p) + len(r) for p, r in examples)
@@ -278,7 +278,7 @@ class StepClock:
 def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
     import torch
 
-    from gptforge.config import load_config
+    from gptforge.config.load import load_config
     from gptforge.finetune import instruct
 
     overrides = [f"instruct.init_from={model_dir}", "instruct.method=lora", "instruct.lora.target_modules=auto",
@@ -334,7 +334,7 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
                               TrainingArguments)
 
-    from gptforge.config import load_config
+    from gptforge.config.load import load_config
     from gptforge.finetune.instruct import read_split
     from gptforge.finetune.templates import render
 

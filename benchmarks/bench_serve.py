@@ -67,11 +67,11 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench_generate import CONFIGS, timed_interleaved  # noqa: E402
-from gptforge.config import load_config  # noqa: E402
-from gptforge.decoding import generate  # noqa: E402
-from gptforge.model import GPT  # noqa: E402
-from gptforge.tokenizer import load_tokenizer  # noqa: E402
-from gptforge.weights import save_model  # noqa: E402
+from gptforge.config.load import load_config  # noqa: E402
+from gptforge.modeling.decoding import generate  # noqa: E402
+from gptforge.modeling.gpt import GPT  # noqa: E402
+from gptforge.modeling.tokenizer import load_tokenizer  # noqa: E402
+from gptforge.modeling.weights import save_model  # noqa: E402
 
 MODEL_NAME = "tiny"
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -377,7 +377,7 @@ def step_alone(model: GPT, ids: list[int], args, batch_sizes: list[int]) -> dict
     head's part alone (the backend's `logits`, or its int8 `screen` for a single greedy row).
     Pieces of the per-token cost, for the report; the backend is the server's internal API, so
     a change there is reported, not fatal."""
-    from gptforge.model import head_logits
+    from gptforge.modeling.gpt import head_logits
 
     def median_ms(fn, n=48, warm=8):
         for _ in range(warm):

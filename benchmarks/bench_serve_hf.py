@@ -36,7 +36,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_models import make_tokenizer  # noqa: E402
 
-from gptforge.decoding import generate_hf  # noqa: E402
+from gptforge.modeling.decoding import generate_hf  # noqa: E402
 from gptforge.serve.backends import HFBackend  # noqa: E402
 from gptforge.serve.engine import Engine, Sampling  # noqa: E402
 

@@ -13,7 +13,7 @@ then `--repeats` times; the figure is the median wall time of the whole process:
 - off: the same with tracking.enabled false and GPTFORGE_PREFECT=0;
 - tracking only / Prefect only: one of the two on, to split their costs;
 - the command alone (both off): `gptforge prepare classify` without dvc;
-- `python -c pass` and `python -c "import gptforge.cli, gptforge.stages, gptforge.data.classify"`;
+- `python -c pass` and `python -c "import gptforge.cli, gptforge.pipeline.stages, gptforge.data.classify"`;
 - inside the pipeline: `gptforge pipeline prepare_classify --force` (tracking and Prefect on),
   the stage's own duration as the pipeline reports it ("prepare_classify ran in X s").
 
@@ -99,7 +99,7 @@ def main() -> int:
         cases["prefect_only"] = median_of(dvc, clone, base_env, args.repeats)
         cases["command_off"] = median_of(command, clone, no_prefect, args.repeats)
         cases["python"] = median_of([py, "-c", "pass"], clone, no_prefect, args.repeats)
-        cases["imports"] = median_of([py, "-c", "import gptforge.cli, gptforge.stages, gptforge.data.classify"],
+        cases["imports"] = median_of([py, "-c", "import gptforge.cli, gptforge.pipeline.stages, gptforge.data.classify"],
                                      clone, no_prefect, args.repeats)
 
         set_tracking(clone, True)

@@ -60,9 +60,9 @@ class FixedDelayEndpoint(ChatEndpoint):
 
 
 def docs_chunks(n: int, tokenizer_path: str | None) -> list:
+    from gptforge.modeling.tokenizer import load_tokenizer
     from gptforge.synthesize.chunks import chunk_documents
     from gptforge.synthesize.documents import read_documents
-    from gptforge.tokenizer import load_tokenizer
 
     enc = load_tokenizer(tokenizer_path)
     chunks = chunk_documents(read_documents(ROOT / "docs", param="docs"), chunk_tokens=512, overlap=64,
@@ -116,8 +116,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write this JSON and a markdown table (.md)")
     args = ap.parse_args()
     levels = sorted({int(c) for c in args.levels.split(",")})
-    from gptforge.config import load_config
-
+    from gptforge.config.load import load_config
     tokenizer_path = load_config(ROOT / "params.yaml").tokenizer.path if (ROOT / "params.yaml").is_file() else None
     chunks = docs_chunks(args.chunks, tokenizer_path)
 
@@ -156,8 +155,8 @@ def serve_levels(args, chunks: list, levels: list[int], tokenizer_path: str | No
     import torch
 
     from bench_generate import CONFIGS
-    from gptforge.model import GPT
-    from gptforge.weights import save_model
+    from gptforge.modeling.gpt import GPT
+    from gptforge.modeling.weights import save_model
 
     torch.manual_seed(1337)
     # bench_generate's tiny model with 1,024 positions: a 512-token chunk and its prompt fit

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from gptforge.config import load_config
-from gptforge.model import GPT, GPTConfig
-from gptforge.train import grad_accum_steps, lr_at, setup_runtime, train_step
+from gptforge.config.load import load_config
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.training.loop import grad_accum_steps, lr_at, setup_runtime, train_step
+from gptforge.training.optim import adamw
 
 
 class RandomTokens:
@@ -49,7 +50,7 @@ def main() -> int:
     torch.manual_seed(p.seed)
     model = GPT(GPTConfig.from_model_config(cfg.model, 50257)).to(rt.device)
     raw = model
-    optimizer = model.configure_optimizer(p.weight_decay, p.lr, tuple(p.betas), rt.device.type)
+    optimizer = adamw(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     if rt.compile:
         model = torch.compile(model)

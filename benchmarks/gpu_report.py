@@ -9,7 +9,7 @@ it runs on a bare GPU image. It checks the CUDA paths against their references a
    greedy decoding vs no-cache on the GPU, bf16 autocast loss vs fp32 loss;
 2. the GPT-2 124M training step at T=1024 (forward, backward, clip, fused AdamW) for fp32, TF32
    and bf16 autocast, eager and compiled: ms/step (median of `--steps` after `--warmup`, CUDA
-   synchronised), tokens/s and MFU against the device's peak from gptforge.flops;
+   synchronised), tokens/s and MFU against the device's peak from gptforge.modeling.flops;
 3. batch-1 greedy decoding of GPT-2 124M, fp32 and bf16: tokens/s.
 
 The report is Markdown with the raw JSON appended: docs/benchmarks/YYYY-MM-DD-<device>.md.
@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptforge import flops
-from gptforge.decoding import generate
-from gptforge.model import GPT, GPTConfig
+from gptforge.modeling import flops
+from gptforge.modeling.decoding import generate
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.training.optim import adamw
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def bench_train(dev, batch: int, steps: int, warmup: int) -> list[dict]:
         torch.manual_seed(0)
         raw = GPT(cfg).to(dev)
         model = torch.compile(raw) if compiled else raw
-        opt = raw.configure_optimizer(0.1, 6e-4, (0.9, 0.95), "cuda")
+        opt = adamw(raw.parameters(), weight_decay=0.1, lr=6e-4, betas=(0.9, 0.95), device_type="cuda")
         torch.cuda.reset_peak_memory_stats(dev)
 
         def step():

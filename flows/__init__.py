@@ -14,10 +14,10 @@ from prefect.flow_engine import run_flow
 from prefect.states import Completed, Failed, Running
 
 from flows.outage import Finished, best_effort, run_recorded
-from gptforge.config import DEFAULT_PARAMS, load_config
-from gptforge.pipeline import PIPELINE_FLOW_ENV
-from gptforge.signals import deadline_on_stop
-from gptforge.stages import STAGES, run_stage
+from gptforge.config.load import DEFAULT_PARAMS, load_config
+from gptforge.pipeline.run import PIPELINE_FLOW_ENV
+from gptforge.pipeline.stages import STAGES, run_stage
+from gptforge.runtime.signals import deadline_on_stop
 from tasks import PrefectSteps
 
 
@@ -29,7 +29,7 @@ def temporary_server_in_own_session() -> None:
     to that whole group) killed the server at once while the stages it had started under dvc,
     stopping, still reported to it; their Prefect clients then retried for minutes and the
     pipeline, waiting for them, hung. In its own session the server hears only its owner, which
-    stops it after the flow, its stages included, has ended (`cli._stop_temporary_server`).
+    stops it after the flow, its stages included, has ended (`gptforge.cli.stages._stop_temporary_server`).
     Prefect's own start-up code runs unchanged; only the Popen it calls gets
     `start_new_session=True`, for the duration of that call."""
     import functools

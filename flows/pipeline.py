@@ -3,7 +3,7 @@
 The flow hands its Prefect API (a real server, or the temporary one Prefect started for this
 process) and its flow run id to the stage commands that `dvc repro` starts, so they report to
 the same server, without starting one each, and show up as subflows of this run. The MLflow
-nesting is the library's (`gptforge.pipeline`).
+nesting is the library's (`gptforge.pipeline.run`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from prefect.client.orchestration import get_client
 
 from flows import flow_run_tags
 from flows.outage import Finished, best_effort
-from gptforge.pipeline import PIPELINE_FLOW_ENV, closing_summary, run_pipeline
+from gptforge.pipeline.run import PIPELINE_FLOW_ENV, closing_summary, run_pipeline
 from tasks import PrefectSteps
 
 

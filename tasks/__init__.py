@@ -1,6 +1,6 @@
 """Prefect tasks: the library's recipe steps, each run as a Prefect task.
 
-A recipe calls its steps through a `gptforge.steps.Steps` object; `PrefectSteps` turns each
+A recipe calls its steps through a `gptforge.runtime.steps.Steps` object; `PrefectSteps` turns each
 call into a task run (named after the library function) so the Prefect UI shows every step
 with its logs, duration and state. Steps the recipe marks with a `Retry` (downloads) get
 Prefect retries with the same exponential backoff; errors that retrying cannot fix (bad input,
@@ -14,8 +14,8 @@ from typing import Any, Callable, TypeVar
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptforge.signals import stop_cause
-from gptforge.steps import Retry, Steps, retryable
+from gptforge.runtime.signals import stop_cause
+from gptforge.runtime.steps import Retry, Steps, retryable
 
 T = TypeVar("T")
 

@@ -54,7 +54,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # it starts (CLI stages, torchrun ranks), or OpenMP oversubscribes the cores tenfold.
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
-from gptforge.tracking import NullRun  # noqa: E402  (after the environment is set)
+from gptforge.runtime.tracking import NullRun  # noqa: E402  (after the environment is set)
 
 
 def free_port() -> int:
@@ -306,7 +306,7 @@ def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subpro
     the command reaped, so a failed test leaves no run behind, paused or not."""
     import psutil
 
-    from gptforge.signals import group_alive
+    from gptforge.runtime.signals import group_alive
 
     with open(log, "w") as out:
         proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -323,7 +323,7 @@ def started(args: list[str], cwd: Path, env: dict, log: Path) -> Iterator[subpro
 
 
 class Paused:
-    """A run (pretraining or the serve engine) held after step `step` (gptforge.pause): `env()`
+    """A run (pretraining or the serve engine) held after step `step` (gptforge.runtime.pause): `env()`
     goes into the run's environment, `wait(proc)` returns once the loop is paused there (or
     fails if the process ended first), `release()` lets it go on. Tests act on a paused run
     instead of racing the machine's speed."""

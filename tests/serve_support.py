@@ -20,8 +20,8 @@ PARAMS = REPO / "params.yaml"  # tokenizer.path: the embedded GPT-2 tokenizer
 
 
 def tiny_gpt(folder: Path, *, seed: int = 0, block_size: int = 1024) -> Path:
-    from gptforge.model import GPT, GPTConfig
-    from gptforge.weights import save_model
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=block_size))
@@ -35,7 +35,7 @@ def tiny_gpt(folder: Path, *, seed: int = 0, block_size: int = 1024) -> Path:
 
 def tiny_classifier(folder: Path, base: Path) -> Path:
     from gptforge.finetune.classify import GPTClassifier, save_classifier
-    from gptforge.weights import load_model
+    from gptforge.modeling.weights import load_model
 
     torch.manual_seed(1)
     save_classifier(GPTClassifier(load_model(base), 2, labels=["ham", "spam"], max_length=64), folder)

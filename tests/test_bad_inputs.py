@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from conftest import REPO, SMS_LINES, error_lines, snapshot, write_tiktoken
-from gptforge import checkpoint as ckpt
 from gptforge.cli import main
-from gptforge.model import GPT, GPTConfig
-from gptforge.weights import save_model
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.weights import save_model
+from gptforge.training import checkpoint as ckpt
 
 # The working directory's own params: a small model on the small test tokenizer, no MLflow.
 WORKDIR_PARAMS = """\

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gptforge import bench
-from gptforge.config import load_config
+from gptforge.bench.stage import benchmark
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "benchmark.batch_size=2",
@@ -21,7 +21,7 @@ SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_si
 @pytest.mark.slow
 def test_benchmark_writes_every_output(tmp_path):
     cfg = load_config(None, [*SMALL, "benchmark.variants=[baseline, sdpa, vocab50304]"])
-    metrics = bench.benchmark(cfg, metrics_path=tmp_path / "metrics/benchmark.json",
+    metrics = benchmark(cfg, metrics_path=tmp_path / "metrics/benchmark.json",
                               report_path=tmp_path / "reports/benchmark.md", plots_dir=tmp_path / "plots",
                               trace_dir=tmp_path / "reports/traces")
     saved = json.loads((tmp_path / "metrics/benchmark.json").read_text())
@@ -45,5 +45,5 @@ def test_benchmark_writes_every_output(tmp_path):
 def test_unknown_variant_is_bad_input(tmp_path):
     cfg = load_config(None, [*SMALL, "benchmark.variants=[baseline, turbo]"])
     with pytest.raises(BadInput, match=r"benchmark.variants: unknown \['turbo'\]"):
-        bench.benchmark(cfg, metrics_path=tmp_path / "m.json", report_path=tmp_path / "r.md",
+        benchmark(cfg, metrics_path=tmp_path / "m.json", report_path=tmp_path / "r.md",
                         plots_dir=tmp_path / "p", trace_dir=tmp_path / "t")

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from gptforge import bench
-from gptforge.config import load_config
-
+from gptforge.bench import grid as bench
+from gptforge.bench.stage import benchmark
+from gptforge.config.load import load_config
 from conftest import FakeRun
 from test_bench import SMALL
 
@@ -75,7 +75,7 @@ def test_a_slow_variant_is_not_kept_and_the_chain_goes_on_from_the_best(tmp_path
     built, calls = fake(baseline=1.0, bf16=30.0, sdpa=0.5, vocab50304=0.25)
     cfg = load_config(None, [*SMALL, "benchmark.steps=3", "benchmark.variants=[baseline, bf16, sdpa, vocab50304]"])
     run = Tags()
-    metrics = bench.benchmark(cfg, run=run, metrics_path=tmp_path / "metrics/benchmark.json",
+    metrics = benchmark(cfg, run=run, metrics_path=tmp_path / "metrics/benchmark.json",
                               report_path=tmp_path / "reports/benchmark.md", plots_dir=tmp_path / "plots",
                               trace_dir=tmp_path / "reports/traces")
 

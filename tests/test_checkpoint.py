@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptforge.checkpoint import (
+from gptforge.training.checkpoint import (
     capture_rng,
     list_checkpoints,
     load_state,

@@ -7,10 +7,10 @@ import torch
 
 from conftest import error_lines
 from gptforge.cli import main
-from gptforge.decoding import generate
-from gptforge.model import GPT, GPTConfig
-from gptforge.tokenizer import load_tokenizer
-from gptforge.weights import save_model
+from gptforge.modeling.decoding import generate
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import save_model
 
 
 @pytest.fixture

@@ -11,16 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from gptforge.config import (
-    Config,
-    apply_overrides,
-    dump_yaml,
-    flatten,
-    load_config,
-    parse_override,
-    read_params,
-    validate,
-)
+from gptforge.config.load import apply_overrides, dump_yaml, load_config, parse_override, read_params, validate
+from gptforge.config.schema import Config, flatten
 from gptforge.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]

@@ -305,7 +305,7 @@ def test_dockerignore_excludes(ignore_matcher, path):
     "path",
     [
         "src/gptforge/data/pretrain.py",  # `data` is the top-level folder only
-        "src/gptforge/model.py",
+        "src/gptforge/modeling/gpt.py",
         "src/gptforge/lm_eval_tasks/hellaswag.yaml",
         "flows/pretrain.py",
         "tasks/__init__.py",

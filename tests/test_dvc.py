@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import BIN, cli_env, error_lines, set_params, stage_params
-from gptforge.weights import load_model as load_model_folder
+from gptforge.modeling.weights import load_model as load_model_folder
 
 pytestmark = pytest.mark.slow
 

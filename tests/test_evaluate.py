@@ -20,14 +20,14 @@ import torch.nn.functional as F
 
 from conftest import FakeRun
 from gptforge import evaluate as ev
-from gptforge import hellaswag as hs
-from gptforge.config import validate
-from gptforge.decoding import generate
+from gptforge.config.load import validate
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.evaluate.lm import GptforgeLM
-from gptforge.model import GPT, GPTConfig
-from gptforge.tokenizer import load_tokenizer
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.decoding import generate
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import load_model, save_model
+from gptforge.training import hellaswag as hs
 
 BLOCK = 64
 
@@ -402,7 +402,7 @@ def test_evaluate_offline_end_to_end(tmp_path, monkeypatch, no_network, small_to
 
 
 def test_in_loop_hellaswag_agrees_with_direct_computation(model, enc):
-    """gptforge.hellaswag (pretraining's build-nanogpt-style score) with the real GPT, on the same
+    """gptforge.training.hellaswag (pretraining's build-nanogpt-style score) with the real GPT, on the same
     examples: summed and mean loss of `ctx` + " " + ending, left-truncated to the window."""
     examples = [{"ctx": ex["ctx"], "endings": ex["endings"], "label": int(ex["label"])} for ex in HELLASWAG]
     got = hs.evaluate(model, examples, enc)
@@ -543,8 +543,7 @@ def test_one_mlflow_run_per_model(tmp_path, monkeypatch, no_network, mlflow_uri,
 
     from mlflow.tracking import MlflowClient
 
-    from gptforge import tracking
-
+    from gptforge.runtime import tracking
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri[len("sqlite:///"):], db)

@@ -9,9 +9,9 @@ import torch
 import transformers
 
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.export import export_hf
-from gptforge.model import GPT, GPTConfig
-from gptforge.weights import save_model
+from gptforge.modeling.export import export_hf
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.weights import save_model
 
 
 def checkpoint(folder, n_vocab=50257, bias=True, seed=0):

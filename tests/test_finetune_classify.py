@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import FakeRun
-from gptforge.config import validate
+from gptforge.config.load import validate
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
 from gptforge.finetune.common import merge_lora
-from gptforge.model import GPT, GPTConfig
-from gptforge.steps import Steps
-from gptforge.tokenizer import load_tokenizer
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import load_model, save_model
+from gptforge.runtime.steps import Steps
 
 BLOCK = 32
 # Two disjoint marker alphabets and a filler alphabet shared by both classes: every text has

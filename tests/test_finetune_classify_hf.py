@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMS_LINES, FakeRun
-from gptforge.config import validate
+from gptforge.config.load import validate
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
-from gptforge.tokenizer import load_tokenizer
+from gptforge.modeling.tokenizer import load_tokenizer
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
 from test_finetune_classify import RecordingSteps, outputs
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from conftest import FakeRun
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import instruct as I
 from gptforge.finetune.templates import collate, encode, encode_all, render
-from gptforge.hf_convert import to_hf
-from gptforge.model import GPT, GPTConfig
-from gptforge.tokenizer import load_tokenizer
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.hf_convert import to_hf
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import load_model, save_model
 
 E = 50256  # GPT-2's <|endoftext|>, the pad id in the hand-computed batches
 

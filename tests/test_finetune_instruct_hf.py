@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import cli_env, last_error_line, run_cli, set_params, snapshot
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import epoch_batches, length_grouped_batches
 from gptforge.finetune.instruct import finetune_instruct, padding_stats
 from gptforge.finetune.templates import IGNORE_INDEX, collate, encode
-from gptforge.hf_causal import HFTokenizer
+from gptforge.modeling.hf_causal import HFTokenizer
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
 from test_dvc import dvc
 from test_evaluate import scores_from_samples
@@ -88,8 +88,8 @@ def test_chat_needs_a_chat_template(tmp_path):
 
 
 def test_length_grouped_batches_cut_padding_and_keep_every_example():
-    from gptforge.samples import resolve
     from gptforge.data.sources import read_records
+    from gptforge.samples import resolve
 
     records = list(read_records(Path(resolve("sample://instruction-data.json.gz")), param="test"))
     examples = [(list(range(10 + len(r["instruction"]) // 4)), list(range(1 + len(r["output"]) // 4))) for r in records]
@@ -199,8 +199,8 @@ def test_bad_starting_points_fail_in_one_line_before_writing(case, tmp_path, lla
         init = make_tiny_causal_lm(tmp_path / "plain", "llama", chat_template=None)
         want = r"^instruct\.template: chat: the tokenizer of .* has no chat template"
     elif case == "chat_on_gpt":
-        from gptforge.model import GPT, GPTConfig
-        from gptforge.weights import save_model
+        from gptforge.modeling.gpt import GPT, GPTConfig
+        from gptforge.modeling.weights import save_model
 
         init = tmp_path / "gpt"
         save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=50304, n_vocab=50257)), init)
@@ -288,7 +288,7 @@ def test_gradient_checkpointing_of_our_gpt_gives_the_same_gradients():
     import copy
 
     from gptforge.finetune.common import enable_gradient_checkpointing
-    from gptforge.model import GPT, GPTConfig
+    from gptforge.modeling.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     plain = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, n_vocab=64, dropout=0.0))

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from conftest import FakeRun, cli_env, last_error_line, run_cli
 from conftest import snapshot as snapshot_all
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import preference as P
-from gptforge.model import GPT, GPTConfig
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.weights import load_model, save_model
 from hf_models import make_tiny_causal_lm
 
 TOKENIZER = "sample://gpt2_tokenizer"
@@ -138,7 +138,7 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
     # The model: a gptforge checkpoint again, with the trained weights.
     model = load_model(tmp_path / "out" / "final")
     assert model.config.n_layer == 2 and model.config.vocab_size == 50304
-    from gptforge.hf_convert import to_hf
+    from gptforge.modeling.hf_convert import to_hf
 
     ids = torch.tensor([[464, 3290, 318, 257]])
     with torch.no_grad():

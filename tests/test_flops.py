@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptforge import flops
 from gptforge.errors import BadInput
+from gptforge.modeling import flops
 
 
 def gpt2_small_non_embedding_params(n_layer=12, d=768) -> int:
@@ -107,7 +107,7 @@ def test_cuda_lookup_by_device_name(monkeypatch, caplog):
     assert flops.peak_flops("cuda", "fp32", None) == pytest.approx(66.9e12, rel=1e-3)
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU 9000")
-    with caplog.at_level("WARNING", logger="gptforge.flops"):
+    with caplog.at_level("WARNING", logger="gptforge.modeling.flops"):
         assert flops.peak_flops("cuda", "bf16", None) is None
     assert "Mystery GPU 9000" in caplog.text and "pretrain.peak_flops" in caplog.text
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from gptforge.decoding import generate
 from gptforge.errors import BadInput
-from gptforge.model import GPT, GPTConfig, KVCache
+from gptforge.modeling.decoding import generate
+from gptforge.modeling.gpt import GPT, GPTConfig, KVCache
 
 
 def model(attention="sdpa", block_size=24, n_vocab=100, seed=0) -> GPT:
@@ -161,7 +161,7 @@ def test_generate_restores_training_mode():
 def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
     """Decoder is the same operations as GPT.hidden_states without the module calls: the hidden
     states and the cache contents it leaves must be identical, not merely close."""
-    from gptforge.decoding import Decoder
+    from gptforge.modeling.decoding import Decoder
 
     torch.manual_seed(3)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=128, n_vocab=100,
@@ -213,7 +213,7 @@ TORCH_PIN = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text()
 def test_the_pinned_torch_has_the_int8_screen():
     """The pinned torch's CPU build has the int8 kernel, so here the screen is on for a float32
     model: a bug that turned it off fails this test instead of showing as the skips below."""
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     assert INT8_OP
     m = model(block_size=64)
@@ -225,7 +225,7 @@ def test_the_pinned_torch_has_the_int8_screen():
 def test_greedy_head_screen_finds_the_float64_argmax():
     """The int8 screen must return exactly the argmax of W·x (computed here in float64), on
     random heads and hidden states, and on rows built to be nearly tied with the winner."""
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     assert GreedyHead.usable(torch.zeros(64, 16))
     g = torch.Generator().manual_seed(0)
@@ -262,7 +262,7 @@ def test_greedy_head_screen_finds_the_float64_argmax():
 
 @needs_int8_op
 def test_greedy_head_screen_declines_what_it_cannot_bound():
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     assert GreedyHead.usable(torch.zeros(64, 16))
     W = torch.randn(500, 32)
@@ -282,7 +282,7 @@ def test_greedy_head_screen_declines_what_it_cannot_bound():
 def test_greedy_head_copy_follows_the_weights():
     """The int8 copy is kept on the model until its head changes: an in-place update (an
     optimizer step between two generations during training) must make a new one."""
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     m = model()
     a = GreedyHead.for_model(m)
@@ -303,7 +303,7 @@ def test_greedy_head_copy_follows_the_weights():
 @needs_int8_op
 def test_greedy_with_and_without_the_screen_agree(monkeypatch):
     """Long greedy runs with the int8 screen give the tokens of the plain float32 head."""
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     m = model(block_size=64)
     idx = prompt(T=3)
@@ -324,7 +324,7 @@ def test_greedy_with_and_without_the_screen_agree(monkeypatch):
 def test_greedy_head_probe_refuses_a_kernel_that_rounds_worse_than_the_bound(monkeypatch):
     """The bound assumes the int8 kernel's own rounding; a kernel 1% off must not be trusted:
     no screen, and greedy decoding falls back to the float32 head with the same tokens."""
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     m = model()
     assert GreedyHead.for_model(m) is not None  # trusted before the kernel is made worse
@@ -344,7 +344,7 @@ def test_unmerged_lora_layers_decode_through_the_modules():
 
     import peft
 
-    from gptforge.decoding import Decoder
+    from gptforge.modeling.decoding import Decoder
 
     m = model(block_size=64)
     lora = peft.get_peft_model(copy.deepcopy(m), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"]))
@@ -365,7 +365,7 @@ def test_unmerged_lora_layers_decode_through_the_modules():
 
 
 def test_a_forward_hook_keeps_decoding_on_the_modules():
-    from gptforge.decoding import Decoder
+    from gptforge.modeling.decoding import Decoder
 
     m = model()
     seen = []
@@ -377,7 +377,7 @@ def test_a_forward_hook_keeps_decoding_on_the_modules():
 
 @needs_int8_op
 def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
-    from gptforge.decoding import GreedyHead
+    from gptforge.modeling.decoding import GreedyHead
 
     m = model(block_size=64)
     assert GreedyHead.usable(m.transformer.wte.weight)
@@ -394,7 +394,7 @@ def test_int8_head_copy_is_made_only_when_enough_tokens_pay_for_it(monkeypatch):
 
 
 def test_directed_bfloat16_rounding_brackets_each_value():
-    from gptforge.decoding import to_bf16
+    from gptforge.modeling.decoding import to_bf16
 
     v = torch.cat([torch.randn(5000) * 1e3, torch.randn(5000) * 1e-3, torch.tensor([0.0, 1.0, -2.5])])
     up, down = to_bf16(v, up=True), to_bf16(v, up=False)

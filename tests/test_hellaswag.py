@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptforge import hellaswag as hs
 from gptforge.errors import BadInput
-from gptforge.tokenizer import load_tokenizer
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.training import hellaswag as hs
 
 EXAMPLES = [
     {"ind": 4, "activity_label": "Roof shingle removal", "ctx": "A man is sitting on a roof. he",
@@ -321,7 +321,7 @@ def test_evaluate_skips_examples_whose_ending_cannot_fit(enc, examples_file, cap
     examples = hs.load_examples(examples_file)
     longest_end = max(len(enc.encode_ordinary(" " + e)) for e in examples[1]["endings"])
     model = Bigram(enc.n_vocab, enc.n_vocab, block_size=longest_end)
-    with caplog.at_level("WARNING", logger="gptforge.hellaswag"):
+    with caplog.at_level("WARNING", logger="gptforge.training.hellaswag"):
         got = hs.evaluate(model, examples, enc, block_size=longest_end)
     assert got["skipped"] >= 1 and got["n"] + got["skipped"] == 4
     assert "skipped" in caplog.text

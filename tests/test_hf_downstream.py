@@ -64,8 +64,8 @@ def cli(args: list[str], cwd: Path):
 
 
 def test_generate_hf_greedy_is_the_argmax_of_each_forward(llama):
-    from gptforge.decoding import generate_hf
-    from gptforge.hf_causal import load_causal_lm
+    from gptforge.modeling.decoding import generate_hf
+    from gptforge.modeling.hf_causal import load_causal_lm
 
     model, tok = load_causal_lm(str(llama), param="--checkpoint")
     ids = tok(PROMPT)["input_ids"]
@@ -84,8 +84,8 @@ def test_generate_hf_greedy_is_the_argmax_of_each_forward(llama):
 
 
 def test_generate_hf_sampling_is_seeded_and_ignores_the_folder_s_sampling_defaults(llama, tmp_path):
-    from gptforge.decoding import generate_hf
-    from gptforge.hf_causal import load_causal_lm
+    from gptforge.modeling.decoding import generate_hf
+    from gptforge.modeling.hf_causal import load_causal_lm
 
     folder = tmp_path / "m"
     shutil.copytree(llama, folder)
@@ -106,8 +106,8 @@ def test_generate_hf_sampling_is_seeded_and_ignores_the_folder_s_sampling_defaul
 
 def test_chat_on_a_gptforge_checkpoint_is_one_line(tmp_path, small_tokenizer, monkeypatch, capsys):
     from gptforge.cli import main
-    from gptforge.model import GPT, GPTConfig
-    from gptforge.weights import save_model
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
 
     monkeypatch.chdir(tmp_path)
     save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=320, n_vocab=281)),
@@ -211,10 +211,10 @@ def raw_loglikelihood(model, ctx: list[int], cont: list[int]) -> float:
 def test_evaluate_scores_a_hugging_face_folder_with_lm_eval_s_hflm(tmp_path, monkeypatch, no_network, qwen,
                                                                    small_tokenizer):
     from gptforge import evaluate as ev
-    from gptforge.config import validate
-    from gptforge.model import GPT, GPTConfig
-    from gptforge.tokenizer import load_tokenizer
-    from gptforge.weights import load_model, save_model
+    from gptforge.config.load import validate
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.tokenizer import load_tokenizer
+    from gptforge.modeling.weights import load_model, save_model
 
     monkeypatch.chdir(tmp_path)
     n_vocab = load_tokenizer(str(small_tokenizer)).n_vocab
@@ -303,8 +303,7 @@ def test_measured_counts_requests_times_scoring_and_refuses_a_too_long_continuat
 def test_log_hf_model_loads_back_and_generates(llama, tmp_path, monkeypatch, mlflow_uri):
     import mlflow
 
-    from gptforge import tracking
-
+    from gptforge.runtime import tracking
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri[len("sqlite:///"):], db)
@@ -328,7 +327,7 @@ def test_log_hf_model_loads_back_and_generates(llama, tmp_path, monkeypatch, mlf
 
 @pytest.mark.parametrize("case", ["flavor fails", "not a causal LM"])
 def test_log_hf_model_that_cannot_be_logged_is_a_warning(case, llama, tmp_path, caplog):
-    from gptforge.tracking import MlflowRun
+    from gptforge.runtime.tracking import MlflowRun
 
     calls = []
 

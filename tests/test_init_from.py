@@ -12,14 +12,14 @@ import pytest
 import torch
 import transformers
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
-from gptforge.export import export_hf
 from gptforge.finetune.common import load_base
-from gptforge.hf_convert import load_pretrained
-from gptforge.model import GPT, GPTConfig
-from gptforge.train import build_model
-from gptforge.weights import save_model
+from gptforge.modeling.export import export_hf
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.hf_convert import load_pretrained
+from gptforge.modeling.weights import save_model
+from gptforge.training.loop import build_model
 
 N_VOCAB, BLOCK = 50257, 32
 

@@ -38,9 +38,9 @@ if not ON_GPU:
 
 import pytest  # noqa: E402
 
-from gptforge.decoding import generate  # noqa: E402
 from gptforge.errors import BadInput  # noqa: E402
-from gptforge.model import GPT, GPTConfig, KVCache  # noqa: E402
+from gptforge.modeling.decoding import generate  # noqa: E402
+from gptforge.modeling.gpt import GPT, GPTConfig, KVCache  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 EPS32 = torch.finfo(torch.float32).eps
@@ -189,7 +189,7 @@ def test_without_the_interpreter_cpu_tensors_get_a_clear_error():
         from kernels.cross_entropy import fused_cross_entropy
         from kernels.flash_attention import flash_attention
         from gptforge.errors import BadInput
-        from gptforge.model import GPT, GPTConfig
+        from gptforge.modeling.gpt import GPT, GPTConfig
         x = torch.randn(1, 1, 8, 32)
         for call in (lambda: flash_attention(x, x, x),
                      lambda: fused_cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.long))):

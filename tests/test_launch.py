@@ -1,5 +1,5 @@
 """Pretraining on several processes: `gptforge pretrain` launches itself under torchrun when
-`pretrain.nproc_per_node * pretrain.nnodes` is above 1 (gptforge.launch).
+`pretrain.nproc_per_node * pretrain.nnodes` is above 1 (gptforge.training.launch).
 
 Fast: the torchrun command lines (checked with torchrun's own parser), the multi-node settings'
 validation, the workers' environment and the streaming of their output. Slow (CPU, gloo, two
@@ -21,10 +21,11 @@ import pytest
 from torch.distributed.run import parse_args as torchrun_args
 
 from conftest import BIN, Paused, cli_env, error_lines, free_port, run_cli, started
-from gptforge import child_output, launch
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput, StageFailed
-from gptforge.tracking import env_tags
+from gptforge.runtime import child_output
+from gptforge.runtime.run_context import env_tags
+from gptforge.training import launch
 from test_cli import prefect_get
 from test_train import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
 
@@ -296,7 +297,7 @@ def test_a_failed_job_raises_stage_failed_with_the_workers_reason(tmp_path, monk
 @pytest.mark.parametrize("sig, returncode", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokenizer, sig, returncode):
-    """The signal comes while the workers train: rank 0 paused after step 2 (gptforge.pause),
+    """The signal comes while the workers train: rank 0 paused after step 2 (gptforge.runtime.pause),
     rank 1 waiting for it in its next collective; released once rank 0 has taken it."""
     import psutil
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gptforge.errors import BadInput
-from gptforge.loader import ShardLoader
+from gptforge.training.loader import ShardLoader
 
 N_VOCAB = 280
 

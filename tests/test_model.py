@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptforge.config import ModelConfig
+from gptforge.config.schema import ModelConfig
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.hf_convert import from_hf, from_pretrained, hf_state_dict, to_hf
-from gptforge.model import GPT, GPTConfig
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.hf_convert import from_hf, from_pretrained, hf_state_dict, to_hf
+from gptforge.modeling.weights import load_model, save_model
+from gptforge.training.optim import adamw
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)
 
@@ -216,7 +217,7 @@ def test_weight_tying_and_param_counts():
 
 def test_optimizer_groups():
     m = GPT(small(bias=True))
-    opt = m.configure_optimizer(weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
+    opt = adamw(m.parameters(), weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -224,7 +225,7 @@ def test_optimizer_groups():
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     assert id(m.transformer.ln_f.bias) in ids and len(ids) == len(list(m.parameters()))
     # The fused kernel wherever this torch has it for the device: the CPU too since torch 2.4.
-    from gptforge.optim import fused_adamw_supported
+    from gptforge.training.optim import fused_adamw_supported
 
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["fused"] is fused_adamw_supported("cpu") is True
     assert fused_adamw_supported("cuda") is torch.cuda.is_available()
@@ -323,7 +324,7 @@ def test_save_is_atomic_on_failure(saved, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("gptforge.weights.write_json", boom)
+    monkeypatch.setattr("gptforge.modeling.weights.write_json", boom)
     with pytest.raises(OSError):
         save_model(GPT(small()), saved)
     # the weights were replaced as a whole or not at all, and no temporary file is left
@@ -353,7 +354,7 @@ def test_model_module_imports_no_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, gptforge.model, gptforge.decoding, gptforge.weights, gptforge.hf_convert, gptforge.export; "
+    code = ("import sys, gptforge.modeling.gpt, gptforge.modeling.decoding, gptforge.modeling.weights, gptforge.modeling.hf_convert, gptforge.modeling.export; "
             "bad = [m for m in ('transformers', 'pydantic', 'yaml', 'mlflow', 'prefect') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

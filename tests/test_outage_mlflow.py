@@ -1,13 +1,13 @@
 """An MLflow server that goes away under a run must not cost the run.
 
-- The outbox (gptforge.outbox) against a fake sender: order kept, transient failures retried,
+- The outbox (gptforge.runtime.outbox) against a fake sender: order kept, transient failures retried,
   rejected records dropped and counted, the bound; the flush deadline and the backoff on a
   virtual clock.
-- Which MLflow failures are worth retrying (gptforge.tracking.retryable).
+- Which MLflow failures are worth retrying (gptforge.runtime.tracking.retryable).
 - A server down at the start is a one-line error; a server gone at the end costs a bounded
   wait, a warning, and leaves MLflow's fluent state clean (its atexit end_run does nothing).
 - `gptforge pretrain` logging every step to a real `mlflow server` that is SIGKILLed while the
-  run is held after a step (gptforge.pause), stays down while the run trains on to its end, then
+  run is held after a step (gptforge.runtime.pause), stays down while the run trains on to its end, then
   is restarted on the same port and store: the run exits 0, its final weights equal an untracked
   run's bit for bit, and the MLflow run is FINISHED with every step's train loss, those logged
   during the outage included. A server that never comes back: exit 0, and the
@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, Paused, cli_env, free_port, run_cli, set_params, stage_params, wait_http
-from gptforge import tracking
-from gptforge.outbox import Outbox
+from gptforge.runtime import tracking
+from gptforge.runtime.outbox import Outbox
 
 
 class Transient(Exception):

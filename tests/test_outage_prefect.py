@@ -1,6 +1,6 @@
 """A Prefect server that goes away during a training run never costs the run.
 
-- Killed while `gptforge pretrain` is held mid-training (gptforge.pause), and started again once
+- Killed while `gptforge pretrain` is held mid-training (gptforge.runtime.pause), and started again once
   the run has trained (same port, same database): the training runs on and ends with the same
   weights as an undisturbed run, and the flow run and its task runs end Completed in the
   restarted server: what could not be sent meanwhile was sent when it was back.

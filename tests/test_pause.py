@@ -1,11 +1,11 @@
-"""The pause point that lets tests act on a training run at a known step (gptforge.pause)."""
+"""The pause point that lets tests act on a training run at a known step (gptforge.runtime.pause)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 
-from gptforge.pause import FILE_ENV, STEP_ENV, PausePoint
+from gptforge.runtime.pause import FILE_ENV, STEP_ENV, PausePoint
 
 
 def test_only_both_variables_on_rank_0_make_a_pause(monkeypatch, tmp_path, caplog):

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import BIN, cli_env, error_lines, free_port, last_error_line, run_cli, set_params, snapshot
 from gptforge.errors import BadInput
-from gptforge.pipeline import PipelineReport, ReproOutcome, StageReport, check_stage_names, stage_reports
+from gptforge.pipeline.run import PipelineReport, ReproOutcome, StageReport, check_stage_names, stage_reports
 
 
 def test_stage_reports_follow_dvc_output():

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.data import sources
 from gptforge.data.classify import prepare_classify
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.steps import Steps
+from gptforge.runtime.steps import Steps
 from conftest import FakeRun
 
 METRIC_KEYS = {"total_lines", "bad_lines", "train_ham", "train_spam", "val_ham", "val_spam", "test_ham",

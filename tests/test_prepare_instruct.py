@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.data.instruct import prepare_instruct
 from gptforge.errors import BadInput, SourceUnreachable
 from conftest import FakeRun

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.data.preference import prepare_preference
 from gptforge.errors import BadInput
 from conftest import FakeRun

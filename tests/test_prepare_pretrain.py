@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import gptforge.data.pretrain as P
 from conftest import snapshot, write_tiktoken
 from gptforge import samples
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
-from gptforge.tokenizer import load_tokenizer
+from gptforge.modeling.tokenizer import load_tokenizer
 
 
 def config(source, tokenizer, **keys):

@@ -13,9 +13,9 @@ import torch
 import yaml
 
 from gptforge import samples
-from gptforge.config import load_config, validate
+from gptforge.config.load import load_config, validate
 from gptforge.errors import BadInput
-from gptforge.pipeline import check_start_folders, default_targets, dvc_stages
+from gptforge.pipeline.run import check_start_folders, default_targets, dvc_stages
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -89,7 +89,7 @@ def test_embedded_mmlu_covers_all_subjects():
 def test_quickstart_context_holds_the_instruction_records():
     from gptforge.data.sources import read_records
     from gptforge.finetune.templates import render
-    from gptforge.tokenizer import load_tokenizer
+    from gptforge.modeling.tokenizer import load_tokenizer
 
     cfg = load_config(REPO / "params.yaml")
     enc = load_tokenizer(cfg.tokenizer.path)
@@ -171,8 +171,8 @@ def test_hub_name_as_dvc_input_is_refused_with_the_fix(tmp_path):
 def test_prepare_base_fetches_a_local_hf_folder(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gptforge.base_models import prepare_base
-    from gptforge.hf_convert import load_pretrained
+    from gptforge.data.base_models import prepare_base
+    from gptforge.modeling.hf_convert import load_pretrained
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()

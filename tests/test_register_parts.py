@@ -18,9 +18,9 @@ import torch
 
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
+from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.register import gate, lineage
-from gptforge.tokenizer import load_tokenizer
-from gptforge.tracking import start_run
+from gptforge.runtime.tracking import start_run
 import test_finetune_classify as ftc
 
 base = ftc.base  # the small random GPT checkpoint of test_finetune_classify (a fixture), reused here
@@ -53,7 +53,7 @@ def tracked(store, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def classifier_folder(base, tmp_path_factory):
     """A classifier (random head) on the small GPT of test_finetune_classify, saved as the recipe does."""
-    from gptforge.weights import load_model
+    from gptforge.modeling.weights import load_model
 
     torch.manual_seed(1)
     folder = tmp_path_factory.mktemp("classifier") / "final"

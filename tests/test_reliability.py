@@ -8,7 +8,7 @@
   clear message and change nothing; so is a second run of the same stage.
 
 Where a test acts on a running pretraining, the run is paused after a checkpointed step
-(gptforge.pause, conftest.Paused) instead of raced: it is running, at a known step, however
+(gptforge.runtime.pause, conftest.Paused) instead of raced: it is running, at a known step, however
 fast or slow the machine.
 """
 
@@ -27,8 +27,7 @@ from safetensors.torch import load_file
 
 from conftest import (BIN, Paused, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params,
                       started)
-from gptforge import locks
-
+from gptforge.runtime import locks
 LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
                  "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}
 PAUSE_AT = 100  # a checkpointed step (pretrain.ckpt_interval), in the middle of training
@@ -42,7 +41,7 @@ def _hold_in_another_process(cwd: Path, code: str) -> subprocess.Popen:
 
 
 def test_a_held_lock_is_refused_naming_its_holder(tmp_path):
-    holder = _hold_in_another_process(tmp_path, "from gptforge import locks\n"
+    holder = _hold_in_another_process(tmp_path, "from gptforge.runtime import locks\n"
                                       "held = locks.hold('pretrain', 'stage pretrain'); held.__enter__()")
     try:
         with pytest.raises(locks.Busy, match=rf"stage pretrain is already running in {tmp_path} "
@@ -72,7 +71,7 @@ def test_dvc_lock_is_detected(tmp_path):
 
 
 def test_second_pipeline_and_second_stage_are_refused_and_change_nothing(repo_copy):
-    holder = _hold_in_another_process(repo_copy, "from gptforge import locks\n"
+    holder = _hold_in_another_process(repo_copy, "from gptforge.runtime import locks\n"
                                       "a = locks.hold('pipeline', 'a gptforge pipeline'); a.__enter__()\n"
                                       "b = locks.hold('prepare_classify', 'stage prepare_classify'); b.__enter__()")
     try:

@@ -98,9 +98,9 @@ def test_no_unsafe_deserialisation_in_the_shipped_code():
 
 
 def test_checkpoints_hold_safetensors_weights_only(tmp_path, small_tokenizer):
-    from gptforge import checkpoint as ckpt
-    from gptforge.model import GPT, GPTConfig
-    from gptforge.weights import save_model
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+    from gptforge.training import checkpoint as ckpt
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=320, n_vocab=281))
     folder = ckpt.save_checkpoint(tmp_path, 1, write_model=lambda d: save_model(model, d), state={"step": 1},

@@ -64,8 +64,8 @@ def cli_generate(checkpoint, prompt: str, n: int, *extra: str) -> str:
 
 
 def encode(text: str) -> list[int]:
-    from gptforge.config import load_config
-    from gptforge.tokenizer import load_tokenizer
+    from gptforge.config.load import load_config
+    from gptforge.modeling.tokenizer import load_tokenizer
 
     return load_tokenizer(load_config(PARAMS).tokenizer.path).encode_ordinary(text)
 
@@ -190,9 +190,9 @@ def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, ser
 # -- classify ------------------------------------------------------------------------------
 
 def test_classify_gives_the_classifiers_probabilities(folders, server):
-    from gptforge.config import load_config
+    from gptforge.config.load import load_config
     from gptforge.finetune.classify import class_probabilities, load_classifier
-    from gptforge.tokenizer import load_tokenizer
+    from gptforge.modeling.tokenizer import load_tokenizer
 
     texts = ["WINNER!! Claim your prize now", "Ok lar, see you at lunch"]
     r = httpx.post(f"{server.url}/v1/classify", json={"input": texts}, headers=auth(), timeout=60)
@@ -222,7 +222,7 @@ def test_sse_wire_format(server):
 
 
 def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes_the_slot(folders, tmp_path):
-    # The engine holds after its 2nd step (gptforge.pause): the first request's prefill and one
+    # The engine holds after its 2nd step (gptforge.runtime.pause): the first request's prefill and one
     # decode step. The batch of one is full, and stays so until the test lets the engine go on.
     paused = Paused(tmp_path, 2)
     srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1",
@@ -346,7 +346,7 @@ def test_chat_without_a_chat_template_uses_the_instruct_template(tmp_path):
 
     import torch
 
-    from gptforge.config import load_config
+    from gptforge.config.load import load_config
     from gptforge.serve.loading import load_served, render_conversation
 
     cfg = load_config(PARAMS)

@@ -180,7 +180,7 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step_and_a_full_queue_
 
 
 def test_the_pause_holds_the_engine_after_its_nth_step_until_its_file_is_removed(tmp_path, monkeypatch):
-    """gptforge.pause in the engine: what the server's tests hold a batch with."""
+    """gptforge.runtime.pause in the engine: what the server's tests hold a batch with."""
     path = tmp_path / "paused"
     monkeypatch.setenv("GPTFORGE_PAUSE_AT_STEP", "3")
     monkeypatch.setenv("GPTFORGE_PAUSE_FILE", str(path))

@@ -15,7 +15,7 @@ spelled with other tokens the second time. A twin whose chain goes back to its f
 token instead of the eos answers for as long as max_tokens lets it: the Stop button's test. The
 classifier is a random head on the first model (the test compares the page with the API).
 
-The server's engines hold once, after their 5th step (gptforge.pause, the same file for both
+The server's engines hold once, after their 5th step (gptforge.runtime.pause, the same file for both
 language models): the page is checked mid-answer, and stopped there, instead of racing the
 model's speed. The screenshots, serve-chat.png and serve-classify.png, are test artifacts (under
 $GPTFORGE_TEST_ARTIFACTS or test-artifacts/).
@@ -110,7 +110,7 @@ def models(tmp_path_factory) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gptforge.finetune import classify as clf
-    from gptforge.hf_causal import HFTokenizer
+    from gptforge.modeling.hf_causal import HFTokenizer
 
     root = tmp_path_factory.mktemp("serve-page")
     chat = make_chain_lm(root / "chain", ANSWER)

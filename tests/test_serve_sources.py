@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.finetune import classify as clf
-from gptforge.model import GPT, GPTConfig
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.weights import save_model
 from gptforge.serve import sources
 from gptforge.serve.sources import ModelSource, resolve, resolve_all
-from gptforge.weights import save_model
 
 from conftest import free_port
 from hf_models import make_tiny_causal_lm
@@ -179,7 +179,7 @@ def test_local_folders_resolve_without_mlflow(folders, small_tokenizer):
     import sys
 
     code = ("import sys; sys.modules['mlflow'] = None; "  # any `import mlflow` now fails
-            "from gptforge.config import load_config; from gptforge.serve.sources import resolve_all; "
+            "from gptforge.config.load import load_config; from gptforge.serve.sources import resolve_all; "
             f"print([s.kind for s in resolve_all({[str(p) for p in folders.values() if p.name != 'bert']!r}, "
             f"load_config(None, ['tokenizer.path={small_tokenizer}']))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -240,10 +240,10 @@ def test_registry_versions_are_downloaded_once_and_load(llama, folders, cfg, sma
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from gptforge.hf_causal import load_causal_lm
+    from gptforge.modeling.hf_causal import load_causal_lm
+    from gptforge.modeling.tokenizer import load_tokenizer
     from gptforge.register.pyfunc import log_classifier
-    from gptforge.tokenizer import load_tokenizer
-    from gptforge.tracking import start_run
+    from gptforge.runtime.tracking import start_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv(sources.CACHE_ENV, str(tmp_path / "cache"))

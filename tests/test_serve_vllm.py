@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.templates import ALPACA_NO_INPUT, PHI3
-from gptforge.model import GPT, GPTConfig
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.weights import save_model
 from gptforge.samples import resolve as sample
 from gptforge.serve import vllm
 from gptforge.serve.sources import ModelSource
-from gptforge.weights import save_model
 
 BLOCK = 48
 GPT2_TOKENIZER = sample("sample://gpt2_tokenizer")
@@ -243,7 +243,7 @@ def test_sigterm_reaches_vllm(stub, tmp_path):
     folder = hf_folder(tmp_path / "m")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STUB_EXIT")
-    code = ("import sys; from pathlib import Path; from gptforge.config import load_config; "
+    code = ("import sys; from pathlib import Path; from gptforge.config.load import load_config; "
             "from gptforge.serve.sources import ModelSource; from gptforge.serve.vllm import run_vllm; "
             f"sys.exit(run_vllm([ModelSource('m', 'hf', Path({str(folder)!r}), None, 'm')], host='127.0.0.1', "
             "port=8126, api_key=None, cfg=load_config(None)))")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.config import DownloadConfig
+from gptforge.config.schema import DownloadConfig
 from gptforge.data import sources
 from gptforge.data.sources import (
     cache_name,
@@ -30,7 +30,7 @@ from gptforge.data.sources import (
     write_splits,
 )
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.steps import DIRECT, Retry
+from gptforge.runtime.steps import DIRECT, Retry
 
 BODY = bytes(range(256)) * 600  # 150 KiB: several read chunks
 BODY_SHA = hashlib.sha256(BODY).hexdigest()

@@ -60,7 +60,7 @@ def test_help_loads_no_heavy_package(tmp_path):
 
 
 def test_benchmark_help_still_lists_the_variant_grid(capsys):
-    # Its grid comes from gptforge.bench (which imports torch), read only when this help is shown.
+    # Its grid comes from gptforge.bench.grid (which imports torch), read only when this help is shown.
     with pytest.raises(SystemExit) as e:
         main(["benchmark", "--help"])
     assert e.value.code == 0
@@ -69,9 +69,8 @@ def test_benchmark_help_still_lists_the_variant_grid(capsys):
 
 
 def test_help_names_the_default_params_file(capsys):
-    from gptforge.cli import DEFAULT_PARAMS_HELP
-    from gptforge.config import DEFAULT_PARAMS
-
+    from gptforge.cli.parsing import DEFAULT_PARAMS_HELP
+    from gptforge.config.load import DEFAULT_PARAMS
     assert DEFAULT_PARAMS_HELP == DEFAULT_PARAMS
     with pytest.raises(SystemExit):
         main(["config", "show", "--help"])

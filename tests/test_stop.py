@@ -7,7 +7,7 @@ it first: requests to a server that never answers (the data stages, the hub fetc
 registry), endless epochs (fine-tuning, the benchmark), a big evaluation set (two models on
 3000 examples). Once its MLflow run is open and its work under way (a condition the stage
 itself shows: its request reached the server, a line it logs, pretraining paused at a step by
-gptforge.pause), the command gets SIGTERM (what a Prefect worker cancelling the run,
+gptforge.runtime.pause), the command gets SIGTERM (what a Prefect worker cancelling the run,
 `docker stop` or `kill` send). Then, within 30 s: the command has exited with 143 and says it
 was stopped in its last line, its MLflow run is KILLED, its Prefect flow run is Crashed or
 Cancelled, no process it started is left, and the outputs of the earlier run are intact
@@ -39,7 +39,7 @@ import pytest
 
 from conftest import (BIN, REPO, SMS_LINES, Paused, cli_env, logged, processes_in, run_cli, set_params, snapshot,
                       stage_params, started, wait_until)
-from gptforge.signals import group_alive
+from gptforge.runtime.signals import group_alive
 
 # Seconds from the signal to a process-free folder: the bound users expect, and the point of
 # these tests. The stage's own deadline (STOP_GRACE_SECONDS, 20 s) ends it sooner whatever it
@@ -213,8 +213,8 @@ STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_p
 
 
 def test_every_stage_is_in_the_table():
-    """A table check (not slow): every stage of gptforge.stages is stopped by a test here."""
-    from gptforge.stages import STAGES as TABLE
+    """A table check (not slow): every stage of gptforge.pipeline.stages is stopped by a test here."""
+    from gptforge.pipeline.stages import STAGES as TABLE
 
     assert sorted(STAGES) == sorted(TABLE)
 
@@ -222,7 +222,7 @@ def test_every_stage_is_in_the_table():
 def _stop_turned_into(error_type: type[Exception]) -> Exception:
     """What Prefect's task engine raises when SIGTERM lands as a task run starts: its crash
     handler fails on the half-made run (ValueError('Task run is not set')) while handling the stop."""
-    from gptforge.signals import Terminated
+    from gptforge.runtime.signals import Terminated
 
     try:
         try:
@@ -236,7 +236,7 @@ def _stop_turned_into(error_type: type[Exception]) -> Exception:
 def test_a_stop_that_a_library_turned_into_another_error_is_still_a_stop(monkeypatch, capsys):
     import tasks
     from gptforge import cli
-    from gptforge.signals import Terminated, stop_cause, stop_signal
+    from gptforge.runtime.signals import Terminated, stop_cause, stop_signal
 
     error = _stop_turned_into(ValueError)
     assert stop_signal(error) is None and isinstance(stop_cause(error), Terminated)
@@ -263,8 +263,7 @@ def test_a_stop_raised_where_python_drops_exceptions_is_sent_again(monkeypatch):
     import sys
     import weakref
 
-    from gptforge import signals
-
+    from gptforge.runtime import signals
     got = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     monkeypatch.setattr(sys, "unraisablehook", lambda u: pytest.fail(f"not a stop: {u.exc_value!r}"))

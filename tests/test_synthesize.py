@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import BIN, ChatEndpoint, cli_env, last_error_line, run_cli, set_params, snapshot, started, wait_until
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.errors import SourceUnreachable, StageFailed
 from gptforge.synthesize.stage import synthesize
 

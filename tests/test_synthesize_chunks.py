@@ -24,8 +24,8 @@ from gptforge.synthesize.chunks import (
     read_chunks,
     write_chunks,
 )
+from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.synthesize.documents import Document, read_documents
-from gptforge.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PARAM = "synthesize.documents"

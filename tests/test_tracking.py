@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import gptforge
-from gptforge import tracking
-from gptforge.config import load_config
-from gptforge.tracking import MlflowRun, NullRun, artifact_location, is_secret, metric_name, start_run
+from gptforge.config.load import load_config
+from gptforge.runtime import tracking
+from gptforge.runtime.tracking import MlflowRun, NullRun, artifact_location, is_secret, metric_name, start_run
 
 
 def _db_path(uri: str) -> Path:

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import BIN, Paused, cli_env, error_lines, started
-from gptforge import train as T
-from gptforge.config import load_config
+from gptforge.config.load import load_config
 from gptforge.data.pretrain import prepare_pretrain
 from gptforge.errors import BadInput, StageFailed
+from gptforge.training import loop as T
 
 
 # A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
@@ -81,7 +81,7 @@ def test_batch_tokens_must_divide():
 
 
 def test_run_writes_metrics_plots_and_a_loadable_final_model(tmp_path, shards, small_tokenizer):
-    from gptforge.weights import load_model
+    from gptforge.modeling.weights import load_model
 
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=12")
     metrics = run_pretrain(cfg, shards, tmp_path)
@@ -98,7 +98,7 @@ def test_run_writes_metrics_plots_and_a_loadable_final_model(tmp_path, shards, s
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, shards, small_tokenizer, monkeypatch):
-    from gptforge.model import GPT
+    from gptforge.modeling.gpt import GPT
 
     real_forward = GPT.forward
     calls = {"n": 0}
@@ -126,8 +126,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
     error): the run stops with one clear error, the previous checkpoint verifies and resumes."""
     import errno
 
-    from gptforge import checkpoint as ckpt
-
+    from gptforge.training import checkpoint as ckpt
     real_save = T.save_model
     calls = {"n": 0}
 
@@ -161,8 +160,7 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer)
         cfg = small_cfg(small_tokenizer, "pretrain.max_steps=40", "pretrain.keep_last=10")
         with pytest.raises(StageFailed, match=r"No space left on device; the previous checkpoints \(step_00000005"):
             run_pretrain(cfg, shards, mount)
-        from gptforge import checkpoint as ckpt
-
+        from gptforge.training import checkpoint as ckpt
         kept = ckpt.list_checkpoints(mount / "checkpoints")
         assert kept and all(ckpt.verify(k) is None for k in kept)
         assert not [p for p in (mount / "checkpoints").iterdir() if p.name.startswith(".")]  # no half-written folder
@@ -172,7 +170,7 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer)
 
 # ---------------------------------------------------------------------------------------------
 # Exact resume: SIGKILL after a checkpoint, `resume: auto`, bitwise equal final weights. The run
-# to interrupt is paused after a checkpointed step (gptforge.pause), not raced.
+# to interrupt is paused after a checkpointed step (gptforge.runtime.pause), not raced.
 
 
 def _cli(args, cwd, log: Path, **env):
@@ -332,7 +330,7 @@ def test_block_size_above_the_models_positions(tmp_path, shards, small_tokenizer
 
 
 def test_init_from_a_checkpoint_with_more_positions_crops_them(tmp_path, shards, small_tokenizer):
-    from gptforge.weights import load_model
+    from gptforge.modeling.weights import load_model
 
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=2", "model.block_size=32", "pretrain.batch_tokens=128")
     run_pretrain(cfg, shards, tmp_path / "a")
@@ -388,7 +386,7 @@ def test_ddp_two_processes_match_one_process(tmp_path, shards, small_tokenizer):
 
 
 def _first_losses(cfg, shards, out: Path, n=3) -> tuple[T.Session, list[float]]:
-    """The recipe's own session (gptforge.train.setup, as the stage builds it: runtime, model,
+    """The recipe's own session (gptforge.training.loop.setup, as the stage builds it: runtime, model,
     torch.compile when pretrain.compile asks, optimizer, loader) and its first `n` losses."""
     s = T.setup(cfg, shards, out)
     return s, [T.train_step(s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, s.rt,

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.io import data_suffix, open_data
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 from gptforge.data.sources import is_hf, materialize, read_records, safe_extract_zip, shuffle_split, write_splits
 

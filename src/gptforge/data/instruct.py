@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 from gptforge.data.sources import read_records, shuffle_split, source_records, write_splits
 

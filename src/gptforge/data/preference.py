@@ -29,10 +29,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 from gptforge.data.sources import shuffle_split, source_records, write_splits
 

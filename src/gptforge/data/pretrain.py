@@ -29,12 +29,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import gptforge
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.io import atomic_dir, data_suffix, is_gzip, open_data, sha256_file, write_json
-from gptforge.steps import DIRECT, Steps
-from gptforge.tokenizer import check_fits_uint16, describe, load_tokenizer
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.modeling.tokenizer import check_fits_uint16, describe, load_tokenizer
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 log = logging.getLogger("gptforge")
 

@@ -31,10 +31,10 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 import gptforge
-from gptforge.config import DownloadConfig
+from gptforge.config.schema import DownloadConfig
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.io import atomic_dir, atomic_file, data_suffix, is_gzip, open_data, sha256_file
-from gptforge.steps import DIRECT, Retry, Steps, retryable
+from gptforge.runtime.steps import DIRECT, Retry, Steps, retryable
 
 log = logging.getLogger("gptforge")
 

@@ -1,7 +1,7 @@
 """Stage `evaluate`: every model the pipeline made, on HellaSwag and MMLU, with lm-evaluation-harness.
 
 The stage's entry point (`evaluate(cfg)`, what `gptforge evaluate`, `flows/` and `tasks/` run
-through `gptforge.stages`) and its recipe: for each model in `evaluate.models` whose folder
+through `gptforge.pipeline.stages`) and its recipe: for each model in `evaluate.models` whose folder
 exists, call `lm_eval.simple_evaluate` in-process with the model as an lm-eval `LM`, then write
 the flat metrics, lm-eval's results, one MLflow run per model and the report. A model folder is
 a gptforge checkpoint or a Hugging Face GPT-2 folder (our `GPT`, as `GptforgeLM`), or any other
@@ -41,12 +41,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from gptforge import tracking
 from gptforge.errors import BadInput
 from gptforge.evaluate.report import flatten_results, save_results, write_report
 from gptforge.evaluate.task_data import TaskPlan, load_task_objects, plan_tasks
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun
+from gptforge.runtime import tracking
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
     (`enc` unused)."""
     from lm_eval import simple_evaluate
 
-    from gptforge.hf_causal import hf_source
+    from gptforge.modeling.hf_causal import hf_source
 
     ev = cfg.evaluate
     param = f"evaluate.models.{name}"
@@ -116,7 +116,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
         from lm_eval.models.huggingface import HFLM
 
         from gptforge.evaluate.lm import measured
-        from gptforge.hf_causal import load_causal_lm
+        from gptforge.modeling.hf_causal import load_causal_lm
 
         model, tokenizer = load_causal_lm(str(folder), param=param)
         model = model.to(device).eval()  # HFLM takes a loaded model where it is (its device= is for a name)
@@ -124,7 +124,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
                       name)
     else:
         from gptforge.evaluate.lm import GptforgeLM
-        from gptforge.hf_convert import load_pretrained
+        from gptforge.modeling.hf_convert import load_pretrained
 
         # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted
         model = load_pretrained(str(folder), param=param)[0].to(device).eval()
@@ -149,7 +149,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
 def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_path="metrics/evaluate.json",
              report_path="reports/evaluate.md", results_dir="reports/evaluate") -> dict:
     """Stage `evaluate`: see the module docstring. Returns the flat metrics it wrote."""
-    from gptforge.tokenizer import load_tokenizer
+    from gptforge.modeling.tokenizer import load_tokenizer
 
     models = existing_models(cfg.evaluate.models)
     device = resolve_device(cfg.evaluate.device)

@@ -1,6 +1,6 @@
 """Our model as an lm-eval `LM`: `GptforgeLM`, registered with lm-eval as model "gptforge".
 
-It wraps a loaded `gptforge.model.GPT` (a gptforge checkpoint, or a Hugging Face GPT-2 folder
+It wraps a loaded `gptforge.modeling.gpt.GPT` (a gptforge checkpoint, or a Hugging Face GPT-2 folder
 converted on load) and its tiktoken tokenizer, and answers lm-eval's loglikelihood,
 loglikelihood_rolling and generate_until requests. Every other Hugging Face causal LM (Llama,
 Qwen2, ...: a transformers model with its own tokenizer, for which none of the reasons below
@@ -47,7 +47,7 @@ log = logging.getLogger("gptforge")
 
 @register_model("gptforge")
 class GptforgeLM(TemplateLM):
-    """A `gptforge.model.GPT` and its tiktoken tokenizer behind lm-eval's LM interface.
+    """A `gptforge.modeling.gpt.GPT` and its tiktoken tokenizer behind lm-eval's LM interface.
 
     loglikelihood: lm-eval tokenizes (context, continuation); each pair becomes one input of at
     most block_size tokens, (context + continuation)[-(block_size + 1):-1], whose last
@@ -199,7 +199,7 @@ class GptforgeLM(TemplateLM):
 
     @torch.inference_mode()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from gptforge.decoding import generate
+        from gptforge.modeling.decoding import generate
 
         self.counts["generate_until"] += len(requests)
         eot_text = "<|endoftext|>"

@@ -2,7 +2,7 @@
 
 `flatten_results` turns lm-eval's nested results into `<task>.<metric>` figures, `save_results`
 keeps lm-eval's results and per-sample records, `write_report` writes `reports/evaluate.md`.
-May import `gptforge.io`, `gptforge.tracking` and, when it writes, lm-eval's version and JSON
+May import `gptforge.io`, `gptforge.runtime.tracking` and, when it writes, lm-eval's version and JSON
 helper; no torch, no model code; from the other `gptforge.evaluate` modules only the name
 `TaskPlan`, for type hints.
 
@@ -23,8 +23,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from gptforge import tracking
 from gptforge.io import atomic_dir, atomic_file
+from gptforge.runtime import tracking
 
 if TYPE_CHECKING:
     from gptforge.evaluate.task_data import TaskPlan

@@ -13,9 +13,9 @@ Tasks. `evaluate.tasks` (default hellaswag, mmlu) may name any lm-eval task, gro
   config shipped in `gptforge/lm_eval_tasks/hellaswag.yaml` reads it, with lm-eval's own
   `process_docs` (query "activity_label: ctx_a Ctx_b", `[...]` tags stripped) and metrics acc
   and acc_norm (length-normalised by characters). This is NOT build-nanogpt's completion-style
-  score that pretraining reports (`gptforge.hellaswag`: raw `ctx`, loss per token): the two
+  score that pretraining reports (`gptforge.training.hellaswag`: raw `ctx`, loss per token): the two
   numbers differ and only this one compares with lm-eval's published 0.3114 for GPT-2 124M.
-  The reader is not `gptforge.hellaswag.load_examples` either: that one needs `ctx` and keeps
+  The reader is not `gptforge.training.hellaswag.load_examples` either: that one needs `ctx` and keeps
   only ctx, endings and label, this one needs the fields lm-eval's query is built from.
 - `mmlu` with `evaluate.mmlu.source` set to a folder (or its `all/` subfolder) holding `test`
   and `dev` files (`test.jsonl`, `test.parquet` or Hugging Face shards `test-*.parquet`; same

@@ -51,21 +51,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _load_safetensors
 from safetensors.torch import save as _safetensors_bytes
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, enable_gradient_checkpointing, epoch_batches,
                                       load_base, load_hf_base, make_optimizer, merge_lora, model_positions,
                                       plot_curves, runtime, train_epochs, trainable_params)
 from gptforge.finetune.hf_models import save_hf_model
-from gptforge.hf_causal import HFTokenizer, find_blocks, hf_source, load_causal_lm
 from gptforge.io import atomic_dir, atomic_file, write_json
-from gptforge.model import GPT
-from gptforge.steps import DIRECT, Steps
-from gptforge.tokenizer import load_tokenizer
-from gptforge.tracking import NullRun, publish_metrics
-from gptforge.train import Runtime
-from gptforge.weights import load_model, save_model
+from gptforge.modeling.gpt import GPT
+from gptforge.modeling.hf_causal import HFTokenizer, find_blocks, hf_source, load_causal_lm
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import load_model, save_model
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
+from gptforge.training.loop import Runtime
 
 log = logging.getLogger("gptforge")
 

@@ -21,11 +21,11 @@ import torch
 import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
-from gptforge.hf_convert import load_pretrained
-from gptforge.model import GPT, GPTConfig
-from gptforge.optim import adamw
-from gptforge.tracking import NullRun
-from gptforge.train import Runtime
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.hf_convert import load_pretrained
+from gptforge.runtime.tracking import NullRun
+from gptforge.training.loop import Runtime
+from gptforge.training.optim import adamw
 
 log = logging.getLogger("gptforge")
 
@@ -103,7 +103,7 @@ def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: 
     the bitsandbytes package, and says so in one line (BadInput) before anything is loaded.
     `param` is the config section (`instruct`) the messages name.
     """
-    from gptforge.hf_causal import load_causal_lm
+    from gptforge.modeling.hf_causal import load_causal_lm
 
     kwargs: dict[str, Any] = {}
     if quantize is not None:
@@ -209,7 +209,7 @@ def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = (), task
     """
     import peft
 
-    from gptforge.hf_causal import block_linear_names
+    from gptforge.modeling.hf_causal import block_linear_names
 
     targets = block_linear_names(model) if lora.target_modules == "auto" else list(lora.target_modules)
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
@@ -245,7 +245,7 @@ def trainable_params(model: nn.Module) -> tuple[int, int]:
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the trainable parameters only, with pretraining's decay split and fused kernel
-    (`gptforge.optim`), for any module: a classifier or a peft model, not only a GPT."""
+    (`gptforge.training.optim`), for any module: a classifier or a peft model, not only a GPT."""
     try:
         return adamw(model.parameters(), lr=lr, weight_decay=weight_decay, device_type=device.type)
     except ValueError as e:

@@ -4,7 +4,7 @@ The recipes treat both kinds of model alike (`common.is_gpt` tells them apart) a
 for the three things a transformers model does its own way: the loss over our already-shifted
 targets (`lm_loss`), greedy answers with transformers' `generate` (`greedy_answers`), and the
 result as a standard Hugging Face folder (`save_hf_model`, `merged_qlora`). Loading lives in
-`gptforge.hf_causal` (shared with `gptforge generate` and the evaluate stage) and
+`gptforge.modeling.hf_causal` (shared with `gptforge generate` and the evaluate stage) and
 `common.load_hf_base`.
 """
 
@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptforge.decoding import generate_hf
 from gptforge.finetune.templates import IGNORE_INDEX, Example
-from gptforge.hf_causal import HFTokenizer, stop_ids
-from gptforge.train import Runtime
+from gptforge.modeling.decoding import generate_hf
+from gptforge.modeling.hf_causal import HFTokenizer, stop_ids
+from gptforge.training.loop import Runtime
 
 log = logging.getLogger("gptforge")
 
@@ -124,7 +124,7 @@ def merged_qlora(source: str, adapter: str | os.PathLike, *, param: str, device:
     again: peft's and the QLoRA paper's advice is to merge into the 16-bit base)."""
     import peft
 
-    from gptforge.hf_causal import load_causal_lm
+    from gptforge.modeling.hf_causal import load_causal_lm
 
     base, _ = load_causal_lm(source, param=param, dtype=torch.bfloat16)
     log.info("QLoRA: merging the adapter into the bf16 base %s", source)

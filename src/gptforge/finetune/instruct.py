@@ -9,7 +9,7 @@ their references (answer_quality.py) -> the model.
 The starting point (`instruct.init_from`) is gptforge's own GPT (a checkpoint, a GPT-2 size or a
 Hugging Face GPT-2 folder, converted) or any other Hugging Face causal LM, a local folder or a hub
 id, which stays a transformers model with its own tokenizer and chat template
-(`gptforge.hf_causal`; hf_models.py holds the few steps it does its own way).
+(`gptforge.modeling.hf_causal`; hf_models.py holds the few steps it does its own way).
 
 What it writes:
 - `checkpoints/instruct/final/`: the fine-tuned model with LoRA folded into the weights: a
@@ -47,25 +47,25 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
-from gptforge.decoding import generate
 from gptforge.errors import BadInput
 from gptforge.finetune.answer_quality import score_file
+from gptforge.modeling.decoding import generate
 from gptforge.finetune.common import (History, apply_lora, check_max_length, enable_gradient_checkpointing,
                                       epoch_batches, is_gpt, length_grouped_batches, load_base, load_hf_base,
                                       make_optimizer, merge_lora, model_positions, runtime, train_epochs,
                                       trainable_params)
 from gptforge.finetune.hf_models import greedy_answers, lm_loss, merged_qlora, save_hf_model
 from gptforge.finetune.templates import IGNORE_INDEX, Example, chat_template_tokenizer, collate, encode_all
-from gptforge.hf_causal import HFTokenizer, hf_source
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.model import GPT
-from gptforge.steps import DIRECT, Steps
-from gptforge.tokenizer import load_tokenizer
-from gptforge.tracking import NullRun, publish_metrics
-from gptforge.train import Runtime
-from gptforge.weights import save_model
+from gptforge.modeling.gpt import GPT
+from gptforge.modeling.hf_causal import HFTokenizer, hf_source
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.modeling.weights import save_model
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
+from gptforge.training.loop import Runtime
 
 log = logging.getLogger("gptforge")
 

@@ -49,19 +49,19 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, load_base, load_hf_base, merge_lora,
                                       model_positions, plot_curves, runtime, trainable_params)
 from gptforge.finetune.hf_models import greedy_answers, save_hf_model
 from gptforge.finetune.templates import Example, encode
-from gptforge.hf_causal import HFTokenizer, hf_config_dict, hf_source
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
-from gptforge.train import Runtime
-from gptforge.weights import CONFIG_FILE, save_model
+from gptforge.modeling.hf_causal import HFTokenizer, hf_config_dict, hf_source
+from gptforge.modeling.weights import CONFIG_FILE, save_model
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
+from gptforge.training.loop import Runtime
 
 log = logging.getLogger("gptforge")
 
@@ -198,9 +198,9 @@ def load_models(cfg: Config, rt: Runtime) -> Models:
         check_reference(c.init_from, c.reference)
     source = hf_source(c.init_from)
     if source is None:  # our GPT: trained by trl as transformers' GPT-2 with the same weights
-        from gptforge.export import hf_tokenizer
-        from gptforge.hf_convert import to_hf
-        from gptforge.tokenizer import load_tokenizer
+        from gptforge.modeling.export import hf_tokenizer
+        from gptforge.modeling.hf_convert import to_hf
+        from gptforge.modeling.tokenizer import load_tokenizer
 
         enc = load_tokenizer(cfg.tokenizer.path)
         gpt = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
@@ -463,7 +463,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     model = merge_lora(policy).eval()
     gpt_out = None
     if s.models.gpt is not None:  # back to our GPT, with the attention backend it was saved with
-        from gptforge.hf_convert import from_hf
+        from gptforge.modeling.hf_convert import from_hf
 
         gpt_out = from_hf(model, attention=s.models.gpt.config.attention)
 

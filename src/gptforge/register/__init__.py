@@ -26,11 +26,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gptforge import tracking
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_file
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun
+from gptforge.runtime import run_context, tracking
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun
 
 log = logging.getLogger("gptforge")
 
@@ -80,7 +80,7 @@ def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
 
 def log_model(model: str, folder: Path, cfg, run) -> str:
     """Log the model in the stage's run as an MLflow model named `model`; its URI."""
-    from gptforge.hf_causal import hf_source
+    from gptforge.modeling.hf_causal import hf_source
 
     if model == "classify":
         from gptforge.register.pyfunc import log_classifier
@@ -91,7 +91,7 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
     if hf_source(str(folder)) is not None:
         uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE)
     else:  # a gptforge checkpoint: the transformers flavor takes its Hugging Face export
-        from gptforge.export import export_hf
+        from gptforge.modeling.export import export_hf
 
         with tempfile.TemporaryDirectory(prefix="gptforge-register-") as tmp:
             try:
@@ -118,7 +118,7 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
         log.info("register %s: %s version %s has these weights already: no new version", model, name, version)
     else:
         uri = log_model(model, folder, cfg, run)
-        commit = tracking.git_commit()
+        commit = run_context.git_commit()
         tags = lineage.version_tags(stage=stage, weights_hash=weights, commit=commit,
                                     lock=lineage.dvc_lock_hashes(stage),
                                     run=lineage.training_run(client, cfg.tracking.experiment, stage),

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from gptforge import tracking
 from gptforge.errors import BadInput, SourceUnreachable
+from gptforge.runtime import tracking
 
 # Shortened metric names shown after the gate's own, in this order, when a version has them.
 KEY_METRICS = ("test_accuracy", "f1", "val_loss", "hellaswag.acc_norm", "mmlu.acc")

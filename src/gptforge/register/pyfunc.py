@@ -23,8 +23,8 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 
 from gptforge.errors import BadInput
 from gptforge.finetune.classify import HEAD_CONFIG, POSITIVE, class_probabilities, load_classifier
-from gptforge.tokenizer import load_tokenizer
-from gptforge.tracking import pinned_requirements
+from gptforge.modeling.tokenizer import load_tokenizer
+from gptforge.runtime.run_context import pinned_requirements
 
 INPUT_EXAMPLE = {"text": ["WINNER!! Claim your free prize now", "See you at lunch?"]}
 

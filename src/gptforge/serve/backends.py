@@ -25,9 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gptforge.decoding import Decoder, GreedyHead
 from gptforge.errors import BadInput
-from gptforge.model import GPT, KVCache
+from gptforge.modeling.decoding import Decoder, GreedyHead
+from gptforge.modeling.gpt import GPT, KVCache
 
 
 class SlotCache(KVCache):

@@ -21,7 +21,7 @@ the row computes one token more, which is dropped. Before, the loop ran on the e
 handed each step to a worker thread: the two waited for each other every step (16 clients
 got 969 tokens/s then, 1010-1134 since, in bench_serve.py runs on this CPU).
 
-`gptforge.pause` holds the loop once, after its Nth step (GPTFORGE_PAUSE_AT_STEP, with
+`gptforge.runtime.pause` holds the loop once, after its Nth step (GPTFORGE_PAUSE_AT_STEP, with
 GPTFORGE_PAUSE_FILE; each served model's engine at its own Nth step), while the event loop goes
 on answering: tests act on a batch in a known state (full, mid-answer) instead of racing the
 model's speed. Unset, a step costs one comparison.
@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from gptforge.pause import PausePoint
+from gptforge.runtime.pause import PausePoint
 
 
 class QueueFull(Exception):

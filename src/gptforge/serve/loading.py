@@ -115,7 +115,7 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
     template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
     if source.kind == "classifier":
         from gptforge.finetune.classify import load_classifier
-        from gptforge.tokenizer import load_tokenizer
+        from gptforge.modeling.tokenizer import load_tokenizer
 
         classifier = load_classifier(source.path, map_location=device)
         tokenizer = classifier.tokenizer
@@ -123,8 +123,8 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
             str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
         return ServedClassifier(source.name, classifier, enc, device, created)
     if source.kind == "gptforge":
-        from gptforge.tokenizer import load_tokenizer
-        from gptforge.weights import load_model
+        from gptforge.modeling.tokenizer import load_tokenizer
+        from gptforge.modeling.weights import load_model
 
         model = load_model(source.path, map_location=device)
         enc = load_tokenizer(str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
@@ -134,7 +134,7 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
         backend = GPTBackend(model, max_batch)
         served = ServedLM(source.name, "gptforge", None, backend.context, enc, {enc.eot_token}, template, created)
     else:
-        from gptforge.hf_causal import load_causal_lm, stop_ids
+        from gptforge.modeling.hf_causal import load_causal_lm, stop_ids
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, tok = load_causal_lm(str(source.path), param="MODEL", dtype=dtype)

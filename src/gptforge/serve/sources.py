@@ -5,7 +5,7 @@ A SPEC is a registry URI (`models:/gptforge-instruct@champion`, `models:/gptforg
 a key of `registry.names` works as the name: `models:/instruct@champion`), or a folder: a spam
 classifier (the head files of `gptforge.finetune.classify` beside its backbone), a Hugging Face
 causal LM (a config.json of transformers; GPT-2 folders too, `gptforge export`'s output), or a
-gptforge checkpoint (model.safetensors + config.json of `gptforge.weights`), checked in that
+gptforge checkpoint (model.safetensors + config.json of `gptforge.modeling.weights`), checked in that
 order: a classifier folder holds one of the other two as its backbone. With no MODEL the
 pipeline's results are served, `instruct=checkpoints/instruct/final` and
 `classify=checkpoints/classify/final`, each only when its folder exists. A model's NAME is the
@@ -38,8 +38,8 @@ from typing import Literal, Sequence
 
 from gptforge.errors import BadInput, GptforgeError, SourceUnreachable
 from gptforge.finetune.classify import HEAD_CONFIG, HEAD_FILE
-from gptforge.hf_causal import _CAUSAL_ARCHITECTURES, CONFIG_FILE, hf_config_dict, hf_source
-from gptforge.weights import WEIGHTS_FILE, load_config
+from gptforge.modeling.hf_causal import _CAUSAL_ARCHITECTURES, CONFIG_FILE, hf_config_dict, hf_source
+from gptforge.modeling.weights import WEIGHTS_FILE, load_config
 
 log = logging.getLogger("gptforge")
 
@@ -60,7 +60,7 @@ class ModelSource:
     its tokenizer files) or a classifier folder. `tokenizer` is what its text is encoded with:
     for kind "hf" the Hugging Face tokenizer folder (the model folder itself for a local
     folder); for "gptforge" and a classifier on our GPT, a `tokenizer.path` for
-    `gptforge.tokenizer.load_tokenizer` (a folder with encoder.json + vocab.bpe or a .tiktoken
+    `gptforge.modeling.tokenizer.load_tokenizer` (a folder with encoder.json + vocab.bpe or a .tiktoken
     file; None means tiktoken's gpt2); None for a classifier with a Hugging Face backbone (it
     brings its own). `spec` is the SPEC as given, without `NAME=`."""
 
@@ -177,8 +177,8 @@ def _from_registry(spec: str, name: str | None, cfg) -> ModelSource:
         raise BadInput(f"{spec}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
                        "(e.g. models:/gptforge-instruct@champion, models:/gptforge-classify/3)")
     registered = cfg.registry.names.get(match["name"], match["name"])  # models:/instruct@champion
-    from gptforge import tracking
     from gptforge.register import models as registry
+    from gptforge.runtime import tracking
 
     uri = tracking.tracking_uri()
     client = registry._client(uri)  # MLflow's retries bounded as `gptforge models` bounds them

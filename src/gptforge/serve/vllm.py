@@ -8,7 +8,7 @@ a one-line BadInput that says `--engine gptforge` (the default) serves here.
 
 vLLM's server serves one model per process and has no classification route, so exactly one
 language model is accepted. A Hugging Face folder is served as it is; a gptforge checkpoint is
-first exported with `gptforge.export` into the serving cache (`sources.cache_dir()/export/`),
+first exported with `gptforge.modeling.export` into the serving cache (`sources.cache_dir()/export/`),
 again only when its weights or the tokenizer changed, with the pipeline's instruct template
 (`instruct.template` alpaca or phi3) as a Jinja chat template, so that /v1/chat/completions
 works and renders a conversation as our own engine does. The server runs as a child in its own
@@ -75,7 +75,7 @@ def pick_model(sources: Sequence[ModelSource]) -> ModelSource:
 
 def context_length(folder: Path) -> int | None:
     """The context length a Hugging Face config.json states, or None."""
-    from gptforge.hf_causal import CONFIG_FILE, hf_config_dict
+    from gptforge.modeling.hf_causal import CONFIG_FILE, hf_config_dict
 
     config = hf_config_dict(Path(folder) / CONFIG_FILE) or {}
     for key in _CONTEXT_KEYS:
@@ -136,8 +136,8 @@ def chat_template(template: str) -> str | None:
 def exported(source: ModelSource, cfg) -> Path:
     """A Hugging Face folder of the gptforge checkpoint `source`, exported into the cache unless
     the cache holds one of the same weights, tokenizer and instruct template."""
-    from gptforge.export import export_hf
     from gptforge.io import write_json
+    from gptforge.modeling.export import export_hf
     from gptforge.register.lineage import folder_hash
 
     checkpoint = source.path.resolve()
@@ -162,7 +162,7 @@ def exported(source: ModelSource, cfg) -> Path:
 def run_vllm(sources: list[ModelSource], *, host: str, port: int, api_key: str | None, cfg) -> int:
     """Serve the one language model of `sources` with vLLM until it exits; its exit code (128 +
     the signal when a signal ended it)."""
-    from gptforge.signals import forwarded_to
+    from gptforge.runtime.signals import forwarded_to
 
     python = vllm_python()
     source = pick_model(sources)

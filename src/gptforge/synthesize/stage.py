@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 from gptforge.errors import BadInput, SourceUnreachable, StageFailed
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 log = logging.getLogger("gptforge")
 
@@ -103,11 +103,11 @@ def selected_documents(s) -> list[str]:
 def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str | os.PathLike,
                    reports_dir: str | os.PathLike, metrics_dir: str | os.PathLike,
                    cache_dir: str | os.PathLike | None) -> dict:
+    from gptforge.modeling.tokenizer import load_tokenizer
     from gptforge.openai_client import ChatClient
     from gptforge.synthesize.chunks import chunk_documents
     from gptforge.synthesize.documents import read_documents
     from gptforge.synthesize.generate import CACHE_DIR, Asker, ResponseCache
-    from gptforge.tokenizer import load_tokenizer
 
     s = cfg.synthesize
     docs = steps(read_documents, s.documents[name], param=f"synthesize.documents.{name}")

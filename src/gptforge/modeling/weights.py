@@ -1,7 +1,7 @@
 """The gptforge checkpoint format: a folder with the weights (`model.safetensors`, never pickle)
 and the model config (`config.json`, tagged with FORMAT and FORMAT_VERSION), written atomically
 by `save_model` and read back, with one-line errors naming the file, by `load_model`. It imports
-`gptforge.model`, `gptforge.io` and `gptforge.errors`; `gptforge.hf_convert` builds on its
+`gptforge.modeling.gpt`, `gptforge.io` and `gptforge.errors`; `gptforge.modeling.hf_convert` builds on its
 public helpers (`empty_model`, `load_checked`, `few`).
 """
 
@@ -16,7 +16,7 @@ from safetensors.torch import save as _safetensors_bytes
 
 from gptforge.errors import BadInput
 from gptforge.io import atomic_file, read_json, write_json
-from gptforge.model import GPT, GPTConfig
+from gptforge.modeling.gpt import GPT, GPTConfig
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -15,10 +15,10 @@ import shutil
 from pathlib import Path
 
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.hf_convert import to_hf
 from gptforge.io import atomic_dir, write_json
-from gptforge.tokenizer import EOT_TOKEN, load_tokenizer
-from gptforge.weights import load_model
+from gptforge.modeling.hf_convert import to_hf
+from gptforge.modeling.tokenizer import EOT_TOKEN, load_tokenizer
+from gptforge.modeling.weights import load_model
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

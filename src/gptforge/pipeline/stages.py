@@ -2,7 +2,7 @@
 
 `run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
 through here, so a stage behaves the same with or without Prefect. A pretrain asking for more
-than one process launches torchrun here instead (`gptforge.launch`).
+than one process launches torchrun here instead (`gptforge.training.launch`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from gptforge import locks, tracking
-from gptforge.steps import DIRECT, Steps
+from gptforge.runtime import locks, tracking
+from gptforge.runtime.steps import DIRECT, Steps
 
 if TYPE_CHECKING:  # the CLI reads this table for --help, which should not load pydantic
-    from gptforge.config import Config
-
-
+    from gptforge.config.schema import Config
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -48,12 +46,12 @@ STAGES: dict[str, Stage] = {
         Stage("prepare_preference", "gptforge.data.preference:prepare_preference",
               ("data.download", "data.preference"),
               "preference pairs (prompt, chosen, rejected) -> train/val/test jsonl (data/preference/)"),
-        Stage("prepare_base", "gptforge.base_models:prepare_base", ("base",),
+        Stage("prepare_base", "gptforge.data.base_models:prepare_base", ("base",),
               "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)"),
         Stage("synthesize", "gptforge.synthesize.stage:synthesize", ("tokenizer", "synthesize"),
               "documents -> checked question/answer pairs from an OpenAI-compatible endpoint (data/synthetic/NAME/)",
               headline=("kept", "pairs_returned", "requests")),
-        Stage("pretrain", "gptforge.train:pretrain", ("tokenizer", "model", "pretrain"),
+        Stage("pretrain", "gptforge.training.loop:pretrain", ("tokenizer", "model", "pretrain"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
               headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
         Stage("finetune_classify", "gptforge.finetune.classify:finetune_classify", ("tokenizer", "classify"),
@@ -71,7 +69,7 @@ STAGES: dict[str, Stage] = {
         Stage("register", "gptforge.register:register", ("tokenizer", "registry"),
               "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
               headline=("classify.version", "classify.champion", "instruct.version")),
-        Stage("benchmark", "gptforge.bench:benchmark", ("model", "benchmark"),
+        Stage("benchmark", "gptforge.bench.stage:benchmark", ("model", "benchmark"),
               "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)"),
     )
 }
@@ -88,7 +86,7 @@ def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[st
 def _run_stage(name: str, cfg: Config, *, steps: Steps, tags: Mapping[str, Any] | None) -> dict:
     stage = STAGES[name]
     if name == "pretrain":
-        from gptforge.launch import launch_pretrain, needs_launch
+        from gptforge.training.launch import launch_pretrain, needs_launch
 
         if needs_launch(cfg):
             # torchrun's workers run this stage again; their rank 0 opens the MLflow run (with `tags`).
@@ -133,11 +131,11 @@ def check_inputs(name: str, cfg: Config) -> None:
             if not Path(cfg.synthesize.documents[key]).exists():
                 raise BadInput(f"synthesize.documents.{key}: {cfg.synthesize.documents[key]} not found")
     if name == "prepare_pretrain":
-        from gptforge.tokenizer import check_fits_uint16, load_tokenizer
+        from gptforge.modeling.tokenizer import check_fits_uint16, load_tokenizer
 
         check_fits_uint16(load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
     if name == "pretrain":
-        from gptforge.train import grad_accum_steps
+        from gptforge.training.loop import grad_accum_steps
 
         grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.pretrain.world_size)))
         if not Path("data/pretrain/manifest.json").is_file():

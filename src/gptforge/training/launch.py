@@ -6,7 +6,7 @@ torchrun worker (torchrun sets `WORLD_SIZE`), the stage does not train in this p
     python -m torch.distributed.run --nproc_per_node N (--standalone | --nnodes M --rdzv_...)
         -m gptforge.cli pretrain --params SNAPSHOT
 
-and waits. Each worker runs the ordinary stage (DDP in `gptforge.train`, without Prefect); global
+and waits. Each worker runs the ordinary stage (DDP in `gptforge.training.loop`, without Prefect); global
 rank 0 opens the stage's one MLflow run and writes the checkpoints, metrics and plots. This
 process opens no MLflow run: it hands its tags (the Prefect flow run id) to rank 0 through
 `GPTFORGE_RUN_TAGS`, shows the workers' output as it comes, forwards Ctrl-C and SIGTERM to
@@ -29,11 +29,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from gptforge.child_output import ChildOutput
-from gptforge.config import Config, dump_yaml
+from gptforge.config.load import dump_yaml
+
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed
-from gptforge.signals import forwarded_to
-from gptforge.tracking import TAGS_ENV, env_tags
+from gptforge.runtime.child_output import ChildOutput
+from gptforge.runtime.run_context import TAGS_ENV, env_tags
+from gptforge.runtime.signals import forwarded_to
 
 log = logging.getLogger("gptforge")
 

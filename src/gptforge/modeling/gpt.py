@@ -1,4 +1,4 @@
-"""GPT-2, the model only: config, KV cache, the modules, the optimizer and the FLOP count.
+"""GPT-2, the model only: config, KV cache, the modules and the FLOP count.
 
 The architecture and parameter names follow nanoGPT (karpathy/nanoGPT), so its checkpoints and
 its reading order carry over: token + position embeddings, pre-LayerNorm blocks
@@ -9,9 +9,9 @@ of 64, which keeps the head matmul on fast kernel paths); only ids below `n_voca
 padded logit columns are set to -inf, so the loss is exactly the cross-entropy over the real
 vocabulary and the padded ids can never be sampled.
 
-Around it, each importing this module and never imported by it: `gptforge.decoding` (KV-cached
-generation), `gptforge.weights` (the checkpoint format: safetensors + config.json) and
-`gptforge.hf_convert` (Hugging Face conversion, hub weights, `init_from`). Only torch is imported
+Around it, each importing this module and never imported by it: `gptforge.modeling.decoding` (KV-cached
+generation), `gptforge.modeling.weights` (the checkpoint format: safetensors + config.json) and
+`gptforge.modeling.hf_convert` (Hugging Face conversion, hub weights, `init_from`). Only torch is imported
 here at module level (and `kernels` inside the Triton attention backend): training runs on a
 bare GPU machine.
 """
@@ -361,14 +361,6 @@ class GPT(nn.Module):
         n_vocab rows of wte (a contiguous view), so nothing is computed for the padding."""
         x = self.hidden_states(idx, kv_cache)[:, -1, :]
         return head_logits(x, self.transformer.wte.weight[: self.config.n_vocab])
-
-    # -- optimizer --------------------------------------------------------------------------
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas, device_type: str) -> torch.optim.AdamW:
-        """AdamW with decay on matrices and embeddings only, fused where supported (`gptforge.optim`)."""
-        from gptforge.optim import adamw
-
-        return adamw(self.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, device_type=device_type)
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

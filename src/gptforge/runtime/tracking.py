@@ -23,27 +23,24 @@ the torchrun launcher hands its Prefect flow run id to rank 0 that way.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import numbers
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import gptforge
+from gptforge.runtime.run_context import device_name, env_tags, git_commit, pinned_requirements, start_system_metrics
 
 log = logging.getLogger("gptforge")
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"
-TAGS_ENV = "GPTFORGE_RUN_TAGS"
 # A secret-looking param name has a `_`/`-`-separated word ending in one of these (`hf_token`,
 # `data.api_key`, `apitoken`) but not counts like `max_tokens`.
 _SECRET = re.compile(r"(?:token|key|secret|password|passwd|credentials?)$", re.IGNORECASE)
@@ -110,7 +107,7 @@ class MlflowRun(NullRun):
         self._monitor = None
         self._outbox = None
         if buffered:
-            from gptforge.outbox import Outbox
+            from gptforge.runtime.outbox import Outbox
 
             self._outbox = Outbox(self._send, retryable=retryable, describe=describe_failure,
                                   label=f"MLflow server at {uri}", name=f"{OUTBOX_THREAD}-{self.run_id[:8]}")
@@ -235,7 +232,7 @@ class MlflowRun(NullRun):
         try:
             import huggingface_hub
 
-            from gptforge.hf_causal import load_causal_lm
+            from gptforge.modeling.hf_causal import load_causal_lm
 
             model, tokenizer = load_causal_lm(str(folder), param="model")
             readme = folder / "README.md"
@@ -333,7 +330,7 @@ def _leave_active_run(mlflow, run_id: str) -> None:
     does (MLflow 3.17) before it calls the server. With the server down, end_run would block in
     its retries and then raise, and the run would stay active for MLflow's atexit `end_run`,
     which would block again and could overwrite the status sent through the outbox. (System
-    metrics, the other thing end_run stops, are ours: see _start_system_metrics.)"""
+    metrics, the other thing end_run stops, are ours: see start_system_metrics.)"""
     try:
         from mlflow.tracking import fluent
 
@@ -344,63 +341,6 @@ def _leave_active_run(mlflow, run_id: str) -> None:
             fluent._last_active_run_id.set(run_id)
     except (ImportError, AttributeError) as e:  # MLflow's internals moved: the stack stays; say so
         log.warning("MLflow: could not clear the active run (%s); MLflow's own end_run may run at exit", e)
-
-
-def _start_system_metrics(run: MlflowRun):
-    """MLflow's system metrics sampler (CPU, memory, disk, network, GPU), publishing through
-    `run.log_metrics`, hence through the outbox. MLflow's own loop asks the server for the run's
-    status at every sample and stops for good at the first failed request: one restart of the
-    server would end system metrics for the rest of a long run. This one never calls the server.
-    Returns the started sampler, or None (a warning says why) when it cannot start."""
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        class Monitor(SystemMetricsMonitor):
-            def monitor(self):
-                try:
-                    while not self._shutdown_event.is_set():
-                        for _ in range(self.samples_before_logging):
-                            self.collect_metrics()
-                            if self._shutdown_event.wait(self.sampling_interval):
-                                return
-                        self.publish_metrics(self.aggregate_metrics())
-                except Exception as e:  # noqa: BLE001 - a sampler failure must not touch the run
-                    log.warning("MLflow: system metrics stopped (%s: %s)", type(e).__name__, e)
-
-            def finish(self):
-                self._shutdown_event.set()
-                if self._process is not None:
-                    self._process.join(timeout=5)  # it only waits on the event: quick
-                    self._process = None
-
-        class Sink:  # stands in for MLflow's BatchMetricsLogger
-            def record_metrics(self, metrics, step=None):
-                run.log_metrics(metrics, step=step)
-
-            def flush(self):
-                pass
-
-        monitor = Monitor(run.run_id, tracking_uri=run.uri)
-        monitor.mlflow_logger = Sink()
-        monitor.start()
-    except Exception as e:  # noqa: BLE001 - system metrics are a convenience
-        log.warning("MLflow: system metrics not logged (%s: %s)", type(e).__name__, e)
-        return None
-    return monitor
-
-
-def pinned_requirements(*packages: str) -> list[str]:
-    """`pkg==version` pip requirements of the installed `packages` (local version labels such as
-    +cpu dropped; a package that is not installed is left out), for logged MLflow models."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    pins = []
-    for pkg in packages:
-        try:
-            pins.append(f"{pkg}=={version(pkg).split('+')[0]}")
-        except PackageNotFoundError:
-            continue
-    return pins
 
 
 def metric_name(name: str) -> str:
@@ -440,31 +380,6 @@ def artifact_location(uri: str) -> str | None:
     if not db or db == ":memory:":
         return None
     return (Path(db).resolve().parent / DEFAULT_ARTIFACTS).as_uri()
-
-
-def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
-    """HEAD of the working tree; in the worker image (no .git) the commit it was built from."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GPTFORGE_GIT_COMMIT") or None
-    return out.stdout.strip() or None
-
-
-def device_name() -> str:
-    """The device the run computes on. A stage that has not loaded torch (the data stages)
-    runs on the CPU: importing torch (seconds) only to name a GPU it does not use is waste."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return "cpu"
-    try:
-        if torch.cuda.is_available():
-            return f"cuda:{torch.cuda.get_device_name(0)}"
-    except Exception:  # broken CUDA: tags are best effort
-        pass
-    return "cpu"
 
 
 def _import_mlflow():
@@ -531,7 +446,7 @@ def start_run(
         **(tags or {}),
     }
     parent = os.environ.get(PARENT_ENV) or None
-    # System metrics by our sampler, not MLflow's (see _start_system_metrics); MLflow's switch
+    # System metrics by our sampler, not MLflow's (see start_system_metrics); MLflow's switch
     # (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) still turns them on for every stage.
     from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
 
@@ -539,7 +454,7 @@ def start_run(
                               log_system_metrics=False)
     run = MlflowRun(mlflow, active, uri=uri, buffered=server)
     if system_metrics or MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get():
-        run._monitor = _start_system_metrics(run)
+        run._monitor = start_system_metrics(run)
     status = "FINISHED"
     try:
         run.set_tags(all_tags)
@@ -547,7 +462,7 @@ def start_run(
             run.log_params(params)
         yield run
     except BaseException as e:  # stopped (Ctrl-C, SIGTERM, Prefect's termination): KILLED; else FAILED
-        from gptforge.signals import stop_cause
+        from gptforge.runtime.signals import stop_cause
 
         status = "KILLED" if stop_cause(e) is not None else "FAILED"
         raise
@@ -586,22 +501,6 @@ def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
         return {}
     return {r.data.tags.get("gptforge.stage", r.info.run_name): (r.info.run_id, run_url(r.info.run_id, r.info.experiment_id))
             for r in runs}
-
-
-def env_tags() -> dict[str, Any]:
-    """Tags handed down by a launching process in `GPTFORGE_RUN_TAGS`; a malformed value is
-    named in a warning and ignored (tags never fail a run)."""
-    raw = os.environ.get(TAGS_ENV)
-    if not raw:
-        return {}
-    try:
-        tags = json.loads(raw)
-    except ValueError:
-        tags = None
-    if not isinstance(tags, dict):
-        log.warning("%s is not a JSON object, ignored: %.200s", TAGS_ENV, raw)
-        return {}
-    return tags
 
 
 def publish_metrics(run: NullRun, metrics: Mapping[str, float], path: str | os.PathLike) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face interop: our GPT to and from transformers' GPT2LMHeadModel (`to_hf`, `from_hf`),
 OpenAI's GPT-2 weights from the hub (`from_pretrained`), and `load_pretrained`, which resolves
 a run's `init_from` (a hub size, a gptforge checkpoint or a Hugging Face GPT-2 folder) to a GPT.
-It imports `gptforge.model` and `gptforge.weights` (whose public helpers load the converted
+It imports `gptforge.modeling.gpt` and `gptforge.modeling.weights` (whose public helpers load the converted
 tensors); `transformers` is imported only inside the functions that need it, so importing this
 module loads none of it.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.model import EOT_ID, GPT, GPTConfig, padded_vocab
-from gptforge.weights import CONFIG_FILE, empty_model, few, load_checked, load_model
+from gptforge.modeling.gpt import EOT_ID, GPT, GPTConfig, padded_vocab
+from gptforge.modeling.weights import CONFIG_FILE, empty_model, few, load_checked, load_model
 
 HF_PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -148,7 +148,7 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
       (`save_pretrained` output, a hub snapshot, `gptforge export` output): read with
       transformers' GPT2LMHeadModel and converted with `from_hf`, as the hub sizes are. Other
       Hugging Face architectures are refused with a one-line BadInput: they cannot become our GPT (the
-      fine-tuning stages keep them as transformers models: `gptforge.hf_causal`).
+      fine-tuning stages keep them as transformers models: `gptforge.modeling.hf_causal`).
 
     `param` is the config key (`pretrain.init_from`) that every error names; `missing` is advice
     put first in the message for a folder that does not exist ("run `gptforge pretrain` first,
@@ -174,7 +174,7 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
 def _hf_model_type(path: Path) -> tuple[str, str] | None:
     """(model_type, what to call it) when `path` is a Hugging Face config.json; None for anything
     else (a gptforge config, no file, not JSON: load_model names the file and its problem)."""
-    from gptforge.hf_causal import hf_config_dict
+    from gptforge.modeling.hf_causal import hf_config_dict
 
     d = hf_config_dict(path)
     if d is None:

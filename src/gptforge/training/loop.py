@@ -28,20 +28,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gptforge import checkpoint as ckpt
-from gptforge import flops
-from gptforge.config import Config
-from gptforge.decoding import generate
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.loader import ShardLoader
-from gptforge.model import GPT, GPTConfig
-from gptforge.pause import PausePoint
-from gptforge.signals import stop_requested
-from gptforge.steps import DIRECT, Steps
-from gptforge.tokenizer import describe, load_tokenizer
-from gptforge.tracking import NullRun, publish_metrics
-from gptforge.weights import load_model, save_model
+from gptforge.modeling import flops
+from gptforge.modeling.decoding import generate
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.tokenizer import describe, load_tokenizer
+from gptforge.modeling.weights import load_model, save_model
+from gptforge.runtime.pause import PausePoint
+from gptforge.runtime.signals import stop_requested
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
+from gptforge.training import checkpoint as ckpt
+from gptforge.training.loader import ShardLoader
+from gptforge.training.optim import adamw
 
 log = logging.getLogger("gptforge")
 
@@ -142,7 +143,7 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
     if p.init_from == "scratch":
         torch.manual_seed(p.seed)
         return GPT(GPTConfig.from_model_config(m, n_vocab))
-    from gptforge.hf_convert import load_pretrained
+    from gptforge.modeling.hf_convert import load_pretrained
 
     # A GPT-2 hub size, a checkpoint folder, or a Hugging Face GPT-2 folder.
     model, source = load_pretrained(p.init_from, param="pretrain.init_from")
@@ -298,8 +299,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
 
     hellaswag = None
     if p.hellaswag.source:
-        from gptforge import hellaswag as hs
-
+        from gptforge.training import hellaswag as hs
         path = hs.local_copy(p.hellaswag.source, split=p.hellaswag.split, sha256=p.hellaswag.sha256,
                              download=cfg.data.download)
         hellaswag = hs.load_examples(path, limit=p.hellaswag.limit)
@@ -309,7 +309,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     model = load_model(resume_from) if resume_from else build_model(cfg, enc.n_vocab)
     model = model.to(rt.device)
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
-    optimizer = model.configure_optimizer(p.weight_decay, p.lr, tuple(p.betas), rt.device.type)
+    optimizer = adamw(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
@@ -478,8 +478,7 @@ def pretrain(
 
 
 def _hellaswag(model, examples, enc, rt: Runtime, cfg: Config) -> dict:
-    from gptforge import hellaswag as hs
-
+    from gptforge.training import hellaswag as hs
     autocast = None if rt.precision == "fp32" else (torch.bfloat16 if rt.precision == "bf16" else torch.float16)
     return hs.evaluate(model, examples, enc, device=rt.device, rank=rt.rank, world_size=rt.world_size,
                        block_size=cfg.model.block_size, autocast_dtype=autocast)

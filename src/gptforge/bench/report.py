@@ -1,6 +1,6 @@
 """The benchmark stage's outputs: the markdown report, the CSV tables, the plots, the metrics.
 
-Everything here reads the `Results` that `gptforge.bench.measure` returns and measures nothing
+Everything here reads the `Results` that `gptforge.bench.grid.measure` returns and measures nothing
 itself. Imports matplotlib only when plotting.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from gptforge.bench import KEEP_TOLERANCE, STOP_FACTOR, Results
-from gptforge.config import Config
+from gptforge.bench.grid import KEEP_TOLERANCE, STOP_FACTOR, Results
+from gptforge.config.schema import Config
 from gptforge.io import atomic_file
-from gptforge.tracking import publish_metrics
+from gptforge.runtime.tracking import publish_metrics
 
 log = logging.getLogger("gptforge")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.io import atomic_dir
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun, publish_metrics
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun, publish_metrics
 
 log = logging.getLogger("gptforge")
 

@@ -1,8 +1,8 @@
-"""KV-cached decoding of a `gptforge.model.GPT`: `generate` (greedy, temperature, top-k, stop at
+"""KV-cached decoding of a `gptforge.modeling.gpt.GPT`: `generate` (greedy, temperature, top-k, stop at
 end-of-text), the lean batch-1 decode step (`Decoder`) and the exact int8 screen of the head
 for greedy decoding on the CPU (`GreedyHead`); and `generate_hf`, the same decoding choices for
 a Hugging Face causal LM through transformers' own `generate`. It imports the model from
-`gptforge.model` (and torch, numpy, `gptforge.errors`; `gptforge.hf_causal` inside
+`gptforge.modeling.gpt` (and torch, numpy, `gptforge.errors`; `gptforge.modeling.hf_causal` inside
 `generate_hf`); the model never imports it, and neither do the weights or conversion modules.
 """
 
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptforge.errors import BadInput
-from gptforge.model import GPT, CausalSelfAttention, KVCache, head_logits
+from gptforge.modeling.gpt import GPT, CausalSelfAttention, KVCache, head_logits
 
 # Decoding settings a Hugging Face model's generation_config.json may hold (Qwen2.5-Instruct: top_p
 # 0.8, repetition_penalty 1.05) and `generate_hf` sets to transformers' neutral values: there, as
@@ -191,7 +191,7 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
     padded with the tokenizer's pad id. transformers samples with torch's global generator:
     `seed` seeds it (it is left alone when None).
     """
-    from gptforge.hf_causal import stop_ids
+    from gptforge.modeling.hf_causal import stop_ids
 
     if prompt_ids.dim() != 2 or prompt_ids.size(1) == 0:
         raise BadInput(f"generate needs a (batch, tokens) prompt of at least one token, got shape "

@@ -31,13 +31,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from gptforge import flops
-from gptforge.config import Config
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.model import GPT, GPTConfig
-from gptforge.optim import adamw, fused_adamw_supported
-from gptforge.steps import DIRECT, Steps
-from gptforge.tracking import NullRun
+from gptforge.modeling import flops
+from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.runtime.tracking import NullRun
+from gptforge.training.optim import adamw, fused_adamw_supported
 
 log = logging.getLogger("gptforge")
 N_VOCAB = 50257
@@ -471,11 +470,3 @@ def measure(cfg: Config, trace_dir: Path, run=NullRun()) -> Results:
     res.seconds = time.perf_counter() - start
     return res
 
-
-def benchmark(cfg: Config, *, steps: Steps = DIRECT, run=NullRun(), metrics_path="metrics/benchmark.json",
-              report_path="reports/benchmark.md", plots_dir="plots", trace_dir="reports/benchmark_traces") -> dict:
-    """The stage: measure everything, then write and log the outputs."""
-    from gptforge.bench_report import write_outputs
-
-    res = steps(measure, cfg, Path(trace_dir), run)
-    return steps(write_outputs, cfg, res, run, metrics_path, report_path, plots_dir)

@@ -34,13 +34,15 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from gptforge import locks, tracking
-from gptforge.child_output import ChildOutput
-from gptforge.config import DEFAULT_PARAMS, Config, apply_overrides, read_params, validate
+from gptforge.config.load import DEFAULT_PARAMS, apply_overrides, read_params, validate
+
+from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
-from gptforge.signals import forwarded_to
-from gptforge.steps import DIRECT, Steps
+from gptforge.runtime import locks, tracking
+from gptforge.runtime.child_output import ChildOutput
+from gptforge.runtime.signals import forwarded_to
+from gptforge.runtime.steps import DIRECT, Steps
 
 log = logging.getLogger("gptforge")
 
@@ -529,7 +531,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
 
 def _add_metrics_and_runs(report: PipelineReport, known: dict[str, dict], root: Path,
                           parent_run_id: str | None) -> None:
-    from gptforge.stages import STAGES
+    from gptforge.pipeline.stages import STAGES
 
     children = tracking.child_runs(parent_run_id) if parent_run_id else {}
     for s in report.stages:

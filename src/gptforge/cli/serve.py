@@ -1,0 +1,64 @@
+"""`gptforge serve`: models behind an OpenAI-compatible API with a chat page, or vLLM's server."""
+
+from __future__ import annotations
+
+from gptforge.cli.inference import pick_device
+from gptforge.cli.parsing import config_args, params_file
+from gptforge.errors import BadInput
+
+
+def add_commands(sub) -> None:
+    """`serve`."""
+    s = sub.add_parser("serve", help="serve models behind an OpenAI-compatible API with a chat page",
+                       description="Serve language models (OpenAI's /v1/completions and /v1/chat/completions, "
+                       "streamed or not, with continuous batching) and spam classifiers (/v1/classify), with "
+                       "/v1/models, /health, /metrics and a chat page at /. MODEL is [NAME=]SPEC, SPEC a registry "
+                       "URI (models:/gptforge-instruct@champion), a gptforge checkpoint, a Hugging Face causal-LM "
+                       "folder or a classifier folder; none: the pipeline's instruct model and classifier "
+                       "(docs/serving.md).")
+    s.add_argument("models", nargs="*", metavar="MODEL")
+    s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GPTFORGE_API_KEY, else none)")
+    s.add_argument("--engine", choices=("gptforge", "vllm"), default="gptforge",
+                   help="gptforge: this server; vllm: vLLM's OpenAI server for one Hugging Face model "
+                   "(GPU workers) (default: %(default)s)")
+    s.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="requests decoded together per model (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting per model before 429 (default: %(default)s)")
+    s.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    config_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from gptforge.config.load import load_config
+    from gptforge.serve.sources import resolve_all
+
+    if not 0 < args.port < 65536:
+        raise BadInput(f"--port must be in 1..65535, got {args.port}")
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise BadInput(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("GPTFORGE_API_KEY") or None)
+    cfg = load_config(params_file(args), args.set)
+    if args.engine == "vllm":
+        from gptforge.serve.sources import DEFAULT_SPECS
+        from gptforge.serve.vllm import run_vllm, vllm_python
+
+        vllm_python()  # a missing vLLM is said before any model is fetched
+        # vLLM serves one language model: with no MODEL, the pipeline's instruct model alone.
+        sources = resolve_all(args.models or [DEFAULT_SPECS[0]], cfg)
+        return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
+    from gptforge.serve import listen, run_server
+    from gptforge.serve.loading import load_served
+
+    sock = listen(args.host, args.port)
+    sources = resolve_all(args.models, cfg)
+    device = pick_device(args.device)
+    models = [load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device)
+              for src in sources]
+    return run_server(models, sock=sock, host=args.host, port=args.port, api_key=api_key)

@@ -1,0 +1,259 @@
+"""The stage commands (`prepare ...`, `synthesize`, `pretrain`, `finetune ...`, `benchmark`,
+`evaluate`, `register`) and `gptforge pipeline`: each runs its Prefect flow (`flows`), or the
+recipe directly when `GPTFORGE_PREFECT=0` or Prefect is not installed (a bare GPU box).
+
+The only library module that imports `flows` and Prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from typing import Iterator
+
+from gptforge.cli.parsing import Parser, config_args, params_file
+from gptforge.errors import GptforgeError
+from gptforge.runtime.signals import stop_with_launcher
+
+log = logging.getLogger("gptforge")
+
+
+# Stage -> the module of its Prefect flow (the flow object has the stage's name).
+
+
+FLOW_MODULES = {
+    "prepare_pretrain": "flows.prepare",
+    "prepare_classify": "flows.prepare",
+    "prepare_instruct": "flows.prepare",
+    "prepare_preference": "flows.prepare",
+    "prepare_base": "flows.prepare",
+    "synthesize": "flows.synthesize",
+    "pretrain": "flows.pretrain",
+    "finetune_classify": "flows.finetune",
+    "finetune_instruct": "flows.finetune",
+    "finetune_preference": "flows.finetune",
+    "benchmark": "flows.benchmark",
+    "evaluate": "flows.evaluate",
+    "register": "flows.register",
+}
+
+
+def add_commands(sub) -> None:
+    """The stage commands and `pipeline`."""
+    prepare = sub.add_parser("prepare", help="data-preparation stages")
+    prepare_sub = prepare.add_subparsers(dest="what", metavar="DATASET", parser_class=Parser)
+    prepare_sub.required = True
+    from gptforge.pipeline.stages import STAGES
+
+    for what in ("pretrain", "classify", "instruct", "preference", "base"):
+        stage = STAGES[f"prepare_{what}"]
+        p = prepare_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
+        config_args(p)
+        p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    stage = STAGES["synthesize"]
+    p = sub.add_parser("synthesize", help=stage.summary, description=f"DVC stage synthesize@NAME: {stage.summary}. "
+                       "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY.")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="synthesize")
+
+    stage = STAGES["pretrain"]
+    p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
+                       "With pretrain.nproc_per_node or pretrain.nnodes above 1 it launches itself under torchrun "
+                       "(DDP); under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it "
+                       "trains with DDP.")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="pretrain")
+
+    finetune = sub.add_parser("finetune", help="fine-tuning stages")
+    finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
+    finetune_sub.required = True
+    for what in ("classify", "instruct", "preference"):
+        stage = STAGES[f"finetune_{what}"]
+        p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
+        config_args(p)
+        p.set_defaults(func=cmd_stage, stage=stage.name)
+
+    stage = STAGES["benchmark"]
+    p = sub.add_parser("benchmark", help=stage.summary,
+                       describe=lambda summary=stage.summary: _benchmark_description(summary))
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="benchmark")
+
+    stage = STAGES["evaluate"]
+    p = sub.add_parser("evaluate", help=stage.summary, description=f"DVC stage evaluate: {stage.summary}.")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="evaluate")
+
+    stage = STAGES["register"]
+    p = sub.add_parser("register", help=stage.summary, description=f"DVC stage register: {stage.summary}.")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="register")
+
+    p = sub.add_parser("pipeline", help="run every stage that is stale (dvc repro) as one tracked run",
+                       description="Run `dvc repro` for the named stages (default: all) as one Prefect flow run and "
+                       "one MLflow run, each stage nested under it. --params and -S are written to params.yaml first "
+                       "(DVC tracks that file). With a default DVC remote: dvc pull before, dvc push after (a remote "
+                       "that cannot be reached is a warning). --pool runs it on a worker of that Prefect work pool "
+                       "through the deployment pipeline/POOL instead of in this process.")
+    p.add_argument("stages", nargs="*", metavar="STAGE", help="DVC stages to reproduce, with what they depend on")
+    config_args(p)
+    p.add_argument("--no-pull", dest="pull", action="store_false", help="do not dvc pull first")
+    p.add_argument("--no-push", dest="push", action="store_false", help="do not dvc push after")
+    p.add_argument("--force", action="store_true", help="re-run the stages even when up to date (dvc repro --force)")
+    p.add_argument("--pool", metavar="POOL", help="run on a worker of this work pool (needs PREFECT_API_URL)")
+    p.set_defaults(func=cmd_pipeline)
+
+
+def _benchmark_description(summary: str) -> str:
+    from gptforge.bench.grid import variant_grid  # imports torch: only for `gptforge benchmark --help`
+
+    grid = "; ".join(f"{name}: {change}" for name, change, _ in variant_grid())
+    return f"DVC stage benchmark: {summary}. Variants, each adding its change to the fastest kept so far (one that slows the step is not kept): {grid}."
+
+
+def use_prefect() -> bool:
+    if os.environ.get("GPTFORGE_PREFECT", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False  # a torchrun worker: the launching flow (or shell) owns the Prefect run
+    return importlib.util.find_spec("prefect") is not None
+
+
+def cmd_stage(args) -> int:
+    from gptforge.config.load import load_config
+    from gptforge.pipeline.stages import check_inputs, run_stage
+
+    params = params_file(args)
+    cfg = load_config(params, args.set)
+    check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
+    if "WORLD_SIZE" not in os.environ:  # torchrun's workers are stopped by torchrun
+        stop_with_launcher()  # `kill` of the `dvc repro` that started this stage stops it too
+    if use_prefect():
+        from flows import run_stage_flow
+        from flows.outage import say_unrecorded
+
+        flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
+        with _prefect_console():
+            run_stage_flow(flow, {"params": params, "overrides": list(args.set)})
+            say_unrecorded(os.environ.get("PREFECT_API_URL"), flow.gptforge_finished.flow_run_id)
+    else:
+        log.info("running %s without Prefect", args.stage)
+        run_stage(args.stage, cfg)
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    from gptforge.pipeline.run import check_request, closing_summary, run_pipeline
+    from gptforge.runtime import locks
+
+    check_request(args.stages, args.params, args.set)  # before any server starts
+    options = {"pull": args.pull, "push": args.push, "force": args.force}
+    if args.pool:
+        from flows.submit import submit_pipeline
+
+        with _prefect_console():
+            submit_pipeline(args.pool, {"stages": args.stages, "params": args.params, "overrides": list(args.set),
+                                        **options})
+        return 0
+    # A second pipeline (or one while a DVC command runs here) is refused now, before Prefect
+    # starts; the library takes the same lock again (a no-op in this process).
+    with locks.hold("pipeline", "a gptforge pipeline"):
+        locks.check_dvc_idle()
+        if use_prefect():
+            from flows.outage import run_recorded, say_unrecorded
+            from flows.pipeline import FINISHED, pipeline
+
+            with _prefect_console():
+                result = run_recorded(lambda: pipeline(stages=args.stages, params=args.params,
+                                                       overrides=list(args.set), **options),
+                                      FINISHED, "flow run pipeline")
+                say_unrecorded(os.environ.get("PREFECT_API_URL"), FINISHED.flow_run_id)
+            summary = result["summary"]
+        else:
+            report = run_pipeline(args.stages, params=args.params, overrides=args.set, **options)
+            report.raise_for_failure()
+            summary = closing_summary(report)
+    print("\n".join(summary), flush=True)  # after Prefect's own closing lines: what a user reads last
+    return 0
+
+
+class _NoExpectedErrors(logging.Filter):
+    """Drops console records about a GptforgeError: the CLI states it once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], GptforgeError))
+
+
+class _NoTraceback(logging.Formatter):
+    """Formats a record without its traceback (Prefect logs one for every failed try)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _quiet_prefect_console(debug: bool) -> None:
+    """Keep Prefect's run and task lines on the terminal, but not its tracebacks: expected
+    errors end in one line from the CLI, unexpected ones too unless GPTFORGE_DEBUG is set.
+    Prefect's API handler is left alone, so the UI keeps the full record."""
+    if debug:
+        return
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.addFilter(_NoExpectedErrors())
+                handler.setFormatter(_NoTraceback(handler.formatter))
+
+
+@contextlib.contextmanager
+
+
+def _prefect_console() -> Iterator[None]:
+    """Around a flow call: Prefect's console quieted, and its temporary server (the one it
+    starts when no PREFECT_API_URL is set) stopped as soon as the flow ends instead of at
+    interpreter exit, so that its "Stopping temporary server" comes before the CLI's error
+    line and the error is the last line a user reads."""
+    _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
+    from flows import temporary_server_in_own_session
+    from flows.outage import watch_prefect_records
+
+    temporary_server_in_own_session()
+    watch_prefect_records()
+    try:
+        yield
+    finally:
+        _stop_temporary_server()
+
+
+def _stop_temporary_server(timeout: float = 5.0) -> None:
+    """What Prefect does at exit, done now: the log and event workers deliver what they hold
+    (they need the server; a few seconds at most), then the server process stops."""
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is None:
+        return  # never loaded: a real server (PREFECT_API_URL) took the calls
+    server = server_module.SubprocessASGIServer._instances.get(None)
+    if server is None or server.server_process is None:
+        return
+    if server.running:  # else it never answered: nothing was sent, or can be
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        for worker in (APILogWorker, EventsWorker):
+            try:
+                worker.drain_all(timeout=timeout)
+            except Exception as e:  # undelivered logs or events must not hide the run's own outcome
+                log.debug("draining Prefect's %s failed: %s", worker.__name__, e)
+    server.stop()
