@@ -1,5 +1,5 @@
 """The benchmark stage as a Prefect flow (deployment entry point)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 benchmark = stage_flow("benchmark")

@@ -1,5 +1,5 @@
 """The evaluation stage as a Prefect flow (deployment entry point)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 evaluate = stage_flow("evaluate")

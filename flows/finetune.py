@@ -1,6 +1,6 @@
 """The fine-tuning stages as Prefect flows (deployment entry points)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 finetune_classify = stage_flow("finetune_classify")
 finetune_instruct = stage_flow("finetune_instruct")

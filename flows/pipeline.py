@@ -12,9 +12,10 @@ from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 
-from flows import flow_run_tags
+from flows.stages import flow_run_tags
 from flows.outage import Finished, best_effort
-from gptforge.pipeline.run import PIPELINE_FLOW_ENV, closing_summary, run_pipeline
+from gptforge.pipeline.run import closing_summary, run_pipeline
+from gptforge.runtime.recording import PIPELINE_FLOW_ENV
 from tasks import PrefectSteps
 
 

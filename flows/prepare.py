@@ -1,6 +1,6 @@
 """The data-preparation stages (and the base-model fetch) as Prefect flows (deployment entry points)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 prepare_pretrain = stage_flow("prepare_pretrain")
 prepare_classify = stage_flow("prepare_classify")

@@ -1,5 +1,5 @@
 """The pretraining stage as a Prefect flow (deployment entry point)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 pretrain = stage_flow("pretrain")

@@ -2,6 +2,6 @@
 metrics, and reports/register.md, which says which version each model got and whether it passed
 the promotion gate, and why."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
-register = stage_flow("register", report="reports/register.md")
+register = stage_flow("register")

@@ -1,5 +1,5 @@
 """The synthesize stage (documents -> checked question/answer pairs) as a Prefect flow (deployment entry point)."""
 
-from flows import stage_flow
+from flows.stages import stage_flow
 
 synthesize = stage_flow("synthesize")

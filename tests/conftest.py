@@ -48,6 +48,11 @@ os.environ.update(
     HF_HUB_OFFLINE="1",
     HF_DATASETS_OFFLINE="1",
     TOKENIZERS_PARALLELISM="false",
+    # A stage command returns once its records are delivered (runtime/recording.py), so a test
+    # reads its MLflow run and Prefect flow run right after it; the recorder of a test's folder
+    # leaves soon after the test is done with it.
+    GPTFORGE_WAIT_FOR_RECORDS="120",
+    GPTFORGE_RECORDER_IDLE_SECONDS="20",
 )
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on 2 cores: one thread each, for the worker and every process
@@ -55,6 +60,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 from gptforge.runtime.tracking import NullRun  # noqa: E402  (after the environment is set)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The recorders this session's tests started (one per test folder that ran a recorded
+    stage) leave with it rather than after their idle time."""
+    import psutil
+
+    base = str(session.config._tmp_path_factory.getbasetemp()) if hasattr(session.config, "_tmp_path_factory") else None
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if "flows.recorder" in cmd and base and (proc.info["cwd"] or "").startswith(base):
+                proc.terminate()
+        except (psutil.Error, OSError):
+            pass
 
 
 def free_port() -> int:
@@ -257,17 +277,34 @@ def mlflow_server(tmp_path, mlflow_uri):
 
 
 def processes_in(folder: Path) -> list[str]:
-    """The command lines of the processes (other than this one) whose working directory is `folder`."""
+    """The command lines of the processes (other than this one) whose working directory is
+    `folder`, but for the folder's recorder and its children: it outlives the stages by design
+    (runtime/recording.py) and leaves when idle."""
     import psutil
 
-    found = []
+    found, recorders = [], set()
     for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
         try:
-            if p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():
-                found.append(" ".join(p.info["cmdline"] or []))
+            if "flows.recorder" in (p.info["cmdline"] or []):
+                recorders.add(p.pid)
+                recorders.update(c.pid for c in p.children(recursive=True))
+            elif p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():
+                found.append((p.pid, " ".join(p.info["cmdline"] or [])))
         except (psutil.Error, OSError):
             pass
-    return found
+    return [cmd for pid, cmd in found if pid not in recorders]
+
+
+def records_delivered(folder: Path, within: float = 120.0) -> None:
+    """Until the recorder has delivered every journal of `folder` (a stopped stage does not wait
+    for it; GPTFORGE_WAIT_FOR_RECORDS makes the others do)."""
+    deadline = time.monotonic() + within
+    records = folder / ".gptforge" / "records"
+    while list(records.glob("*.jsonl")):
+        log = folder / ".gptforge" / "recorder" / "recorder.log"
+        assert time.monotonic() < deadline, (f"journals not delivered within {within:.0f} s: "
+                                             f"{(log.read_text() if log.exists() else '(no recorder log)')[-3000:]}")
+        time.sleep(0.1)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

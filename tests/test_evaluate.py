@@ -543,13 +543,13 @@ def test_one_mlflow_run_per_model(tmp_path, monkeypatch, no_network, mlflow_uri,
 
     from mlflow.tracking import MlflowClient
 
-    from gptforge.runtime import tracking
+    from gptforge.runtime import mlflow_values, tracking
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri[len("sqlite:///"):], db)
     uri = f"sqlite:///{db}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.delenv(tracking.PARENT_ENV, raising=False)
+    monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
     second = tmp_path / "ckpt2"
     shutil.copytree(checkpoint, second)
     hs_file = write_jsonl(tmp_path / "hellaswag_val.jsonl", HELLASWAG[:4])
@@ -569,4 +569,4 @@ def test_one_mlflow_run_per_model(tmp_path, monkeypatch, no_network, mlflow_uri,
         assert {a.path for a in client.list_artifacts(r.info.run_id, "lm_eval")} >= {
             "lm_eval/results.json", "lm_eval/samples_hellaswag.jsonl"}
     assert runs["evaluate"].data.metrics["pretrain.hellaswag.acc"] == pytest.approx(metrics["pretrain.hellaswag.acc"])
-    assert os.environ.get(tracking.PARENT_ENV) is None  # restored
+    assert os.environ.get(mlflow_values.PARENT_ENV) is None  # restored

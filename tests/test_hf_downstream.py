@@ -303,12 +303,12 @@ def test_measured_counts_requests_times_scoring_and_refuses_a_too_long_continuat
 def test_log_hf_model_loads_back_and_generates(llama, tmp_path, monkeypatch, mlflow_uri):
     import mlflow
 
-    from gptforge.runtime import tracking
+    from gptforge.runtime import mlflow_values, tracking
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri[len("sqlite:///"):], db)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
-    monkeypatch.delenv(tracking.PARENT_ENV, raising=False)
+    monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
     assert tracking.NullRun().log_hf_model(llama) is None
     with tracking.start_run(enabled=True, experiment="t", stage="finetune_instruct") as run:
         uri = run.log_hf_model(llama)

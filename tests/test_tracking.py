@@ -20,7 +20,8 @@ import pytest
 import gptforge
 from gptforge.config.load import load_config
 from gptforge.runtime import tracking
-from gptforge.runtime.tracking import MlflowRun, NullRun, artifact_location, is_secret, metric_name, start_run
+from gptforge.runtime.mlflow_values import artifact_location, is_secret, metric_name
+from gptforge.runtime.tracking import MlflowRun, NullRun, start_run
 
 
 def _db_path(uri: str) -> Path:

@@ -89,6 +89,17 @@ def _silence_module_teardown() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
+def _close_progress_bars() -> None:
+    """A progress bar that an error interrupted still holds its line: closed first, so the
+    error line the CLI prints is a line of its own, the last one."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+        with contextlib.suppress(Exception):
+            bar.close()
+
+
 def entry() -> None:
     """The `gptforge` command: `main`, then an exit that takes a bounded time.
 
@@ -115,15 +126,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except GptforgeError as e:
+        _close_progress_bars()
         if debug:
             traceback.print_exc()
         print(f"gptforge: error: {_one_line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
+        _close_progress_bars()
         # Stopped: a loop that saved its state on SIGINT/SIGTERM says where; else plain Ctrl-C.
         print(f"gptforge: {_one_line(e) or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
     except Exception as e:  # an unexpected failure: still one line unless debugging
+        _close_progress_bars()
         stop = stop_cause(e)
         if stop is not None:  # stopped, and a library's cleanup raised on the way out
             signum = stop_signal(stop)
@@ -136,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     except BaseException as e:
+        _close_progress_bars()
         signum = stop_signal(e)
         if signum is None:
             raise

@@ -1,6 +1,12 @@
 """The stage commands (`prepare ...`, `synthesize`, `pretrain`, `finetune ...`, `benchmark`,
-`evaluate`, `register`) and `gptforge pipeline`: each runs its Prefect flow (`flows`), or the
-recipe directly when `GPTFORGE_PREFECT=0` or Prefect is not installed (a bare GPU box).
+`evaluate`, `register`) and `gptforge pipeline`.
+
+A stage command runs its recipe at once and journals its records (the Prefect flow run with a
+task run per step, the MLflow run), which the folder's recorder delivers
+(`gptforge.pipeline.stages.run_recorded`): the process pays for neither Prefect nor MLflow.
+`GPTFORGE_PREFECT=0` (or Prefect not being installed, as on a bare GPU box) leaves Prefect out,
+`tracking.enabled: false` MLflow. `gptforge pipeline` runs its own flow in Prefect's engine
+(`flows.pipeline`), against the recorder's local Prefect server when no PREFECT_API_URL is set.
 
 The only library module that imports `flows` and Prefect.
 """
@@ -8,7 +14,6 @@ The only library module that imports `flows` and Prefect.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import logging
 import os
@@ -20,26 +25,6 @@ from gptforge.errors import GptforgeError
 from gptforge.runtime.signals import stop_with_launcher
 
 log = logging.getLogger("gptforge")
-
-
-# Stage -> the module of its Prefect flow (the flow object has the stage's name).
-
-
-FLOW_MODULES = {
-    "prepare_pretrain": "flows.prepare",
-    "prepare_classify": "flows.prepare",
-    "prepare_instruct": "flows.prepare",
-    "prepare_preference": "flows.prepare",
-    "prepare_base": "flows.prepare",
-    "synthesize": "flows.synthesize",
-    "pretrain": "flows.pretrain",
-    "finetune_classify": "flows.finetune",
-    "finetune_instruct": "flows.finetune",
-    "finetune_preference": "flows.finetune",
-    "benchmark": "flows.benchmark",
-    "evaluate": "flows.evaluate",
-    "register": "flows.register",
-}
 
 
 def add_commands(sub) -> None:
@@ -126,23 +111,21 @@ def use_prefect() -> bool:
 
 def cmd_stage(args) -> int:
     from gptforge.config.load import load_config
-    from gptforge.pipeline.stages import check_inputs, run_stage
+    from gptforge.pipeline.stages import check_inputs, run_recorded, run_stage
+    from gptforge.runtime import recording
 
     params = params_file(args)
     cfg = load_config(params, args.set)
     check_inputs(args.stage, cfg)  # cheap checks of local inputs, before any flow starts
     if "WORLD_SIZE" not in os.environ:  # torchrun's workers are stopped by torchrun
         stop_with_launcher()  # `kill` of the `dvc repro` that started this stage stops it too
-    if use_prefect():
-        from flows import run_stage_flow
-        from flows.outage import say_unrecorded
-
-        flow = getattr(importlib.import_module(FLOW_MODULES[args.stage]), args.stage)
-        with _prefect_console():
-            run_stage_flow(flow, {"params": params, "overrides": list(args.set)})
-            say_unrecorded(os.environ.get("PREFECT_API_URL"), flow.gptforge_finished.flow_run_id)
+    prefect = use_prefect()
+    if "WORLD_SIZE" in os.environ:  # a torchrun worker: its launcher's journal has the records
+        with recording.attached():
+            run_stage(args.stage, cfg)
+    elif prefect or cfg.tracking.enabled:
+        run_recorded(args.stage, cfg, params=params, overrides=list(args.set), prefect=prefect)
     else:
-        log.info("running %s without Prefect", args.stage)
         run_stage(args.stage, cfg)
     return 0
 
@@ -165,6 +148,7 @@ def cmd_pipeline(args) -> int:
     with locks.hold("pipeline", "a gptforge pipeline"):
         locks.check_dvc_idle()
         if use_prefect():
+            _use_the_recorders_prefect_server()
             from flows.outage import run_recorded, say_unrecorded
             from flows.pipeline import FINISHED, pipeline
 
@@ -180,6 +164,22 @@ def cmd_pipeline(args) -> int:
             summary = closing_summary(report)
     print("\n".join(summary), flush=True)  # after Prefect's own closing lines: what a user reads last
     return 0
+
+
+def _use_the_recorders_prefect_server() -> None:
+    """With no Prefect API configured, the pipeline's flow runs against the recorder's local
+    server (kept between runs), where its stages' journals go too, instead of a temporary server
+    that lives as long as this process."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from gptforge.runtime import recording
+
+    url = recording.recorder_prefect_url()
+    if url is None:
+        log.warning("the recorder's Prefect server did not start (see .gptforge/recorder/recorder.log): "
+                    "the pipeline starts a temporary one")
+        return
+    os.environ["PREFECT_API_URL"] = url
 
 
 class _NoExpectedErrors(logging.Filter):
@@ -227,7 +227,7 @@ def _prefect_console() -> Iterator[None]:
     interpreter exit, so that its "Stopping temporary server" comes before the CLI's error
     line and the error is the last line a user reads."""
     _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
-    from flows import temporary_server_in_own_session
+    from flows.stages import temporary_server_in_own_session
     from flows.outage import watch_prefect_records
 
     temporary_server_in_own_session()

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Mapping
 from gptforge.errors import BadInput
 from gptforge.evaluate.report import flatten_results, save_results, write_report
 from gptforge.evaluate.task_data import TaskPlan, load_task_objects, plan_tasks
-from gptforge.runtime import tracking
+from gptforge.runtime import mlflow_values, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
 
@@ -87,15 +87,15 @@ def _child_of(run: NullRun):
     if not run.run_id:
         yield
         return
-    old = os.environ.get(tracking.PARENT_ENV)
-    os.environ[tracking.PARENT_ENV] = run.run_id
+    old = os.environ.get(mlflow_values.PARENT_ENV)
+    os.environ[mlflow_values.PARENT_ENV] = run.run_id
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(tracking.PARENT_ENV, None)
+            os.environ.pop(mlflow_values.PARENT_ENV, None)
         else:
-            os.environ[tracking.PARENT_ENV] = old
+            os.environ[mlflow_values.PARENT_ENV] = old
 
 
 def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: torch.device,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from gptforge.io import atomic_dir, atomic_file
-from gptforge.runtime import tracking
+from gptforge.runtime import mlflow_values
 
 if TYPE_CHECKING:
     from gptforge.evaluate.task_data import TaskPlan
@@ -57,7 +57,7 @@ def flatten_results(results: dict) -> dict[str, float]:
                 continue
             metric, _, filt = key.partition(",")
             if filt and filt != "none":
-                metric += "_" + tracking.metric_name(filt)
+                metric += "_" + mlflow_values.metric_name(filt)
             flat[f"{task}.{metric}"] = float(value)
         if task in n_samples:
             flat[f"{task}.n"] = float(n_samples[task].get("effective", 0))

@@ -39,14 +39,13 @@ from gptforge.config.load import DEFAULT_PARAMS, apply_overrides, read_params, v
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
-from gptforge.runtime import locks, tracking
+from gptforge.runtime import locks, mlflow_values, tracking
 from gptforge.runtime.child_output import ChildOutput
 from gptforge.runtime.signals import forwarded_to
 from gptforge.runtime.steps import DIRECT, Steps
 
 log = logging.getLogger("gptforge")
 
-PIPELINE_FLOW_ENV = "GPTFORGE_PIPELINE_FLOW_RUN_ID"
 DVC_FILE = "dvc.yaml"
 
 # What `dvc repro` prints about each stage (dvc/stage/run.py, stage/__init__.py, stage/cache.py).
@@ -412,6 +411,18 @@ def run_pipeline(
                     env=env, tags=tags, root=root, start=start)
 
 
+def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
+    """The stages' MLflow runs are read back for the summary: wait (bounded) until the recorder
+    has delivered the journals of the stages that just ran."""
+    from gptforge.runtime import recording
+
+    journals = recording.pending(root)
+    if journals and not recording.wait_delivered(journals, timeout):
+        log.warning("the recorder has not delivered %d stage journal(s) within %.0f s; the summary may lack "
+                    "their MLflow links (they are delivered in the background)",
+                    len(recording.pending(root)), timeout)
+
+
 def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, overrides: Sequence[str], pull: bool,
          push: bool, force: bool, steps: Steps, env: Mapping[str, str] | None, tags: Mapping[str, Any] | None,
          root: Path, start: float) -> PipelineReport:
@@ -422,7 +433,7 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
                             tags=tags) as run:
         extra = dict(env or {})
         if run.run_id:
-            extra[tracking.PARENT_ENV] = run.run_id
+            extra[mlflow_values.PARENT_ENV] = run.run_id
         child = child_env(extra)
         report = PipelineReport(stages=[], run_id=run.run_id, run_url=tracking.run_url(run.run_id))
         report.remote = default_remote(child) if (pull or push) else None
@@ -441,6 +452,7 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
             reason = best_error(outcome.errors) or f"dvc repro exited with code {outcome.returncode}"
             report.error = (f"stage {report.failed_stage} failed: {reason}" if report.failed_stage
                             else f"dvc repro failed: {reason}")
+        _wait_for_stage_records(root)
         _add_metrics_and_runs(report, known, root, run.run_id)
 
         if report.remote and push and report.ok:
@@ -511,7 +523,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
     found = [r for r in REPORTS if (root / r).exists()]
     if found:
         lines.append("Reports: " + ", ".join(found))
-    uri = tracking.tracking_uri()
+    uri = mlflow_values.tracking_uri()
     if uri.startswith(("http://", "https://")):
         lines.append(f"MLflow: {report.run_url or uri}")
     else:

@@ -2,18 +2,23 @@
 
 `run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
 through here, so a stage behaves the same with or without Prefect. A pretrain asking for more
-than one process launches torchrun here instead (`gptforge.training.launch`).
+than one process launches torchrun here instead (`gptforge.training.launch`). `run_recorded`
+is how a stage command runs: its MLflow run and Prefect flow run go to its journal, and the
+recorder makes them (`gptforge.runtime.recording`), so the process starts on its work at once.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gptforge.runtime import locks, tracking
 from gptforge.runtime.steps import DIRECT, Steps
+
+log = logging.getLogger("gptforge")
 
 if TYPE_CHECKING:  # the CLI reads this table for --help, which should not load pydantic
     from gptforge.config.schema import Config
@@ -25,6 +30,10 @@ class Stage:
     summary: str
     system_metrics: bool = False  # long stages: CPU/GPU/memory sampled into the MLflow run
     headline: tuple[str, ...] = ()  # metrics the pipeline's summary shows (default: the first few)
+    report: str | None = None  # a markdown report it writes, shown as a Prefect artifact too
+    # Its work needs its MLflow run in the process (register: the registry makes model versions
+    # from the models logged in it), so its run talks to MLflow directly even when recorded.
+    mlflow_in_process: bool = False
 
     def load(self) -> Callable[..., dict]:
         module, func = self.recipe.split(":")
@@ -68,7 +77,8 @@ STAGES: dict[str, Stage] = {
               "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
         Stage("register", "gptforge.register:register", ("tokenizer", "registry"),
               "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
-              headline=("classify.version", "classify.champion", "instruct.version")),
+              headline=("classify.version", "classify.champion", "instruct.version"), report="reports/register.md",
+              mlflow_in_process=True),
         Stage("benchmark", "gptforge.bench.stage:benchmark", ("model", "benchmark"),
               "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)"),
     )
@@ -102,6 +112,65 @@ def _run_stage(name: str, cfg: Config, *, steps: Steps, tags: Mapping[str, Any] 
         system_metrics=stage.system_metrics,
     ) as run:
         return recipe(cfg, steps=steps, run=run)
+
+
+def run_recorded(name: str, cfg: Config, *, params: str | None, overrides: list[str], prefect: bool) -> dict:
+    """A stage command's run with its records journaled: the MLflow run (unless tracking is off
+    or MLflow is not installed) and, with `prefect`, the flow run with a task run per step,
+    its log lines, and its metrics (and report) as markdown artifacts."""
+    import importlib.util
+    from pathlib import Path
+
+    from gptforge.runtime import recording
+
+    stage = STAGES[name]
+    mlflow = (cfg.tracking.enabled and not stage.mlflow_in_process
+              and importlib.util.find_spec("mlflow") is not None)
+    if stage.mlflow_in_process and cfg.tracking.enabled:
+        wait_for_earlier_records()
+    with recording.recorded(stage=name, flow_name=flow_name(name), summary=stage.summary,
+                            parameters={"params": params, "overrides": list(overrides)}, prefect=prefect,
+                            mlflow=mlflow, experiment=cfg.tracking.experiment) as steps:
+        tags = None
+        if steps is not None and stage.mlflow_in_process and cfg.tracking.enabled:
+            tags = recording.flow_run_of(steps.journal, timeout=60.0)  # its run is made here: tag it here
+        metrics = run_stage(name, cfg, steps=steps or DIRECT, tags=tags)
+        if steps is not None:
+            key = flow_name(name)
+            steps.journal.write("artifact_md", key=f"{key}-metrics", markdown=metrics_markdown(name, metrics),
+                                description=f"{name} metrics")
+            if stage.report is not None and Path(stage.report).is_file():
+                steps.journal.write("artifact_md", key=f"{key}-report",
+                                    markdown=Path(stage.report).read_text(encoding="utf-8"),
+                                    description=f"{name}: {stage.report}")
+        return metrics
+
+
+def wait_for_earlier_records(timeout: float = 600.0) -> None:
+    """A stage that reads earlier stages' MLflow runs (register: their logged models, its
+    lineage) starts once the recorder has delivered their journals (bounded)."""
+    from gptforge.runtime import recording
+
+    journals = recording.pending()
+    if not journals:
+        return
+    log.info("waiting for the recorder to deliver %d earlier stage journal(s)", len(journals))
+    if not recording.wait_delivered(journals, timeout):
+        from gptforge.errors import StageFailed
+
+        raise StageFailed(f"the recorder has not delivered {len(recording.pending())} earlier stage journal(s) "
+                          f"within {timeout:.0f} s (see .gptforge/recorder/recorder.log)")
+
+
+def flow_name(stage: str) -> str:
+    """The stage's Prefect flow name (and artifact key prefix): `prepare_classify` -> `prepare-classify`."""
+    return stage.replace("_", "-")
+
+
+def metrics_markdown(stage: str, metrics: Mapping[str, Any]) -> str:
+    rows = "\n".join(f"| `{k}` | {v:,.4g} |" if isinstance(v, float) else f"| `{k}` | {v:,} |"
+                     for k, v in metrics.items())
+    return f"### {stage}\n\n| metric | value |\n| --- | --- |\n{rows}\n"
 
 
 # The param that names each stage's input, for checks before any work starts.

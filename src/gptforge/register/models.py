@@ -1,5 +1,5 @@
 """`gptforge models list|promote`: the MLflow Model Registry as the stage `register` leaves it,
-read and moved from the command line, against the tracking URI of `tracking.tracking_uri()`.
+read and moved from the command line, against the tracking URI of `mlflow_values.tracking_uri()`.
 
 `list_models` gives one row per model version, newest first per model (the models of
 `registry.names` first, in their order, then any other), with its aliases, creation time, gate
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.runtime import tracking
+from gptforge.runtime import mlflow_values, tracking
 
 # Shortened metric names shown after the gate's own, in this order, when a version has them.
 KEY_METRICS = ("test_accuracy", "f1", "val_loss", "hellaswag.acc_norm", "mmlu.acc")
@@ -118,7 +118,7 @@ def _paged(search, **kwargs) -> list:
 
 def list_models(cfg, name: str | None = None) -> list[tuple[str, ...]]:
     """Rows of COLUMNS for every version of every registered model (or of `name` only)."""
-    uri = tracking.tracking_uri()
+    uri = mlflow_values.tracking_uri()
     client = _client(uri)
     if client is None:
         if name is not None:
@@ -157,7 +157,7 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 
 def no_models_line(name: str | None = None) -> str:
     what = f"{name} has no versions" if name else "no registered models"
-    return f"{what} in {tracking.tracking_uri()}: {HOW_TO_REGISTER}"
+    return f"{what} in {mlflow_values.tracking_uri()}: {HOW_TO_REGISTER}"
 
 
 def promote(cfg, name: str, version: str, alias: str = "champion") -> str:
@@ -166,7 +166,7 @@ def promote(cfg, name: str, version: str, alias: str = "champion") -> str:
     if not version.isdigit() or int(version) < 1:
         raise BadInput(f"VERSION must be a version number (1, 2, ...), got {version!r}")
     version = str(int(version))  # 02 -> 2
-    uri = tracking.tracking_uri()
+    uri = mlflow_values.tracking_uri()
     client = _client(uri)
     if client is None:
         raise BadInput(f"no registered model {name!r}: {uri} does not exist yet; {HOW_TO_REGISTER}")

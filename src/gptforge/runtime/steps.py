@@ -45,10 +45,14 @@ class Steps:
             except Exception as e:
                 if attempt == len(delays) or not retryable(e):
                     raise
-                log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", fn.__name__, type(e).__name__, e,
-                            attempt + 1, len(delays), delays[attempt])
+                self.retrying(fn, e, attempt + 1, len(delays), delays[attempt])
                 time.sleep(delays[attempt])
         raise AssertionError("unreachable")
+
+    def retrying(self, fn: Callable, error: Exception, attempt: int, retries: int, delay: float) -> None:
+        """Said before retry `attempt` of `retries`, `delay` seconds from now."""
+        log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", fn.__name__, type(error).__name__, error,
+                    attempt, retries, delay)
 
 
 DIRECT = Steps()

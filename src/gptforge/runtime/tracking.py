@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 import os
 import re
 import time
@@ -34,17 +33,11 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import gptforge
+from gptforge.runtime.mlflow_values import PARENT_ENV, artifact_location, clean_metrics, clean_params, tracking_uri
 from gptforge.runtime.run_context import device_name, env_tags, git_commit, pinned_requirements, start_system_metrics
 
 log = logging.getLogger("gptforge")
 
-DEFAULT_URI = "sqlite:///mlflow.db"
-DEFAULT_ARTIFACTS = "mlartifacts"
-PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"
-# A secret-looking param name has a `_`/`-`-separated word ending in one of these (`hf_token`,
-# `data.api_key`, `apitoken`) but not counts like `max_tokens`.
-_SECRET = re.compile(r"(?:token|key|secret|password|passwd|credentials?)$", re.IGNORECASE)
-_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-./: ]")
 FLUSH_ENV = "GPTFORGE_TRACKING_FLUSH_SECONDS"
 DEFAULT_FLUSH_SECONDS = 30.0
 # A stopped run must let its process exit within 30 s of SIGTERM (docker stop, a worker draining).
@@ -113,8 +106,7 @@ class MlflowRun(NullRun):
                                   label=f"MLflow server at {uri}", name=f"{OUTBOX_THREAD}-{self.run_id[:8]}")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        clean = {k: ("***" if is_secret(k) else _param_value(v)) for k, v in params.items()}
-        if clean:
+        if clean := clean_params(params):
             self._submit("params", clean, len(clean))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -122,7 +114,7 @@ class MlflowRun(NullRun):
 
         # Stamped now, not when sent: metrics kept through an outage keep their real times.
         now = int(time.time() * 1000)
-        clean = [Metric(metric_name(k), float(v), now, step or 0) for k, v in metrics.items() if _is_number(v)]
+        clean = [Metric(k, v, now, step or 0) for k, v in clean_metrics(metrics).items()]
         if clean:
             self._submit("metric", clean, len(clean))
 
@@ -343,45 +335,6 @@ def _leave_active_run(mlflow, run_id: str) -> None:
         log.warning("MLflow: could not clear the active run (%s); MLflow's own end_run may run at exit", e)
 
 
-def metric_name(name: str) -> str:
-    """MLflow allows letters, digits, `_ - . / :` and spaces: lm-eval's `acc,none` -> `acc_none`."""
-    return _METRIC_NAME.sub("_", name)
-
-
-def is_secret(name: str) -> bool:
-    """Whether a (dotted) param name looks like it holds a credential; its value is logged as `***`."""
-    return any(_SECRET.search(word) for word in re.split(r"[_\-]", name.rsplit(".", 1)[-1]))
-
-
-def _is_number(v: Any) -> bool:
-    # numbers.Real also admits NumPy scalars (np.float32 is no float subclass); bools are not metrics.
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _param_value(v: Any) -> str:
-    s = "null" if v is None else str(v)
-    return s if len(s) <= 6000 else s[:5997] + "..."
-
-
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
-
-
-def artifact_location(uri: str) -> str | None:
-    """Where a new experiment keeps its artifacts: `mlartifacts/` beside a SQLite database.
-
-    Any `sqlite:///PATH` store (relative paths resolve against the working directory, as
-    SQLAlchemy resolves them) gets an absolute `file://` URI; for other stores (an MLflow
-    server) None, so the server's own artifact root applies.
-    """
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = uri[len("sqlite:///") :].split("?", 1)[0]
-    if not db or db == ":memory:":
-        return None
-    return (Path(db).resolve().parent / DEFAULT_ARTIFACTS).as_uri()
-
-
 def _import_mlflow():
     # Alembic prints its migrations at INFO on every fresh database; they are noise on a CLI.
     for name in ("alembic", "mlflow.store.db.utils"):
@@ -389,6 +342,21 @@ def _import_mlflow():
     import mlflow
 
     return mlflow
+
+
+def run_tags(stage: str, tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The tags of every stage run: version, stage, DVC stage, commit, device, handed-down tags."""
+    commit = git_commit()
+    return {
+        "gptforge.version": gptforge.__version__,
+        "gptforge.stage": stage,
+        "dvc.stage": os.environ.get("DVC_STAGE"),
+        "git.commit": commit,
+        "mlflow.source.git.commit": commit,
+        "device": device_name(),
+        **env_tags(),
+        **(tags or {}),
+    }
 
 
 @contextlib.contextmanager
@@ -407,6 +375,14 @@ def start_run(
     for them (see the module docstring)."""
     if not enabled:
         yield NullRun()
+        return
+    from gptforge.runtime.recording import journal_run, runs_journal
+
+    journal = runs_journal()
+    if journal is not None:  # a recorded stage: its runs are records, the recorder makes them
+        with journal_run(journal, name=stage, params=params, tags=run_tags(stage, tags),
+                         system_metrics=system_metrics) as run:
+            yield run
         return
     try:
         mlflow = _import_mlflow()
@@ -434,17 +410,7 @@ def start_run(
                               f"tracking.enabled=false ({describe_failure(e)})") from e
         raise
 
-    commit = git_commit()
-    all_tags = {
-        "gptforge.version": gptforge.__version__,
-        "gptforge.stage": stage,
-        "dvc.stage": os.environ.get("DVC_STAGE"),
-        "git.commit": commit,
-        "mlflow.source.git.commit": commit,
-        "device": device_name(),
-        **env_tags(),
-        **(tags or {}),
-    }
+    all_tags = run_tags(stage, tags)
     parent = os.environ.get(PARENT_ENV) or None
     # System metrics by our sampler, not MLflow's (see start_system_metrics); MLflow's switch
     # (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) still turns them on for every stage.

@@ -13,7 +13,7 @@ part before `=`, else the registered model's name for a registry URI and the SPE
 folder; two models with one name are refused.
 
 A registry version is downloaded once, with MLflow's client from the tracking server of
-`tracking.tracking_uri()`, into `cache_dir()/<name>/<version>` (a marker file says from which
+`mlflow_values.tracking_uri()`, into `cache_dir()/<name>/<version>` (a marker file says from which
 registry and run, so a second start reuses it and a version of another registry is fetched
 again), and read as MLflow wrote it: the transformers flavor (how `gptforge register` logs
 language models) is `model/` with the tokenizer in `components/tokenizer/`, whose files are also
@@ -178,9 +178,9 @@ def _from_registry(spec: str, name: str | None, cfg) -> ModelSource:
                        "(e.g. models:/gptforge-instruct@champion, models:/gptforge-classify/3)")
     registered = cfg.registry.names.get(match["name"], match["name"])  # models:/instruct@champion
     from gptforge.register import models as registry
-    from gptforge.runtime import tracking
+    from gptforge.runtime import mlflow_values
 
-    uri = tracking.tracking_uri()
+    uri = mlflow_values.tracking_uri()
     client = registry._client(uri)  # MLflow's retries bounded as `gptforge models` bounds them
     if client is None:
         raise BadInput(f"{spec}: no model registry at {uri} (the file does not exist): set MLFLOW_TRACKING_URI to "
