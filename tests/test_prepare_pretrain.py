@@ -239,3 +239,109 @@ def test_tokenizer_folder_missing_files(tmp_path, previous_output):
 def test_non_utf8_text(tmp_path, small_tokenizer, previous_output):
     (tmp_path / "a.txt").write_bytes(b"caf\xe9 latin-1")
     assert_fails(config(tmp_path / "a.txt", small_tokenizer), previous_output, "not UTF-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads, one encode call per work item, the JSONL reader: still exactly the plain reference
+
+
+def reference_ids(enc, texts) -> np.ndarray:
+    """The plain reference: `<|endoftext|>` then `encode_ordinary` of each non-empty document."""
+    ids: list[int] = []
+    for text in texts:
+        if text:
+            ids += [enc.eot_token, *enc.encode_ordinary(text)]
+    return np.array(ids, dtype=np.uint16)
+
+
+def tricky_documents() -> list[str]:
+    with gzip.open(samples.resolve("sample://fineweb_edu_sample.txt.gz"), "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    docs = ["\n".join(lines[i : i + 1 + i % 9]) for i in range(0, 600, 7)]  # real English, non-ASCII too
+    docs[3:3] = [
+        "", " ", "\n\n", "  leading and trailing spaces  ", "tab\tand\r\nCRLF\r\n",
+        "a document that holds <|endoftext|> as plain text", "<|endoftext|>", "<|endoftext", "|>tail",
+        "lone surrogate \ud800 from a JSON escape", "emoji \U0001F600 and 中文 text", "x" * 5000,
+        "words " * 3000 + "end",  # one long document, cut into several work items
+    ]
+    return docs
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_jsonl_shards_equal_the_plain_reference(tmp_path, gpt2_tokenizer_dir, monkeypatch, workers):
+    monkeypatch.setattr(P, "PIECE_CHARS", 3_000)  # many work items in flight, long documents cut
+    monkeypatch.setattr(P, "READ_BYTES", 4_096)  # lines split across read blocks
+    docs = tricky_documents()
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        for i, text in enumerate(docs):
+            f.write(json.dumps({"id": i, "text": text}) + ("\r\n" if i % 3 else "\n"))
+    enc = load_tokenizer(str(gpt2_tokenizer_dir))
+    expected = reference_ids(enc, [json.loads(line)["text"] for line in path.read_text().splitlines()])
+    cfg = config(path, gpt2_tokenizer_dir, val_tokens=1_000, shard_tokens=7_000, workers=workers)
+    out = tmp_path / "out"
+    P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    np.testing.assert_array_equal(read_tokens(out), expected)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sum(manifest["documents"].values()) == sum(1 for d in docs if d)
+    assert [s["tokens"] for s in manifest["shards"]][:3] == [1_000, 7_000, 7_000]
+
+    # max_tokens: exactly the reference's first tokens, with threads and items still in flight
+    cfg = config(path, gpt2_tokenizer_dir, val_tokens=100, shard_tokens=1_000, max_tokens=4_321, workers=workers)
+    P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    np.testing.assert_array_equal(read_tokens(out), expected[:4_321])
+    assert json.loads((out / "manifest.json").read_text())["truncated_at_max_tokens"]
+
+
+ITEM_TEXT = st.lists(st.sampled_from(["the", " the", "<|endoftext|>", "<|", "endoftext", "|>", " ", "\n", "é", "s",
+                                      "\ud800", "'ll", "12"]), max_size=12).map("".join)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=st.lists(ITEM_TEXT, max_size=8))
+def test_encode_item_is_encode_ordinary_per_document(gpt2_tokenizer_dir, docs):
+    enc = load_tokenizer(str(gpt2_tokenizer_dir))
+    item = [(d, True) for d in docs if d]
+    ids = P.encode_item(enc, item)
+    assert ids.dtype == np.uint16
+    np.testing.assert_array_equal(ids, reference_ids(enc, docs))
+
+
+def old_jsonl_reader(path: Path, text_field: str = "text") -> list[str]:
+    """What the reader did before it read bytes in blocks: text mode, one json.loads a line."""
+    out = []
+    with open(path, "r", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line)[text_field])
+    return out
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
+def test_jsonl_reader_splits_lines_as_text_mode_does(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(P, "READ_BYTES", block)
+    raw = ('{"text": "a"}\r\n\r\n{"text": "b\\r\\nc"}\r{"text": "é"}\n \t\n\u3000\n'
+           '{"text": "\\ud83d\\ude00 \\ud800", "n": 12345678901234567890123}\n{"text": "x", "text": "last"}\r\n'
+           '{"text": "no newline at the end"}')
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(raw.encode("utf-8"))
+    assert list(P._jsonl_texts(path, "text")) == old_jsonl_reader(path)
+
+
+@pytest.mark.parametrize("content, line, message", [
+    (b'{"text": "a"}\r\n{"text": "b",}\n', 2, "Expecting property name enclosed in double quotes"),
+    (b'{"text": "a"}\r{"text": "b"}\r{"text": }\r', 3, "Expecting value"),
+    (b'\xef\xbb\xbf{"text": "a"}\n', 1, "Unexpected UTF-8 BOM (decode using utf-8-sig)"),
+    (b'{"text": "a"}\n\n{"text": "a"} x\n', 3, "Extra data"),
+])
+def test_jsonl_errors_keep_their_messages(tmp_path, small_tokenizer, content, line, message):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(BadInput) as e:
+        list(P._jsonl_texts(path, "text"))
+    assert str(e.value) == f"{path}:{line}: not valid JSON ({message})"
+
+
+def test_jsonl_not_utf8(tmp_path, small_tokenizer, previous_output):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert_fails(config(tmp_path / "d.jsonl", small_tokenizer), previous_output, r"d.jsonl:2: not UTF-8 text")
