@@ -113,7 +113,7 @@ class PretrainData(Section):
     max_tokens: int = Field(20_000_000, gt=0)
     shard_tokens: int = Field(10_000_000, gt=0)
     val_tokens: int = Field(1_000_000, ge=0)
-    workers: int = Field(0, ge=0, description="tokenizer processes; 0 = one per CPU core")
+    workers: int = Field(0, ge=0, description="tokenizer threads; 0 = one per CPU core")
 
     _sample = field_validator("source", mode="before")(_resolve_sample)
     _source = field_validator("source")(_check_source)
