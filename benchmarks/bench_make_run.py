@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serve import _cpu_model  # noqa: E402
-from bench_startup import delivered, stop_recorder  # noqa: E402
+from bench_startup import delivered, fresh_clone, stop_recorder  # noqa: E402
 
 
 def stage_spans(clone: Path) -> dict[str, float]:
@@ -53,13 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_make_run_") as tmp:
         tmp = Path(tmp)
-        clone = tmp / "gptforge"
-        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME",
-                            "GPTFORGE_WAIT_FOR_RECORDS")}
-        env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PREFECT_HOME=str(tmp / "prefect-home"),
-                   DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1")
+        clone, env = fresh_clone(tmp)
         print("bench_make_run: gptforge pipeline on a fresh clone ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         done = subprocess.run([str(BIN / "gptforge"), "pipeline"], cwd=clone, env=env, capture_output=True, text=True,

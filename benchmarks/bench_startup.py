@@ -99,6 +99,19 @@ def stop_recorder(cwd: Path) -> None:
             time.sleep(0.1)
 
 
+def fresh_clone(tmp: Path) -> tuple[Path, dict]:
+    """A clone of this repository's committed state in `tmp`, and the environment of a user with
+    no servers configured (no PREFECT_API_URL, no MLFLOW_TRACKING_URI, PREFECT_HOME in `tmp`)."""
+    clone = tmp / "gptforge"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME",
+                        "GPTFORGE_WAIT_FOR_RECORDS")}
+    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PREFECT_HOME=str(tmp / "prefect-home"),
+               DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1")
+    return clone, env
+
+
 def set_tracking(clone: Path, enabled: bool) -> None:
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["tracking"]["enabled"] = enabled
@@ -114,13 +127,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         tmp = Path(tmp)
-        clone = tmp / "gptforge"
-        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-        base_env = {k: v for k, v in os.environ.items()
-                    if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME",
-                                 "GPTFORGE_WAIT_FOR_RECORDS")}
-        base_env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PREFECT_HOME=str(tmp / "prefect-home"),
-                        DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1")
+        clone, base_env = fresh_clone(tmp)
         no_prefect = {**base_env, "GPTFORGE_PREFECT": "0"}
         dvc = [str(BIN / "dvc"), "repro", "-f", "-s", "prepare_classify"]
         command = [str(BIN / "gptforge"), "prepare", "classify"]

@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's gptforge, also in the child processes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_serve import _cpu_model as cpu_model  # noqa: E402
 from bench_startup import delivered, stop_recorder  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -190,16 +191,6 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, float]:
 
 def read_shards(folder: Path, names: list[str]) -> np.ndarray:
     return np.concatenate([np.load(folder / name) for name in names])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summary(times: list[float], tokens: int, cpu: list[float] | None = None) -> dict:

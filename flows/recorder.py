@@ -119,21 +119,8 @@ def writer_alive(pid, pid_start) -> bool:
 def read_journal(path: Path, offset: int) -> tuple[list[dict], int]:
     """`read_records`, except that a line that is not JSON (a damaged file) is logged and passed
     over instead of stopping the journal for good."""
-    try:
-        return read_records(path, offset)
-    except ValueError:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                if line.strip():
-                    records.append(json.loads(line))
-            except ValueError:
-                log.warning("journal %s: a line that is not JSON passed over: %.200r", path.name, line)
-        return records, offset + end
+    return read_records(path, offset, on_bad_line=lambda line: log.warning(
+        "journal %s: a line that is not JSON passed over: %.200r", path.name, line))
 
 
 class Delivery:

@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 RECORDS_DIR = Path(".gptforge") / "records"
 RECORDER_DIR = Path(".gptforge") / "recorder"
@@ -136,15 +136,23 @@ class Journal:
                 os.close(self._fd)
 
 
-def read_records(path: str | os.PathLike, offset: int = 0) -> tuple[list[dict], int]:
+def read_records(path: str | os.PathLike, offset: int = 0,
+                 on_bad_line: Callable[[bytes], None] | None = None) -> tuple[list[dict], int]:
     """The complete records of a journal from byte `offset` on, and the offset after the last
-    complete one (a cut last line is left for later, or for never)."""
+    complete one (a cut last line is left for later, or for never). A line that is not JSON (a
+    damaged file) raises ValueError, or goes to `on_bad_line` and is passed over."""
     with open(path, "rb") as f:
         f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
     records = []
     for line in data[:end].splitlines():
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             records.append(json.loads(line))
+        except ValueError:
+            if on_bad_line is None:
+                raise
+            on_bad_line(line)
     return records, offset + end
