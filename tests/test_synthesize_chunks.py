@@ -386,3 +386,14 @@ def test_errors_are_one_line_and_name_the_param(tmp_path):
     msg = error(scans)
     assert "has text" in msg and "page.pdf (no text layer: OCR it first)" in msg
     assert "OCR it first" in error(scans / "page.pdf")
+
+
+def test_chunks_of_an_indented_block_are_stripped_of_their_indentation(count_tokens):
+    # semantic-text-splitter keeps the indentation of a code block's line at a chunk's start
+    # (found on docs/results/tokenize_cpu.md); the chunk's span starts after it.
+    text = "# Output\n\n```\n" + "\n".join(f"  line {i}: some words of output here" for i in range(120)) + "\n```\n"
+    doc = Document("out.md", text, "markdown")
+    chunks = chunk_document(doc, count_tokens=count_tokens, chunk_tokens=40, overlap=0)
+    assert len(chunks) > 5
+    check_chunks(doc, chunks, count_tokens, 40)
+    assert all(not c.text.startswith(" ") for c in chunks)

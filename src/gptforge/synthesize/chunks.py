@@ -201,6 +201,12 @@ def _chunk(doc: Document, splitter, count_tokens: Callable[[str], int], chunk_to
                 f"{doc.source}: semantic_text_splitter's offset {start} does not point at its chunk "
                 "(has the package changed to byte offsets?)"
             )
+        # The Markdown splitter keeps a code block line's indentation at a chunk's start: strip it.
+        start += len(text) - len(text.lstrip())
+        text = text.strip()
+        end = start + len(text)
+        if not text:
+            continue
         tokens = count_tokens(text)
         if tokens > chunk_tokens:
             oversized.append(text)
