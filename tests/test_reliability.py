@@ -25,8 +25,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import (BIN, Paused, cli_env, error_lines, processes_in, run_cli, set_params, snapshot, stage_params,
-                      started)
+from conftest import (BIN, Paused, cli_env, error_lines, processes_in, records_delivered, run_cli, set_params,
+                      snapshot, stage_params, started)
 from gptforge.runtime import locks
 LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
                  "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}
@@ -195,6 +195,7 @@ def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp
     assert step == PAUSE_AT + 1, err[-3000:]
     assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file() and not (ckpts / "final").exists()
     assert processes_in(repo_copy) == []  # dvc and the stage command are gone too
+    records_delivered(repo_copy)  # a stopped stage leaves its records to the recorder
 
     from mlflow.tracking import MlflowClient
 

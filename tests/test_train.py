@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, Paused, cli_env, error_lines, started
+from conftest import BIN, Paused, cli_env, error_lines, records_delivered, started
 from gptforge.config.load import load_config
 from gptforge.data.pretrain import prepare_pretrain
 from gptforge.errors import BadInput, StageFailed
@@ -265,6 +265,7 @@ def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path
     assert last.startswith(f"gptforge: pretrain stopped by {sig.name} at step {step};") and "Traceback" not in err, last
     assert (ckpts / f"step_{step:08d}" / "checksums.json").is_file()
     assert not (ckpts / "final").exists()
+    records_delivered(root)  # a stopped stage leaves its records to the recorder
 
     from mlflow.tracking import MlflowClient
 
