@@ -53,6 +53,9 @@ os.environ.update(
     # leaves soon after the test is done with it.
     GPTFORGE_WAIT_FOR_RECORDS="120",
     GPTFORGE_RECORDER_IDLE_SECONDS="20",
+    # `mlflow server` otherwise starts a job runner and seven huey consumers, each importing
+    # mlflow, for GenAI jobs (scorers, prompt optimization) that gptforge never submits.
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
 )
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on 2 cores: one thread each, for the worker and every process

@@ -1,12 +1,18 @@
-"""The way users run gptforge: deployments from prefect.yaml, a worker, real servers.
+"""The whole pipeline, once, the way users run it: deployments from prefect.yaml, a worker,
+real servers; then `dvc repro` typed in the same repository.
 
 On 127.0.0.1 only: `prefect server start` (the session's), `mlflow server` (sqlite backend,
 artifacts served by it), the `local` process pool and the `gpu` Docker pool, `prefect deploy
 --all`, a process worker, and the pipeline deployment triggered with fixture params through
-`gptforge pipeline --pool local`. Asserted through the Prefect and MLflow APIs, then the two
-UIs are opened in headless Chromium and screenshotted (test artifacts, under
-$GPTFORGE_TEST_ARTIFACTS or test-artifacts/). Servers, worker and browser stop at the end,
-also when an assertion fails.
+`gptforge pipeline --pool local`. Asserted through the Prefect and MLflow APIs and the files
+DVC tracks; the registry as test_dvc.check_registry reads it; triggered again (every stage up
+to date); then `dvc repro` as a user types it runs nothing, and after a params change only the
+stale stages (the acceptance of the foundation issue). The two UIs are opened in headless
+Chromium and screenshotted (test artifacts, under $GPTFORGE_TEST_ARTIFACTS or test-artifacts/).
+Servers, worker and browser stop at the end, also when an assertion fails.
+
+One pipeline run serves both the deployment's checks and DVC's: the suite's longest chain was
+these two full runs side by side.
 """
 
 from __future__ import annotations
@@ -17,11 +23,16 @@ import subprocess
 import time
 from pathlib import Path
 
+import json
+import uuid
+
 import httpx
 import pytest
 import yaml
 
 from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_params, stop_process
+from gptforge.modeling.weights import load_model as load_model_folder
+from test_dvc import check_registry, dvc, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +43,23 @@ ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifact
 
 
 @pytest.fixture
-def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, prefect_api):
+def registry_names() -> dict[str, str]:
+    return {model: f"e2e-{model}-{uuid.uuid4().hex[:8]}" for model in ("pretrain", "classify", "instruct", "preference")}
+
+
+@pytest.fixture
+def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, prefect_api, registry_names):
     """This project's repository with fixture params, its deployments on the server."""
     for code in ("flows", "tasks"):
         shutil.copytree(REPO / code, repo_copy / code, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "prefect.yaml", repo_copy / "prefect.yaml")
     # Its own experiment: the MLflow server's database starts as a copy of the session's,
     # which other tests may already have filled with pipeline runs.
-    set_params(repo_copy, **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
-               **{"tracking.experiment": EXPERIMENT})
+    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+                             "tracking.experiment": EXPERIMENT, "registry.names": registry_names,
+                             "registry.promote": {"classify": {"classify.test_accuracy": ">= 0.0"}},
+                             # the GPT-2 BPE (embedded): the language models then export to transformers
+                             "tokenizer.path": "sample://gpt2_tokenizer", "model.vocab_size": 50304})
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "fixture params"],
                    cwd=repo_copy, check=True)
     env = cli_env(PREFECT_API_URL=prefect_api)
@@ -54,8 +73,9 @@ def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, p
     return repo_copy
 
 
-def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_server, tmp_path):
-    repo = deployed_repo
+def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_repo, prefect_api, mlflow_server,
+                                                                    registry_names, tmp_path):
+    repo, names = deployed_repo, registry_names
     api = httpx.Client(base_url=prefect_api, timeout=30)
     deployments = api.post("/deployments/filter", json={}).json()
     # The pipeline and every stage flow, on each pool (deployment name = pool name; synthesize
@@ -111,6 +131,10 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
             assert child.data.tags["prefect.flow_run_id"] in {f["id"] for f in subflows}
         lock = yaml.safe_load((repo / "dvc.lock").read_text())
         assert set(lock["stages"]) == set(STAGES)
+        check_stage_outputs(repo)
+        check_stage_runs(client, exp.experiment_id)
+        # Stage register: four registered models, lineage on each version, the gate's alias.
+        check_registry(repo, client, names, env)
 
         # Triggered again with no change: DVC finds every stage up to date and rewrites no output.
         outputs = stage_outputs(repo)
@@ -126,6 +150,15 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
         # Reported, not asserted: both include the worker's polling and each flow run's start-up,
         # which a loaded machine stretches; what "up to date" means is checked just above.
         print(f"first pipeline run {first_seconds:.1f} s, second (all up to date) {second_seconds:.1f} s")
+
+        # `dvc repro` typed by a user in the same repository: nothing is stale.
+        typed = dvc(repo, "repro", env=env)
+        assert typed.returncode == 0 and ran_stages(typed.stdout) == [], typed.stdout
+        again = run_cli(["register"], repo, env, timeout=300)  # forced: same weights, so no new version
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert {m: len(client.search_model_versions(f"name = '{n}'")) for m, n in names.items()} == {
+            "pretrain": 1, "classify": 1, "instruct": 1, "preference": 1}
+        check_stale_stages_rerun(repo, client, names, env)
 
         # The two UIs, as a user sees them.
         from browser import Browser, find_chromium
@@ -149,6 +182,70 @@ def test_pipeline_deployment_on_a_worker(deployed_repo, prefect_api, mlflow_serv
         stop_process(worker)
         worker_log.close()
         api.close()
+
+
+def check_stage_outputs(repo: Path) -> None:
+    """What each stage wrote, as DVC tracks it."""
+    assert json.loads((repo / "data/pretrain/manifest.json").read_text())["tokens"]["val"] == 500
+    for folder in ("classify", "instruct"):
+        assert {p.name for p in (repo / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
+    evaluated = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert {"pretrain.hellaswag.acc_norm", "instruct.hellaswag.acc_norm", "preference.hellaswag.acc_norm"} <= set(evaluated)
+    # The preference stage on the embedded pairs (ch. 7's 1,100, 6 identical ones dropped by the data stage).
+    prepared = json.loads((repo / "metrics/prepare_preference.json").read_text())
+    assert prepared["records"] == 1100 and prepared["identical"] == 6
+    preference = json.loads((repo / "metrics/preference.json").read_text())
+    assert preference["train_pairs"] == 8 and preference["val_reward_accuracy_before"] == 0
+    assert len((repo / "reports/preference_responses.jsonl").read_text().splitlines()) == 2
+    assert load_model_folder(repo / "checkpoints/preference/final").config.n_embd == 32
+    assert "| baseline |" in (repo / "reports/benchmark.md").read_text()
+    assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo / "metrics/classify.json").read_text()))
+    assert len((repo / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
+    assert set(json.loads((repo / "metrics/pretrain.json").read_text())) >= {
+        "train_loss", "val_loss", "tokens", "tokens_per_sec", "mfu"}
+    assert (repo / "checkpoints/pretrain/final/model.safetensors").is_file()
+    assert (repo / "plots/pretrain.csv").read_text().startswith("step,train_loss,val_loss,lr")
+
+
+def check_stage_runs(client, experiment_id: str) -> None:
+    """Each stage run is an MLflow run tagged with its DVC stage and its Prefect flow run."""
+    runs = client.search_runs([experiment_id], "tags.`dvc.stage` != ''", order_by=["attributes.start_time ASC"])
+    by_stage = {r.data.tags["dvc.stage"]: r for r in runs}  # the newest run of each stage
+    assert set(STAGES) <= set(by_stage)
+    trained = by_stage["pretrain"]
+    assert trained.info.status == "FINISHED"
+    logged_steps = {m.step for m in client.get_metric_history(trained.info.run_id, "train_loss")}
+    assert {1, 2, 3, 4} <= logged_steps  # per step (log_interval 1), plus the final value
+    assert trained.data.params["model.n_embd"] == "32"
+    artifacts = {a.path for a in client.list_artifacts(trained.info.run_id)}
+    assert {"checkpoint", "pretrain.csv", "pretrain.png", "pretrain.json"} <= artifacts
+    pretrain = by_stage["prepare_pretrain"]
+    assert pretrain.info.status == "FINISHED" and pretrain.data.metrics["tokens_per_sec"] > 0
+    assert pretrain.data.tags["prefect.flow_run_id"] and pretrain.data.tags["git.commit"]
+    assert "manifest.json" in [a.path for a in client.list_artifacts(pretrain.info.run_id)]
+
+
+def check_stale_stages_rerun(repo: Path, client, names: dict, env: dict) -> None:
+    """After a params change, `dvc repro` runs only the stages it makes stale."""
+    # A gate the new classifier fails: it becomes the challenger, the champion stays version 1.
+    set_params(repo, **{"data.classify.splits": [0.6, 0.2, 0.2],
+                        "registry.promote": {"classify": {"classify.test_accuracy": ">= 2.0"}}})
+    third = dvc(repo, "repro", env=env)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert ran_stages(third.stdout) == ["prepare_classify", "finetune_classify", "evaluate", "register"]  # and what depends on it
+    metrics = json.loads((repo / "metrics/prepare_classify.json").read_text())
+    assert metrics["val"] == int(24 * 0.2)
+    assert client.get_model_version_by_alias(names["classify"], "champion").version == "1"
+    challenger = client.get_model_version_by_alias(names["classify"], "challenger")
+    assert challenger.version == "2" and challenger.tags["gptforge.gate"].startswith("failed: classify.test_accuracy")
+    assert json.loads((repo / "metrics/register.json").read_text())["classify.champion"] == 0
+
+    set_params(repo, **{"classify.lr": 1e-4})
+    fourth = dvc(repo, "repro", env=env)
+    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify", "evaluate", "register"], fourth.stdout
+
+    shown = dvc(repo, "metrics", "show", "--json", env=env)
+    assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout
 
 
 def stage_outputs(repo: Path) -> dict[str, int]:

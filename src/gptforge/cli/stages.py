@@ -134,7 +134,7 @@ def cmd_pipeline(args) -> int:
     from gptforge.pipeline.run import check_request, closing_summary, run_pipeline
     from gptforge.runtime import locks
 
-    check_request(args.stages, args.params, args.set)  # before any server starts
+    cfg = check_request(args.stages, args.params, args.set)  # before any server starts
     options = {"pull": args.pull, "push": args.push, "force": args.force}
     if args.pool:
         from flows.submit import submit_pipeline
@@ -148,7 +148,7 @@ def cmd_pipeline(args) -> int:
     with locks.hold("pipeline", "a gptforge pipeline"):
         locks.check_dvc_idle()
         if use_prefect():
-            _use_the_recorders_prefect_server()
+            _use_the_recorders_prefect_server(cfg)
             from flows.outage import run_recorded, say_unrecorded
             from flows.pipeline import FINISHED, pipeline
 
@@ -166,14 +166,18 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
-def _use_the_recorders_prefect_server() -> None:
+def _use_the_recorders_prefect_server(cfg) -> None:
     """With no Prefect API configured, the pipeline's flow runs against the recorder's local
     server (kept between runs), where its stages' journals go too, instead of a temporary server
-    that lives as long as this process."""
+    that lives as long as this process. While that server starts (seconds, on a fresh clone),
+    this process opens the MLflow store its run needs (a fresh database's migrations)."""
     if os.environ.get("PREFECT_API_URL"):
         return
-    from gptforge.runtime import recording
+    from gptforge.runtime import recording, tracking
 
+    recording.want_prefect_server()
+    if cfg.tracking.enabled:
+        tracking.prepare_store(cfg.tracking.experiment)
     url = recording.recorder_prefect_url()
     if url is None:
         log.warning("the recorder's Prefect server did not start (see .gptforge/recorder/recorder.log): "

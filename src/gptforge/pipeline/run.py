@@ -362,10 +362,11 @@ def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:
 
 
 def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
-                  root: Path = Path(".")) -> None:
-    """Everything about a pipeline request that can be checked before any work (BadInput)."""
+                  root: Path = Path(".")) -> Config:
+    """Everything about a pipeline request that can be checked before any work (BadInput);
+    the config the run will use."""
     check_stage_names(stages, dvc_stages(root))
-    resolve_params(params, overrides, root / DEFAULT_PARAMS)
+    return resolve_params(params, overrides, root / DEFAULT_PARAMS)[1]
 
 
 def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> Config:

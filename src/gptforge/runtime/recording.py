@@ -333,10 +333,10 @@ def pending(root: str | os.PathLike = ".") -> list[Path]:
     return sorted((Path(root) / RECORDS_DIR).glob("*.jsonl"))
 
 
-def recorder_prefect_url(root: str | os.PathLike = ".", timeout: float = 120.0) -> str | None:
-    """The URL of the recorder's local Prefect server, started for the asking when it has none
-    yet (the pipeline runs its own flow against it, so that its stages' journals and its flow
-    run meet on one server); None when it did not answer within `timeout`."""
+def want_prefect_server(root: str | os.PathLike = ".") -> None:
+    """Ask the recorder for its local Prefect server, starting the recorder when none runs, and
+    return at once: the server starts in the background while this process goes on with its
+    own set-up (recorder_prefect_url waits for it)."""
     import json
 
     root = Path(root)
@@ -345,6 +345,16 @@ def recorder_prefect_url(root: str | os.PathLike = ".", timeout: float = 120.0) 
     (root / RECORDER_DIR / "want-prefect").write_text(json.dumps({"pid": os.getpid(),
                                                                   "pid_start": process_start(os.getpid())}))
     ensure_recorder(root)
+
+
+def recorder_prefect_url(root: str | os.PathLike = ".", timeout: float = 120.0) -> str | None:
+    """The URL of the recorder's local Prefect server, started for the asking when it has none
+    yet (the pipeline runs its own flow against it, so that its stages' journals and its flow
+    run meet on one server); None when it did not answer within `timeout`."""
+    import json
+
+    root = Path(root)
+    want_prefect_server(root)
     deadline = time.monotonic() + timeout
     state = root / RECORDER_DIR / "state.json"
     checked = time.monotonic()
