@@ -21,7 +21,6 @@ is back by then, the flow run also gets the tag `gptforge.unrecorded-events:N`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, TypeVar
 
@@ -152,28 +151,3 @@ def run_recorded(call: Callable[[], T], finished: Finished, what: str) -> T:
         return finished.result
 
 
-def say_unrecorded(api_url: str | None, flow_run_id: str | None = None) -> None:
-    """The closing warning, when anything could not be recorded; with the server back, the flow
-    run gets a tag with the count of events that were not confirmed when sent."""
-    if not UNRECORDED:
-        return
-    summary = UNRECORDED.summary()
-    events = UNRECORDED.counts.get("events not confirmed when sent", 0)
-    tagged = False
-    if flow_run_id and events:
-        with contextlib.suppress(Exception):  # the server may still be away: the warning says it all
-            tagged = _tag_flow_run(flow_run_id, f"gptforge.unrecorded-events:{events}")
-    log.warning("the Prefect API at %s was unreachable during this run: %s could not be recorded when they "
-                "happened%s", api_url or "(temporary server)", summary,
-                " (the flow run is tagged with the count)" if tagged else "")
-
-
-def _tag_flow_run(flow_run_id: str, tag: str) -> bool:
-    import uuid
-
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        run = client.read_flow_run(uuid.UUID(flow_run_id))
-        client.update_flow_run(run.id, tags=[*run.tags, tag])
-    return True

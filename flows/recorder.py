@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from flows.records_prefect import OwnServer
-from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Skip, process_start, read_records
+from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Skip, Waiting, process_start, read_records
 
 log = logging.getLogger("gptforge.recorder")
 
@@ -58,10 +58,6 @@ MLFLOW_KINDS = {"run_start", "params", "metrics", "tags", "artifact", "text", "h
 PREFECT_KINDS = {"step_start", "step_retry", "step_end", "log", "artifact_md"}
 BATCHED = {"params", "metrics", "tags"}
 GROUP_MAX = 500
-
-
-class Waiting(Exception):
-    """The journal's server is not there yet (the recorder's own, starting): try next pass."""
 
 
 def transient(e: BaseException) -> bool:

@@ -14,8 +14,11 @@ key, and a task run is keyed by (flow run, task key, dynamic key) on the server:
 for a step, the journal's key for the tracker task run of a subflow.
 
 A stage started by the pipeline is a subflow of the pipeline's flow run, as `run_stage_flow`
-(`flows/__init__.py`) makes it in-process: a tracker task run in the parent flow run, then the
+(`flows/stages.py`) makes it in-process: a tracker task run in the parent flow run, then the
 flow run with it as `parent_task_run_id`; at `close` the tracker is settled like the flow run.
+The parent is named by its flow run id (a pipeline in Prefect's engine: a deployment) or by its
+journal's key (`gptforge pipeline` typed: its flow run is a journal too): the child's open waits
+until the recorder has made the parent's flow run.
 
 `OwnServer` is the recorder's own `prefect server start`, for journals with no API URL.
 """
@@ -34,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gptforge.runtime.journal import Skip
+from gptforge.runtime.journal import Skip, Waiting
 
 log = logging.getLogger("gptforge.recorder")
 
@@ -197,7 +200,8 @@ class PrefectSink:
         if state.get("flow_run_id"):
             return
         name = str(rec.get("flow_name") or rec.get("stage") or "stage")
-        parent = (rec.get("prefect") or {}).get("parent_flow_run_id")
+        prefect = rec.get("prefect") or {}
+        parent = prefect.get("parent_flow_run_id") or parent_of(d.path.parent, prefect.get("parent_journal"))
         if parent and not state.get("tracker_task_run_id") and not state.get("no_tracker"):
             tracker = self._task(name, f"gptforge.stage.{name}")
             try:
@@ -341,6 +345,24 @@ def _free_port(remembered: Path) -> int:
         port = s.getsockname()[1]
     remembered.write_text(str(port))
     return port
+
+
+def parent_of(records: Path, key: str | None) -> str | None:
+    """The flow run id of journal `key` in `records` once the recorder has made it; Waiting
+    while that journal is there without one; None when it is gone (delivered, or never there:
+    the child becomes a flow run of its own)."""
+    import json
+
+    if not key:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        made = json.loads((records / f"{key}.state.json").read_text(encoding="utf-8")).get("flow_run_id")
+        if made:
+            return str(made)
+    if (records / f"{key}.jsonl").exists():
+        raise Waiting(f"the flow run of parent journal {key} is not made yet")
+    log.warning("parent journal %s is gone before its flow run was made: a flow run of its own", key)
+    return None
 
 
 def final_state(name: str | None, message: str | None):

@@ -84,7 +84,7 @@ def test_a_stage_run_is_journaled_in_order(folder):
     opened = records[0]
     assert opened["stage"] == "prepare_classify" and opened["pid"] == os.getpid()
     assert opened["parameters"] == {"params": "params.yaml", "overrides": ["a.b=1"]}
-    assert opened["prefect"] == {"enabled": True, "api_url": None, "parent_flow_run_id": None}
+    assert opened["prefect"] == {"enabled": True, "api_url": None, "parent_flow_run_id": None, "parent_journal": None}
     assert opened["mlflow"]["uri"] == f"sqlite:///{folder.resolve()}/mlflow.db"  # absolute: the recorder's cwd may differ
     assert opened["mlflow"]["artifact_location"] == (folder.resolve() / "mlartifacts").as_uri()
     main_start, params = records[1], records[2]
@@ -153,7 +153,8 @@ def test_records_carry_the_pipelines_runs_to_nest_under(folder, monkeypatch):
         pass
     opened = records_of(folder)[0]
     assert opened["mlflow"]["parent_run_id"] == "abc123"
-    assert opened["prefect"] == {"enabled": True, "api_url": "http://127.0.0.1:1/api", "parent_flow_run_id": "flow-run-1"}
+    assert opened["prefect"] == {"enabled": True, "api_url": "http://127.0.0.1:1/api", "parent_flow_run_id": "flow-run-1",
+                                 "parent_journal": None}
 
 
 def test_a_cut_last_line_is_not_a_record(tmp_path):

@@ -400,12 +400,22 @@ def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, re
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("gptforge: pipeline stopped by SIGTERM"), output[-3000:]
     assert "ConnectError" not in output and "Traceback" not in output, output[-5000:]
-    assert "Finished in state Crashed(" in output, output[-5000:]  # the pipeline's flow run
-    records_delivered(repo_copy)  # the stage's, through its journal, on the recorder's server
+    records_delivered(repo_copy)  # the pipeline's and the stage's, through their journals, on the recorder's server
     statuses = _statuses(uri, experiment)
     assert statuses["pipeline"] == "KILLED" and statuses["benchmark"] == "KILLED", statuses
     [run] = [r for r in _runs(uri, experiment) if r.data.tags.get("gptforge.stage") == "benchmark"]
-    assert _flow_run_state(_recorders_api(repo_copy), run.data.tags["prefect.flow_run_id"]) == "CRASHED"
+    api = _recorders_api(repo_copy)
+    assert _flow_run_state(api, run.data.tags["prefect.flow_run_id"]) == "CRASHED"
+    # The pipeline's flow run, the stage's parent, ended Crashed too.
+    request = urllib.request.Request(f"{api}/flow_runs/filter", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"flows": {"name": {"any_": ["pipeline"]}}}).encode())
+    with urllib.request.urlopen(request, timeout=10) as r:
+        [pipeline_run] = json.load(r)
+    assert pipeline_run["state"]["type"] == "CRASHED"
+    with urllib.request.urlopen(f"{api}/flow_runs/{run.data.tags['prefect.flow_run_id']}", timeout=10) as r:
+        tracker = json.load(r)["parent_task_run_id"]
+    with urllib.request.urlopen(f"{api}/task_runs/{tracker}", timeout=10) as r:
+        assert json.load(r)["flow_run_id"] == pipeline_run["id"]
 
 
 @pytest.mark.slow

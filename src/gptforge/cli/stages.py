@@ -5,8 +5,9 @@ A stage command runs its recipe at once and journals its records (the Prefect fl
 task run per step, the MLflow run), which the folder's recorder delivers
 (`gptforge.pipeline.stages.run_recorded`): the process pays for neither Prefect nor MLflow.
 `GPTFORGE_PREFECT=0` (or Prefect not being installed, as on a bare GPU box) leaves Prefect out,
-`tracking.enabled: false` MLflow. `gptforge pipeline` runs its own flow in Prefect's engine
-(`flows.pipeline`), against the recorder's local Prefect server when no PREFECT_API_URL is set.
+`tracking.enabled: false` MLflow. `gptforge pipeline` journals its own flow run the same way
+(`gptforge.pipeline.recorded`); `--pool` submits the deployment that a worker runs in Prefect's
+engine (`flows.pipeline`).
 
 The only library module that imports `flows` and Prefect.
 """
@@ -148,42 +149,15 @@ def cmd_pipeline(args) -> int:
     with locks.hold("pipeline", "a gptforge pipeline"):
         locks.check_dvc_idle()
         if use_prefect():
-            _use_the_recorders_prefect_server(cfg)
-            from flows.outage import run_recorded, say_unrecorded
-            from flows.pipeline import FINISHED, pipeline
+            from gptforge.pipeline.recorded import run_pipeline_recorded
 
-            with _prefect_console():
-                result = run_recorded(lambda: pipeline(stages=args.stages, params=args.params,
-                                                       overrides=list(args.set), **options),
-                                      FINISHED, "flow run pipeline")
-                say_unrecorded(os.environ.get("PREFECT_API_URL"), FINISHED.flow_run_id)
-            summary = result["summary"]
+            summary = run_pipeline_recorded(args.stages, cfg, params=args.params, overrides=list(args.set), **options)
         else:
             report = run_pipeline(args.stages, params=args.params, overrides=args.set, **options)
             report.raise_for_failure()
             summary = closing_summary(report)
     print("\n".join(summary), flush=True)  # after Prefect's own closing lines: what a user reads last
     return 0
-
-
-def _use_the_recorders_prefect_server(cfg) -> None:
-    """With no Prefect API configured, the pipeline's flow runs against the recorder's local
-    server (kept between runs), where its stages' journals go too, instead of a temporary server
-    that lives as long as this process. While that server starts (seconds, on a fresh clone),
-    this process opens the MLflow store its run needs (a fresh database's migrations)."""
-    if os.environ.get("PREFECT_API_URL"):
-        return
-    from gptforge.runtime import recording, tracking
-
-    recording.want_prefect_server()
-    if cfg.tracking.enabled:
-        tracking.prepare_store(cfg.tracking.experiment)
-    url = recording.recorder_prefect_url()
-    if url is None:
-        log.warning("the recorder's Prefect server did not start (see .gptforge/recorder/recorder.log): "
-                    "the pipeline starts a temporary one")
-        return
-    os.environ["PREFECT_API_URL"] = url
 
 
 class _NoExpectedErrors(logging.Filter):

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -396,10 +396,13 @@ def run_pipeline(
     steps: Steps = DIRECT,
     env: Mapping[str, str] | None = None,
     tags: Mapping[str, Any] | None = None,
+    late_tags: Callable[[], Mapping[str, Any]] | None = None,
     root: Path = Path("."),
 ) -> PipelineReport:
     """Run the pipeline in `root` (the repository). Bad params or stage names raise BadInput
-    before any work; a failed stage is reported in the result (`raise_for_failure()`)."""
+    before any work; a failed stage is reported in the result (`raise_for_failure()`).
+    `late_tags` gives tags of the pipeline's MLflow run known only once its stages' records are
+    delivered (its journaled flow run)."""
     start = time.monotonic()
     known = dvc_stages(root)
     check_stage_names(stages, known)
@@ -409,7 +412,7 @@ def run_pipeline(
         locks.check_dvc_idle(root)
         cfg = apply_params(params, overrides, root / DEFAULT_PARAMS)
         return _run(stages, known, cfg, overrides=overrides, pull=pull, push=push, force=force, steps=steps,
-                    env=env, tags=tags, root=root, start=start)
+                    env=env, tags=tags, late_tags=late_tags, root=root, start=start)
 
 
 def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
@@ -426,7 +429,7 @@ def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
 
 def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, overrides: Sequence[str], pull: bool,
          push: bool, force: bool, steps: Steps, env: Mapping[str, str] | None, tags: Mapping[str, Any] | None,
-         root: Path, start: float) -> PipelineReport:
+         late_tags: Callable[[], Mapping[str, Any]] | None, root: Path, start: float) -> PipelineReport:
 
     with tracking.start_run(enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage="pipeline",
                             params={"stages": ",".join(stages) or "all", "force": force,
@@ -454,6 +457,8 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
             report.error = (f"stage {report.failed_stage} failed: {reason}" if report.failed_stage
                             else f"dvc repro failed: {reason}")
         _wait_for_stage_records(root)
+        if late_tags is not None:
+            run.set_tags(late_tags())
         _add_metrics_and_runs(report, known, root, run.run_id)
 
         if report.remote and push and report.ok:
@@ -492,10 +497,11 @@ REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md",
            "reports/preference_responses.jsonl", "plots/")
 
 
-def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None) -> list[str]:
+def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None,
+                    prefect_api: str | None = None) -> list[str]:
     """What a user wants after a run: headline numbers, where the reports are, how to open the
-    MLflow and Prefect UIs on it. Numbers come from the metrics files, so a run that re-ran
-    nothing shows the last results."""
+    MLflow and Prefect UIs on it (`prefect_api`, else PREFECT_API_URL). Numbers come from the
+    metrics files, so a run that re-ran nothing shows the last results."""
     def metric(path: str, key: str):
         with contextlib.suppress(Exception):
             value = read_json(root / path, missing="").get(key)
@@ -530,7 +536,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
     else:
         lines.append(f"MLflow: mlflow ui --backend-store-uri {uri}   then http://127.0.0.1:5000"
                      + (f"  (pipeline run {report.run_id})" if report.run_id else ""))
-    api = os.environ.get("PREFECT_API_URL")
+    api = prefect_api or os.environ.get("PREFECT_API_URL")
     if api:
         ui = api.rstrip("/").removesuffix("/api")
         lines.append(f"Prefect: {ui}/runs" + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))

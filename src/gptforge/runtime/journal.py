@@ -63,6 +63,11 @@ class Skip(Exception):
     a value a server refuses for good): the recorder logs it and goes on with the next."""
 
 
+class Waiting(Exception):
+    """A record that cannot be applied yet (the recorder's own Prefect server is starting, a
+    parent journal's flow run is not made yet): the recorder tries again on its next pass."""
+
+
 def process_start(pid: int) -> float | None:
     """When process `pid` started, in seconds since boot (Linux /proc), to tell it from a later
     process that got the same pid; None where /proc has no answer."""

@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 # The pipeline's Prefect flow run, handed to the stages `dvc repro` starts under it.
 PIPELINE_FLOW_ENV = "GPTFORGE_PIPELINE_FLOW_RUN_ID"
+PIPELINE_JOURNAL_ENV = "GPTFORGE_PIPELINE_JOURNAL"  # the key of a typed pipeline's journal (its flow run)
 # A launcher's journal, handed to its torchrun workers: rank 0 records the stage's MLflow run in it.
 JOURNAL_ENV = "GPTFORGE_JOURNAL"
 WAIT_ENV = "GPTFORGE_WAIT_FOR_RECORDS"
@@ -217,7 +218,8 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
     journal.write("open", stage=stage, flow_name=flow_name, summary=summary, parameters=dict(parameters),
                   pid=os.getpid(), pid_start=process_start(os.getpid()), cwd=os.getcwd(),
                   prefect={"enabled": prefect, "api_url": _prefect_api_url(Path(folder).parent.parent),
-                           "parent_flow_run_id": os.environ.get(PIPELINE_FLOW_ENV) or None},
+                           "parent_flow_run_id": os.environ.get(PIPELINE_FLOW_ENV) or None,
+                           "parent_journal": os.environ.get(PIPELINE_JOURNAL_ENV) or None},
                   mlflow=mlflow_target(experiment) if mlflow else {"enabled": False})
     ensure_recorder(Path(folder).parent.parent)
     handler = _ToJournal(journal) if prefect else None
@@ -257,16 +259,21 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
 
 def _prefect_api_url(root: Path) -> str | None:
     """The Prefect API for the journal: PREFECT_API_URL, except when it is the recorder's own
-    server (under the pipeline): None then, which the recorder reads as its own server on
-    whatever port it has after a restart."""
+    server (under a deployment's pipeline): None then, which the recorder reads as its own
+    server on whatever port it has after a restart."""
+    url = os.environ.get("PREFECT_API_URL") or None
+    if url and url == own_prefect_url(root):
+        return None
+    return url
+
+
+def own_prefect_url(root: str | os.PathLike = ".") -> str | None:
+    """The API URL of the recorder's own Prefect server in `root` when it has one up (no wait)."""
     import json
 
-    url = os.environ.get("PREFECT_API_URL") or None
-    if url:
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads((root / RECORDER_DIR / "state.json").read_text()).get("prefect_api_url") == url:
-                return None
-    return url
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((Path(root) / RECORDER_DIR / "state.json").read_text()).get("prefect_api_url") or None
+    return None
 
 
 @contextlib.contextmanager
@@ -329,45 +336,10 @@ def wait_delivered(paths: list[Path], timeout: float) -> bool:
 
 
 def pending(root: str | os.PathLike = ".") -> list[Path]:
-    """The journals of this folder not delivered yet."""
-    return sorted((Path(root) / RECORDS_DIR).glob("*.jsonl"))
-
-
-def want_prefect_server(root: str | os.PathLike = ".") -> None:
-    """Ask the recorder for its local Prefect server, starting the recorder when none runs, and
-    return at once: the server starts in the background while this process goes on with its
-    own set-up (recorder_prefect_url waits for it)."""
-    import json
-
-    root = Path(root)
-    (root / RECORDER_DIR).mkdir(parents=True, exist_ok=True)
-    # Kept while this process lives (the recorder checks): its server stays up for the pipeline.
-    (root / RECORDER_DIR / "want-prefect").write_text(json.dumps({"pid": os.getpid(),
-                                                                  "pid_start": process_start(os.getpid())}))
-    ensure_recorder(root)
-
-
-def recorder_prefect_url(root: str | os.PathLike = ".", timeout: float = 120.0) -> str | None:
-    """The URL of the recorder's local Prefect server, started for the asking when it has none
-    yet (the pipeline runs its own flow against it, so that its stages' journals and its flow
-    run meet on one server); None when it did not answer within `timeout`."""
-    import json
-
-    root = Path(root)
-    want_prefect_server(root)
-    deadline = time.monotonic() + timeout
-    state = root / RECORDER_DIR / "state.json"
-    checked = time.monotonic()
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            url = json.loads(state.read_text()).get("prefect_api_url")
-            if url:
-                return url
-        if time.monotonic() - checked > 5:  # it exited (idle) between our look and its start: once more
-            checked = time.monotonic()
-            ensure_recorder(root)
-        time.sleep(0.1)
-    return None
+    """The journals of this folder not delivered yet, but for the journal of the pipeline this
+    process runs in or under (GPTFORGE_PIPELINE_JOURNAL): it stays open while its stages run."""
+    pipeline = os.environ.get(PIPELINE_JOURNAL_ENV)
+    return [p for p in sorted((Path(root) / RECORDS_DIR).glob("*.jsonl")) if p.stem != pipeline]
 
 
 def flow_run_of(journal: Journal, timeout: float) -> dict[str, str]:

@@ -344,20 +344,6 @@ def _import_mlflow():
     return mlflow
 
 
-def prepare_store(experiment: str) -> None:
-    """Import mlflow and open the tracking store (a fresh SQLite database's migrations take
-    seconds) with the experiment in it, ahead of `start_run`: the pipeline does it while the
-    recorder's Prefect server starts on the other core. MLflow keeps the store per URI, so the
-    run then starts at once. Failures are left to `start_run`, which reports them."""
-    try:
-        mlflow = _import_mlflow()
-        mlflow.set_tracking_uri(tracking_uri())
-        if mlflow.get_experiment_by_name(experiment) is None:
-            mlflow.create_experiment(experiment, artifact_location=artifact_location(tracking_uri()))
-    except Exception as e:  # noqa: BLE001 (start_run meets it again and says it in one line)
-        log.debug("preparing the MLflow store failed: %s", e)
-
-
 def run_tags(stage: str, tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The tags of every stage run: version, stage, DVC stage, commit, device, handed-down tags."""
     commit = git_commit()
