@@ -36,13 +36,14 @@ from bench_startup import delivered, fresh_clone, stop_recorder  # noqa: E402
 
 
 def stage_spans(clone: Path) -> dict[str, float]:
-    """Stage -> seconds from its journal's `open` to its `close` (a stage run twice: summed)."""
+    """Stage -> seconds from its journal's `open` to its `close` (a stage run twice: summed); the
+    pipeline's own journal (its flow run) spans the whole run and is left out."""
     spans: dict[str, float] = {}
     for path in sorted((clone / ".gptforge" / "records" / "delivered").glob("*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         opened = next(r for r in records if r["kind"] == "open")
         closed = next((r for r in records if r["kind"] == "close"), None)
-        if closed is not None:
+        if closed is not None and opened["stage"] != "pipeline":  # the pipeline's own journal: the whole run
             spans[opened["stage"]] = spans.get(opened["stage"], 0.0) + closed["time"] - opened["time"]
     return spans
 
