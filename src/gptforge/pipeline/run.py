@@ -14,8 +14,9 @@ DVC decides what is stale; this module only wraps it. One pipeline run is:
 
 The result is a `PipelineReport`: each stage's status (ran, up to date, restored from DVC's
 run cache, failed, not run), duration, headline metrics and MLflow run. A failed stage fails
-the pipeline with the stage named. The library never imports Prefect: `flows/pipeline.py`
-adds the flow, its tasks and the markdown artifact.
+the pipeline with the stage named. The library never imports Prefect: a typed pipeline
+journals its flow run, tasks and markdown artifact (`gptforge.pipeline.recorded`), and
+`flows/pipeline.py` makes them in Prefect's engine for a deployment.
 """
 
 from __future__ import annotations
