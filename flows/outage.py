@@ -12,11 +12,12 @@ on the same port and database):
   about a minute (2 + 4 + 8 + 16 + 32 s) once it has reached the server: a 30 s restart is
   ridden out, a longer outage makes the call raise, and the stage failed on it.
 
-Here: the failed-event lines and log batches are counted instead of printed, a
-stage (or the pipeline) whose work finished returns its result even when its final state
-cannot be recorded, artifacts and the pipeline's subflow bookkeeping are best effort, and the
-command ends with one warning that says what could not be recorded and where. When the server
-is back by then, the flow run also gets the tag `gptforge.unrecorded-events:N`.
+Here, for the flows that run in Prefect's engine (deployments on a worker): the failed-event
+lines and log batches are counted instead of printed (`UNRECORDED`), a stage (or the pipeline)
+whose work finished returns its result even when its final state cannot be recorded, and
+artifacts and the pipeline's subflow bookkeeping are best effort. Commands typed in a shell do
+not meet any of this: their records go through journals (docs/records.md), which a server that
+is away only delays.
 """
 
 from __future__ import annotations
