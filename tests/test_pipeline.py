@@ -178,3 +178,20 @@ def test_offline_hub_source_fails_naming_stage_and_param(repo_copy, small_tokeni
     assert line.startswith("gptforge: error: stage prepare_pretrain failed: cannot load hf://HuggingFaceFW/fineweb-edu")
     assert line.endswith("set data.pretrain.source to a local copy")
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_summary(repo_copy, sms_file,
+                                                                                       mlflow_uri):
+    """The pipeline journals its flow run: a configured Prefect server that is down holds the
+    journals (delivered when it is back), and the pipeline does not wait for them at its end."""
+    set_params(repo_copy, **{"data.classify.source": str(sms_file)})
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    env = cli_env(PREFECT_API_URL=dead, MLFLOW_TRACKING_URI=mlflow_uri, GPTFORGE_WAIT_FOR_RECORDS="0")
+    out = run_cli(["pipeline", "prepare_classify", "--no-pull", "--no-push"], repo_copy, env, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"the Prefect API at {dead} does not answer: 1 stage journal(s) wait in" in out.stderr, out.stderr[-3000:]
+    assert "has not delivered" not in out.stderr, out.stderr[-3000:]
+    waiting = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0]
+                     for p in (repo_copy / ".gptforge" / "records").glob("*.jsonl"))
+    assert waiting == ["pipeline", "prepare_classify"], waiting  # kept until the server answers

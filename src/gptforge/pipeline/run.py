@@ -422,6 +422,13 @@ def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
     from gptforge.runtime import recording
 
     journals = recording.pending(root)
+    api = os.environ.get("PREFECT_API_URL")
+    if journals and api and not recording.answers(api):
+        # The recorder holds each journal whole while its Prefect side cannot go out: waiting
+        # would only delay the summary, which then lacks the stages' MLflow links.
+        log.warning("the Prefect API at %s does not answer: %d stage journal(s) wait in %s and are delivered "
+                    "when it is back", api, len(journals), recording.RECORDS_DIR)
+        return
     if journals and not recording.wait_delivered(journals, timeout):
         log.warning("the recorder has not delivered %d stage journal(s) within %.0f s; the summary may lack "
                     "their MLflow links (they are delivered in the background)",

@@ -342,6 +342,17 @@ def pending(root: str | os.PathLike = ".") -> list[Path]:
     return [p for p in sorted((Path(root) / RECORDS_DIR).glob("*.jsonl")) if p.stem != pipeline]
 
 
+def answers(api_url: str, timeout: float = 3.0) -> bool:
+    """Whether the Prefect API at `api_url` answers its health check within `timeout`."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001 - refused, timed out, an error status: it does not answer
+        return False
+
+
 def flow_run_of(journal: Journal, timeout: float) -> dict[str, str]:
     """The tags that name a journal's Prefect flow run (`prefect.flow_run_id`, `..._name`), once
     the recorder has made it (bounded wait; {} when it has not), for a stage whose MLflow run is
