@@ -135,7 +135,7 @@ def cmd_pipeline(args) -> int:
     from gptforge.pipeline.run import check_request, closing_summary, run_pipeline
     from gptforge.runtime import locks
 
-    cfg = check_request(args.stages, args.params, args.set)  # before any server starts
+    check_request(args.stages, args.params, args.set)  # before any server starts
     options = {"pull": args.pull, "push": args.push, "force": args.force}
     if args.pool:
         from flows.submit import submit_pipeline
@@ -151,7 +151,7 @@ def cmd_pipeline(args) -> int:
         if use_prefect():
             from gptforge.pipeline.recorded import run_pipeline_recorded
 
-            summary = run_pipeline_recorded(args.stages, cfg, params=args.params, overrides=list(args.set), **options)
+            summary = run_pipeline_recorded(args.stages, params=args.params, overrides=list(args.set), **options)
         else:
             report = run_pipeline(args.stages, params=args.params, overrides=args.set, **options)
             report.raise_for_failure()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from gptforge.config.schema import Config
 from gptforge.pipeline.run import closing_summary, run_pipeline
 
 # How long the pipeline's end waits for the recorder to have made its flow run (for its MLflow
@@ -26,8 +25,8 @@ from gptforge.pipeline.run import closing_summary, run_pipeline
 FLOW_RUN_WAIT_SECONDS = 10.0
 
 
-def run_pipeline_recorded(stages: Sequence[str], cfg: Config, *, params: str | None, overrides: Sequence[str],
-                          pull: bool, push: bool, force: bool) -> list[str]:
+def run_pipeline_recorded(stages: Sequence[str], *, params: str | None, overrides: Sequence[str], pull: bool,
+                          push: bool, force: bool) -> list[str]:
     """Run the pipeline with its flow run journaled; the closing summary's lines. A failed
     stage raises StageFailed after the summary artifact is recorded."""
     from gptforge.runtime import recording
@@ -36,8 +35,7 @@ def run_pipeline_recorded(stages: Sequence[str], cfg: Config, *, params: str | N
                   "force": force}
     with recording.recorded(stage="pipeline", flow_name="pipeline",
                             summary="dvc repro of every stage (or the named ones), each stage a subflow",
-                            parameters=parameters, prefect=True, mlflow=False,
-                            experiment=cfg.tracking.experiment) as steps:
+                            parameters=parameters, prefect=True, mlflow=False) as steps:
         made: dict[str, str] = {}
 
         def flow_run_tags() -> dict[str, str]:

@@ -363,11 +363,10 @@ def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:
 
 
 def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
-                  root: Path = Path(".")) -> Config:
-    """Everything about a pipeline request that can be checked before any work (BadInput);
-    the config the run will use."""
+                  root: Path = Path(".")) -> None:
+    """Everything about a pipeline request that can be checked before any work (BadInput)."""
     check_stage_names(stages, dvc_stages(root))
-    return resolve_params(params, overrides, root / DEFAULT_PARAMS)[1]
+    resolve_params(params, overrides, root / DEFAULT_PARAMS)
 
 
 def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], target: Path) -> Config:

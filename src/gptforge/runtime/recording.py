@@ -207,9 +207,11 @@ def mlflow_target(experiment: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[str, Any], prefect: bool,
-             mlflow: bool, experiment: str, folder: str | os.PathLike = RECORDS_DIR) -> Iterator[JournalSteps | None]:
+             mlflow: bool, experiment: str | None = None,
+             folder: str | os.PathLike = RECORDS_DIR) -> Iterator[JournalSteps | None]:
     """Around one stage run: its journal open, the recorder running, its log lines recorded.
-    Yields the steps to run the recipe with (task runs) when Prefect records it, else None."""
+    Yields the steps to run the recipe with (task runs) when Prefect records it, else None.
+    `experiment` is the MLflow experiment of a run with `mlflow`."""
     global _current
     from gptforge.errors import GptforgeError
     from gptforge.runtime.signals import stop_cause, stop_signal
@@ -217,7 +219,7 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
     journal = Journal(folder, new_key(stage))
     journal.write("open", stage=stage, flow_name=flow_name, summary=summary, parameters=dict(parameters),
                   pid=os.getpid(), pid_start=process_start(os.getpid()), cwd=os.getcwd(),
-                  prefect={"enabled": prefect, "api_url": _prefect_api_url(Path(folder).parent.parent),
+                  prefect={"enabled": prefect, "api_url": os.environ.get("PREFECT_API_URL") or None,
                            "parent_flow_run_id": os.environ.get(PIPELINE_FLOW_ENV) or None,
                            "parent_journal": os.environ.get(PIPELINE_JOURNAL_ENV) or None},
                   mlflow=mlflow_target(experiment) if mlflow else {"enabled": False})
@@ -255,16 +257,6 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
             if wait > 0 and not wait_delivered([journal.path], wait):
                 log.warning("the recorder has not delivered %s within %g s; it goes on in the background",
                             journal.path, wait)
-
-
-def _prefect_api_url(root: Path) -> str | None:
-    """The Prefect API for the journal: PREFECT_API_URL, except when it is the recorder's own
-    server (under a deployment's pipeline): None then, which the recorder reads as its own
-    server on whatever port it has after a restart."""
-    url = os.environ.get("PREFECT_API_URL") or None
-    if url and url == own_prefect_url(root):
-        return None
-    return url
 
 
 def own_prefect_url(root: str | os.PathLike = ".") -> str | None:
