@@ -88,6 +88,34 @@ def test_process_exit_code_and_single_line(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("raised", ["stop", "error"])
+def test_the_last_line_is_a_line_of_its_own_after_a_bar_cut_off_mid_draw(capsys, monkeypatch, raised):
+    """A signal can land inside a progress bar's close, which then draws nothing: the bar's
+    half line is still there, and the CLI's last line starts a line of its own all the same."""
+    import sys
+
+    from gptforge import cli
+    from gptforge.errors import BadInput
+    from gptforge.runtime.signals import Terminated
+
+    def half_drawn_then(_args):
+        sys.stderr.write("\rclassify epoch 3/9:   0%|          | 0/4 [00:00<?, ?batch/s]")
+        raise Terminated(15) if raised == "stop" else BadInput("no such file")
+
+    import argparse
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(parser, "parse_args", lambda argv: argparse.Namespace(func=half_drawn_then))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    rc = cli.main(["config", "show"])
+    err = capsys.readouterr().err
+    assert rc == (143 if raised == "stop" else 2)
+    assert err.splitlines()[-1] == ("gptforge: stopped by SIGTERM" if raised == "stop"
+                                    else "gptforge: error: no such file"), err
+    assert err.endswith("batch/s]\n" + err.splitlines()[-1] + "\n")
+    assert sys.stderr is not None and not hasattr(sys.stderr, "at_line_start")  # main() put stderr back
+
+
 # ---------------------------------------------------------------------------------------------
 # Real servers: the stage as a Prefect flow run with task runs, and as an MLflow run
 

@@ -67,6 +67,31 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+class _LineEnds:
+    """sys.stderr, remembering whether what was last written ended its line, so that the
+    error line starts a line of its own even after a progress bar that a signal cut off
+    mid-draw (a bar closed while the signal's exception was raised inside it draws nothing)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.at_line_start = text.endswith(("\n", "\r"))
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _say(line: str) -> None:
+    """The command's last line, on stderr, on a line of its own."""
+    _close_progress_bars()
+    starts = getattr(sys.stderr, "at_line_start", True)
+    print(line if starts else f"\n{line}", file=sys.stderr)
+
+
 def _skip_exit_gc() -> None:
     """Let the process end without the interpreter's last garbage collections: with torch,
     MLflow and Prefect loaded they walk millions of objects for 1-4 s after the work is done
@@ -120,40 +145,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     _skip_exit_gc()
     keep_freed_memory()  # CPU steps reuse their freed buffers instead of page-faulting them back
     terminate_as_interrupt()  # SIGTERM stops like Ctrl-C: MLflow runs end KILLED, exit 143
+    stderr = sys.stderr = _LineEnds(sys.stderr)
+    try:
+        return _run(argv)
+    finally:
+        if sys.stderr is stderr:
+            sys.stderr = stderr.stream
+
+
+def _run(argv: Sequence[str] | None) -> int:
     _setup_logging()
     debug = bool(os.environ.get("GPTFORGE_DEBUG"))
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except GptforgeError as e:
-        _close_progress_bars()
         if debug:
+            _close_progress_bars()
             traceback.print_exc()
-        print(f"gptforge: error: {_one_line(e)}", file=sys.stderr)
+        _say(f"gptforge: error: {_one_line(e)}")
         return e.exit_code
     except KeyboardInterrupt as e:
-        _close_progress_bars()
         # Stopped: a loop that saved its state on SIGINT/SIGTERM says where; else plain Ctrl-C.
-        print(f"gptforge: {_one_line(e) or 'interrupted'}", file=sys.stderr)
+        _say(f"gptforge: {_one_line(e) or 'interrupted'}")
         return 128 + getattr(e, "signum", 2)
     except Exception as e:  # an unexpected failure: still one line unless debugging
-        _close_progress_bars()
         stop = stop_cause(e)
         if stop is not None:  # stopped, and a library's cleanup raised on the way out
             signum = stop_signal(stop)
-            print(f"gptforge: stopped by {signal.Signals(signum).name} ({type(e).__name__} on the way out: "
-                  f"{_one_line(e)})", file=sys.stderr)
+            _say(f"gptforge: stopped by {signal.Signals(signum).name} ({type(e).__name__} on the way out: "
+                 f"{_one_line(e)})")
             return 128 + signum
         if debug:
+            _close_progress_bars()
             traceback.print_exc()
-        print(f"gptforge: error: {type(e).__name__}: {_one_line(e)} (GPTFORGE_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        _say(f"gptforge: error: {type(e).__name__}: {_one_line(e)} (GPTFORGE_DEBUG=1 shows the traceback)")
         return 1
     except BaseException as e:
-        _close_progress_bars()
         signum = stop_signal(e)
         if signum is None:
+            _close_progress_bars()
             raise
         # Prefect's SIGTERM bridge inside a flow run (TerminationSignal): the run was stopped.
-        print(f"gptforge: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        _say(f"gptforge: stopped by {signal.Signals(signum).name}")
         return 128 + signum
