@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -209,10 +210,43 @@ def alpaca_file(tmp_path) -> Path:
 # Servers and the CLI
 
 
+_SHARED_TMP: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_tmp(tmp_path_factory) -> None:
+    """The folder that every xdist worker of this run shares (a single process: its own base)."""
+    base = tmp_path_factory.getbasetemp()
+    _SHARED_TMP[:] = [base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base]
+
+
+def prefect_home(folder: Path) -> Path:
+    """`folder` as a PREFECT_HOME whose database has every migration applied: a copy of one made
+    once per run for all workers (`prefect server database upgrade`), since migrations are ~6 s
+    of a fresh server's ~9 s start. A fresh clone's first start (migrations included) is what
+    benchmarks/bench_startup.py and bench_make_run.py time."""
+    root = _SHARED_TMP[0]
+    template = root / "prefect-template" / "prefect.db"
+    with open(root / "prefect-template.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not template.exists():
+            work = root / "prefect-template.tmp"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            env = {**os.environ, "PREFECT_HOME": str(work)}
+            env.pop("PREFECT_API_URL", None)
+            subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env, check=True,
+                           capture_output=True, timeout=300)
+            work.rename(template.parent)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(template, folder / "prefect.db")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real `prefect server start` on a free loopback port, shared by the session."""
-    home = tmp_path_factory.mktemp("prefect-home")
+    home = prefect_home(tmp_path_factory.mktemp("prefect-home"))
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     # The UI asks this URL for its data (its default is port 4200).

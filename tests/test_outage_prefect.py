@@ -27,7 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, Paused, cli_env, free_port, records_delivered, run_cli, set_params, stage_params, wait_http
+from conftest import (BIN, Paused, cli_env, free_port, prefect_home, records_delivered, run_cli, set_params,
+                      stage_params, wait_http)
 
 
 class PrefectServer:
@@ -63,9 +64,7 @@ class PrefectServer:
 
 @pytest.fixture
 def prefect_server(tmp_path):
-    home = tmp_path / "prefect-home"
-    home.mkdir()
-    server = PrefectServer(home)
+    server = PrefectServer(prefect_home(tmp_path / "prefect-home"))
     server.start()
     yield server
     server.kill()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, free_port
+from conftest import REPO, cli_env, free_port, prefect_home
 from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Journal, process_start
 
 T0 = 1_700_000_000.0  # the records' times: fixed, so the runs' times can be checked exactly
@@ -88,7 +88,8 @@ def write_stage(j: Journal, work: Path, t: float = T0, close: bool = True) -> No
 
 
 def recorder_env(work: Path, **extra: str) -> dict[str, str]:
-    env = cli_env(**{"GPTFORGE_RECORDER_IDLE_SECONDS": "3", "PREFECT_HOME": str(work / ".prefect-home"), **extra})
+    home = prefect_home(work / ".prefect-home")
+    env = cli_env(**{"GPTFORGE_RECORDER_IDLE_SECONDS": "3", "PREFECT_HOME": str(home), **extra})
     env.pop("PREFECT_API_URL", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, run_cli
+from conftest import cli_env, prefect_home, run_cli
 from gptforge.cli import main
 
 HEAVY = ("torch", "prefect", "mlflow", "transformers", "datasets", "pydantic")
@@ -133,7 +133,7 @@ def test_with_no_prefect_server_a_failed_stage_is_one_line_and_its_flow_run_goes
     only line, and the recorder delivers its Failed flow run to the recorder's own local server."""
     (tmp_path / "params.yaml").write_text("data:\n  classify:\n    source: broken.zip\ntracking:\n  enabled: false\n")
     (tmp_path / "broken.zip").write_bytes(b"not a zip at all")
-    env = cli_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    env = cli_env(PREFECT_HOME=str(prefect_home(tmp_path / "prefect-home")))
     env.pop("PREFECT_API_URL", None)
     env.pop("GPTFORGE_PREFECT", None)
     r = run_cli(["prepare", "classify"], cwd=tmp_path, env=env)

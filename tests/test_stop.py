@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, REPO, SMS_LINES, Paused, cli_env, logged, processes_in, records_delivered, run_cli, set_params, snapshot,
-                      stage_params, started, wait_until)
+from conftest import (BIN, REPO, SMS_LINES, Paused, cli_env, logged, prefect_home, processes_in, records_delivered,
+                      run_cli, set_params, snapshot, stage_params, started, wait_until)
 from gptforge.runtime.signals import group_alive
 
 # Seconds from the signal to a process-free folder: the bound users expect, and the point of
@@ -351,7 +351,8 @@ def _tracked_env(tmp_path: Path, mlflow_uri: str, **extra: str) -> tuple[dict, s
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri[len("sqlite:///"):], db)
     uri = f"sqlite:///{db}"
-    env = cli_env(MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", PREFECT_HOME=str(tmp_path / "prefect-home"), **extra)
+    home = prefect_home(tmp_path / "prefect-home")
+    env = cli_env(MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", PREFECT_HOME=str(home), **extra)
     if "PREFECT_API_URL" not in extra:
         env.pop("PREFECT_API_URL", None)
     return env, uri
