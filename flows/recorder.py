@@ -1,5 +1,6 @@
 """The recorder: one long-lived process per working folder that turns the stages' journals into
-MLflow runs and Prefect flow and task runs (`python -m flows.recorder`, in the working folder).
+MLflow runs and Prefect flow and task runs (`python -m flows.recorder`, in the working folder,
+or forked there by the recorder host, flows/recorder_host.py).
 
 Why: importing MLflow and Prefect, opening MLflow's SQLite store and registering a Prefect flow
 run cost each stage process 2-9 s before its first line of work. A stage now only appends what
@@ -46,6 +47,7 @@ from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Skip, Waiting, p
 log = logging.getLogger("gptforge.recorder")
 
 IDLE_ENV = "GPTFORGE_RECORDER_IDLE_SECONDS"
+IDLE_SECONDS = 300.0
 SERVER_TIMEOUT_ENV = "GPTFORGE_RECORDER_SERVER_TIMEOUT"
 POLL_SECONDS = 0.2
 MAX_BACKOFF = 30.0
@@ -182,7 +184,7 @@ class Recorder:
         self.records = root / RECORDS_DIR
         self.folder = root / RECORDER_DIR
         self.delivered = self.records / "delivered"
-        self.idle_seconds = _seconds(IDLE_ENV, 300.0)
+        self.idle_seconds = _seconds(IDLE_ENV, IDLE_SECONDS)
         self.server = OwnServer(self.folder, _seconds(SERVER_TIMEOUT_ENV, 90.0), self._server_url)
         self.deliveries: dict[str, Delivery] = {}
         self.mlflow = None

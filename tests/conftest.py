@@ -75,7 +75,7 @@ def pytest_sessionfinish(session, exitstatus):
     for proc in psutil.process_iter(["cmdline", "cwd"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if "flows.recorder" in cmd and base and (proc.info["cwd"] or "").startswith(base):
+            if {"flows.recorder", "flows.recorder_host"} & set(cmd) and base and (proc.info["cwd"] or "").startswith(base):
                 proc.terminate()
         except (psutil.Error, OSError):
             pass
@@ -322,7 +322,7 @@ def processes_in(folder: Path) -> list[str]:
     found, recorders = [], set()
     for p in psutil.process_iter(["pid", "cwd", "cmdline"]):
         try:
-            if "flows.recorder" in (p.info["cmdline"] or []):
+            if {"flows.recorder", "flows.recorder_host"} & set(p.info["cmdline"] or []):
                 recorders.add(p.pid)
                 recorders.update(c.pid for c in p.children(recursive=True))
             elif p.info["cwd"] and Path(p.info["cwd"]).resolve() == folder.resolve() and p.pid != os.getpid():

@@ -2,7 +2,7 @@
 
 `recorded(...)` wraps one stage run: it opens the journal (the `open` record says where the
 records go: the MLflow store and experiment, the Prefect API, the pipeline's runs to nest
-under), makes sure the recorder runs in this folder (it starts `python -m flows.recorder`,
+under), makes sure the recorder runs in this folder (gptforge.runtime.recorder_launch starts one,
 detached, when none holds the folder's lock), sends the `gptforge` logger's lines to the journal,
 and ends with the `close` record. Inside it:
 
@@ -25,13 +25,12 @@ import fcntl
 import itertools
 import logging
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Journal, new_key, process_start
+from gptforge.runtime.recorder_launch import start_recorder
 from gptforge.runtime.steps import Retry, Steps
 
 log = logging.getLogger("gptforge")
@@ -304,17 +303,14 @@ def recorder_running(root: str | os.PathLike = ".") -> bool:
 
 
 def ensure_recorder(root: str | os.PathLike = ".") -> None:
-    """Start the recorder for this folder unless one runs: detached (its own session, no
-    terminal), so that it outlives this process and a Ctrl-C here does not reach it. Two
-    stages starting one at the same moment is fine: the second recorder finds the lock taken
-    and exits."""
+    """Start the recorder for this folder unless one runs (gptforge.runtime.recorder_launch:
+    forked by the recorder host, or a process of its own). Two stages starting one at the same
+    moment is fine: the second recorder finds the lock taken and exits."""
     root = Path(root)
     if recorder_running(root):
         return
     (root / RECORDER_DIR).mkdir(parents=True, exist_ok=True)
-    with open(root / RECORDER_DIR / "recorder.out", "ab") as out:
-        subprocess.Popen([sys.executable, "-m", "flows.recorder"], cwd=root, stdin=subprocess.DEVNULL, stdout=out,
-                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    start_recorder(root)
 
 
 def wait_delivered(paths: list[Path], timeout: float) -> bool:
