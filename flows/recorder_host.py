@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import importlib
 import json
 import os
@@ -32,10 +33,11 @@ from flows.recorder import IDLE_ENV, IDLE_SECONDS, Recorder
 
 # What a recorder imports on its way (its sinks import them lazily): loaded here, before any
 # fork. A module that is not installed is skipped: the recorder meets the same error itself.
-PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.tracking", "gptforge.runtime.records_mlflow",
-           "gptforge.runtime.tracking", "prefect", "prefect.flows", "prefect.tasks", "prefect.states",
-           "prefect.client.orchestration", "prefect.client.schemas.actions", "prefect.client.schemas.objects",
-           "flows.records_prefect", "flows.recorder")
+PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store",
+           "mlflow.tracking", "sqlalchemy.dialects.sqlite", "alembic.command", "alembic.config",
+           "gptforge.runtime.records_mlflow", "gptforge.runtime.tracking", "prefect", "prefect.flows", "prefect.tasks",
+           "prefect.states", "prefect.client.orchestration", "prefect.client.schemas.actions",
+           "prefect.client.schemas.objects", "prefect.client.schemas.filters", "flows.records_prefect")
 
 
 def serve(path: Path) -> int:
@@ -52,6 +54,9 @@ def serve(path: Path) -> int:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    # A child's garbage collections would walk (and so copy, page by page) every object the
+    # host made: frozen, they are not collected and stay shared.
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads > 1:
         print(f"{time.strftime('%H:%M:%S')} {threads} threads after the imports: forking anyway", flush=True)
