@@ -358,3 +358,74 @@ def test_chat_without_a_chat_template_uses_the_instruct_template(tmp_path):
     prompt = render_conversation(messages, cfg.instruct.template)
     assert prompt.startswith("Below is an instruction") and prompt.count("### Response:") == 2
     assert lm.chat_ids(messages) == lm.tokenizer(prompt)["input_ids"]
+
+
+# -- a body over the limit, from clients that send it all before they read ----------------------
+
+def test_a_body_over_the_limit_gets_its_413_even_from_clients_that_send_it_all_first(server):
+    """urllib and requests write the whole body before they read: the server reads and drops it
+    (up to its drain bound, 64 MiB), then answers 413 and closes, so they get the answer, not
+    the reset a close with unread bytes makes. 16 MiB: more than the sockets' buffers hold."""
+    import urllib.error
+    import urllib.request
+
+    import requests
+
+    url = f"{server.url}/v1/completions"
+    body = json.dumps({"model": "tiny", "prompt": "x" * (16 << 20)}).encode()
+    headers = {**auth(), "Content-Type": "application/json"}
+
+    def answers():
+        for framing, data in (("Content-Length", body), ("chunked", (body[i:i + (1 << 20)]
+                                                                    for i in range(0, len(body), 1 << 20)))):
+            with pytest.raises(urllib.error.HTTPError) as e:  # urllib also sends Connection: close
+                urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60)
+            yield f"urllib, {framing}", e.value.code, e.value.headers.get("Connection"), e.value.read()
+        for close in (False, True):
+            r = requests.post(url, data=body, headers={**headers, **({"Connection": "close"} if close else {})},
+                              timeout=60)
+            yield f"requests, Connection: close {close}", r.status_code, r.headers.get("Connection"), r.content
+
+    for what, status, connection, content in answers():
+        assert (status, connection) == (413, "close"), what
+        assert json.loads(content)["error"] == {
+            "message": "the request body is over the limit of 1048576 bytes", "type": "invalid_request_error",
+            "param": None, "code": "request_too_large"}, what
+    good = httpx.post(url, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                      headers=auth(), timeout=60)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_far_beyond_the_drain_bound_is_dropped_unbuffered_and_its_connection_closed(server, framing):
+    """A body past the drain bound (declared, or found while a chunked one streams in) is not read
+    to its end: the client gets the 413 or a closed connection, and the server neither holds the
+    body in memory nor stops serving."""
+    import socket
+
+    proc = psutil.Process(server.proc.pid)
+    rss_before = proc.memory_info().rss
+    total, piece = 256 << 20, b"x" * (1 << 20)
+    length = f"Content-Length: {total}" if framing == "content-length" else "Transfer-Encoding: chunked"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\n{length}\r\n\r\n").encode()
+    frame = piece if framing == "content-length" else b"%x\r\n%s\r\n" % (len(piece), piece)
+    sent, answer = 0, b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        try:
+            sock.sendall(head)
+            while sent < total:
+                sock.sendall(frame)
+                sent += len(piece)
+        except OSError:  # the server closed the connection: a reset, or a broken pipe
+            pass
+        try:
+            while chunk := sock.recv(1 << 16):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert sent < total, "the server read the whole body"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    rss_after = proc.memory_info().rss
+    assert rss_after - rss_before < 32 << 20, (rss_before, rss_after)
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"

@@ -37,6 +37,7 @@ from gptforge.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_BODY_LIMIT = 1 << 20  # 1 MiB: far above any prompt a served context holds
+DRAIN_LIMIT = 64 << 20  # 64 MiB: the most of a body the app did not read that is read and dropped (`_Guard`)
 
 
 class APIError(Exception):
@@ -372,9 +373,16 @@ async def _stream(job, model: str, rid: str, created: int, chat: bool, include_u
 class _Guard:
     """ASGI wrapper around the app (pure ASGI, so streamed answers pass through untouched):
     counts every answer by endpoint and status, requires the API key on /v1/*, adds the page's
-    security headers to / and /static/, and answers 413
-    to a body over `body_limit` bytes before the app reads it (by its Content-Length, or while
-    a chunked body streams in)."""
+    security headers to / and /static/, and answers 413 to a body over `body_limit` bytes
+    before the app reads it (by its Content-Length, or while a chunked body streams in).
+
+    A body the app did not read to its end (a 413, a 401, an unknown route) is read and dropped
+    before the answer goes out, up to DRAIN_LIMIT bytes in all: a client that sends its whole
+    body before it reads (urllib, requests) then finds the answer. Closing with bytes unread
+    makes the kernel reset the connection, and such a client sees the reset instead (uvicorn
+    closes right after an answer when the client sent `Connection: close`, as urllib does).
+    A body declared or found longer than DRAIN_LIMIT, or one its client holds back until a
+    `100 Continue`, is left unread and the answer closes the connection; a 413 always does."""
 
     def __init__(self, app: FastAPI, metrics: ServeMetrics, *, api_key: str | None, body_limit: int):
         self.app, self.metrics, self.api_key, self.limit = app, metrics, api_key, body_limit
@@ -386,37 +394,62 @@ class _Guard:
         path = scope["path"]
         endpoint = path if path in _ENDPOINTS else "other"
         status = []
-
         page = path == "/" or path.startswith("/static/")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        declared = int(length) if length is not None and length.isdigit() else None
+        seen, ended = 0, not (declared or b"transfer-encoding" in headers)  # the body's bytes read; all read
+        waiting = headers.get(b"expect", b"").lower() == b"100-continue"  # no 100 Continue sent yet
+
+        async def counted_receive():
+            nonlocal seen, ended, waiting
+            waiting = False  # the server answers 100 Continue to the first read
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                ended = not message.get("more_body", False)
+                if seen > self.limit:
+                    raise _TooLarge
+            else:
+                ended = True
+            return message
+
+        async def drain() -> bool:
+            """Read and drop the rest of the body; False where it is left unread (see the class)."""
+            nonlocal seen, ended
+            if ended:
+                return True
+            if waiting or (declared or 0) > DRAIN_LIMIT:
+                return False
+            while seen <= DRAIN_LIMIT:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    ended = True
+                    return True
+                seen += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    ended = True
+                    return True
+            return False
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                if page:
-                    message = {**message, "headers": [*message.get("headers", []), *_PAGE_HEADERS]}
+                extra = list(_PAGE_HEADERS) if page else []
+                if not await drain() or message["status"] == 413:
+                    extra.append((b"connection", b"close"))
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
         if path.startswith("/v1/") and self.api_key is not None and not hmac.compare_digest(
                 headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
             response = error_response(401, "a valid API key is required: send `Authorization: Bearer KEY`",
                                       code="invalid_api_key")
-            await response(scope, receive, counted_send)
-        elif length is not None and length.isdigit() and int(length) > self.limit:
-            await _too_large_response(self.limit)(scope, receive, counted_send)
+            await response(scope, counted_receive, counted_send)
+        elif declared is not None and declared > self.limit:
+            await _too_large_response(self.limit)(scope, counted_receive, counted_send)
         else:
-            seen = 0
-
-            async def counted_receive():
-                nonlocal seen
-                message = await receive()
-                if message["type"] == "http.request":
-                    seen += len(message.get("body", b""))
-                    if seen > self.limit:
-                        raise _TooLarge
-                return message
-
             await self.app(scope, counted_receive, counted_send)
         code = status[0] if status else 500
         self.metrics.requests.labels(endpoint, str(code)).inc()
