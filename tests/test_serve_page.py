@@ -4,21 +4,25 @@ protocol (tests/browser.py).
 
 The chat model is a tiny Hugging Face Llama whose greedy answer is a fixed string holding
 `<script>` and an `<img onerror=...>` that would set `window.__pwned` if the page inserted the
-answer as HTML. Its weights make greedy decoding follow a chain of tokens: every layer's o_proj
-and down_proj are zero, so the residual stream carries the current token's embedding to the
-final norm; the chain's tokens get orthogonal embeddings and lm_head's row for token b is a
-large multiple of the embedding of the token before it, so after a the largest logit is the
-next token of the chain, from the last token of the chat template's generation prompt to the
-eos. Such a chain needs every token in it once (the state is the current token), so the answer
-is spelled with distinct tokens (`distinct_tokens`): a piece that comes back (`script`) is
-spelled with other tokens the second time. A twin whose chain goes back to its first answer
-token instead of the eos answers for as long as max_tokens lets it: the Stop button's test. The
-classifier is a random head on the first model (the test compares the page with the API).
+answer unsanitized: the page renders answers as Markdown (the vendored marked) through the
+vendored DOMPurify, and what it shows must hold neither. Its weights make greedy decoding follow
+a chain of tokens: every layer's o_proj and down_proj are zero, so the residual stream carries
+the current token's embedding to the final norm; the chain's tokens get orthogonal embeddings
+and lm_head's row for token b is a large multiple of the embedding of the token before it, so
+after a the largest logit is the next token of the chain, from the last token of the chat
+template's generation prompt to the eos. Such a chain needs every token in it once (the state is
+the current token), so the answer is spelled with distinct tokens (`distinct_tokens`): a piece
+that comes back (`script`) is spelled with other tokens the second time. A twin whose chain goes
+back to its first answer token instead of the eos answers for as long as max_tokens lets it: the
+Stop button's test. The classifier is a random head on the first model (the test compares the
+page with the API).
 
-The server's engines hold once, after their 5th step (gptforge.runtime.pause, the same file for both
-language models): the page is checked mid-answer, and stopped there, instead of racing the
-model's speed. The screenshots, serve-chat.png and serve-classify.png, are test artifacts (under
-$GPTFORGE_TEST_ARTIFACTS or test-artifacts/).
+The server's engines hold once, after their 5th step (gptforge.runtime.pause, the same file for
+both language models): the page is checked mid-answer, and stopped there, instead of racing the
+model's speed. The Markdown rendering itself (code blocks, lists, tables, links, and more hostile
+HTML) is checked on the page of a server without models, through the page's own renderMarkdown.
+The screenshots, serve-chat.png, serve-classify.png and serve-markdown.png, are test artifacts
+(under $GPTFORGE_TEST_ARTIFACTS or test-artifacts/).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
+import tomllib
 import types
 import urllib.request
 from pathlib import Path
@@ -38,9 +44,11 @@ from hf_models import make_tokenizer
 
 pytestmark = pytest.mark.slow
 
+STATIC = REPO / "src" / "gptforge" / "serve" / "static"  # the chat page's files
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 ANSWER = ("Sure! Here is some HTML for you: <script>alert(0)</script>"
           "<img src=\"x\" onerror='window.__pwned=1'> Enjoy.")
+SHOWN = "Sure! Here is some HTML for you:  Enjoy."  # ANSWER rendered: the <script> gone, the <img> shows no text
 KEY = "page-test-key"
 SPAM = "WINNER!! You have won a 1000 cash prize. Call 09061701461 now"
 PAUSE_AT = 5  # each engine's step (token) at which it holds once
@@ -203,20 +211,35 @@ def answer_is(text: str) -> str:
     return f"(document.getElementById('answer') || {{}}).textContent === {json.dumps(text)}"
 
 
-# Records, in the page, each text node added to the answer and when: the deltas as they arrive.
+# Records, in the page, each render of the answer (its children replaced) and when, with the
+# text it shows: the answer as it grows.
 WATCH_ANSWER = """(() => {
-  window.__deltas = [];
+  window.__renders = [];
   new MutationObserver((records) => {
     const now = performance.now();
-    for (const r of records) for (const n of r.addedNodes)
-      if (n.nodeType === Node.TEXT_NODE && n.parentElement && n.parentElement.id === "answer")
-        window.__deltas.push({t: now, text: n.data});
+    for (const r of records)
+      if (r.target.id === "answer") window.__renders.push({t: now, text: r.target.textContent});
   }).observe(document.getElementById("messages"), {childList: true, subtree: true});
   return true;
 })()"""
 
 
-def test_chat_page_streams_answers_as_text_and_classifies(server, models, browser):
+def live(root: str) -> str:
+    """A JavaScript expression: the outerHTML of each element under `root` (a selector) that
+    could run script: a <script>, <iframe>, <object> or <embed>, an on* attribute, a javascript:
+    URL."""
+    return (f"[...document.querySelectorAll({json.dumps(root + ' *')})].filter(e => "
+            "['SCRIPT', 'IFRAME', 'OBJECT', 'EMBED'].includes(e.tagName) || [...e.attributes].some(a => "
+            "a.name.startsWith('on') || /^\\s*javascript:/i.test(a.value))).map(e => e.outerHTML)")
+
+
+def images_settled(root: str) -> str:
+    """A JavaScript condition: every <img> under `root` has loaded or failed (so an onerror
+    handler left on one would have run)."""
+    return f"[...document.querySelectorAll({json.dumps(root + ' img')})].every(i => i.complete)"
+
+
+def test_chat_page_streams_answers_and_classifies(server, models, browser):
     url, prefix = server.url, models["prefix"]
     with browser.open(f"{url}/") as page:
         # The server wants a key: the first request answers 401 and the page asks for the key.
@@ -244,19 +267,19 @@ def test_chat_page_streams_answers_as_text_and_classifies(server, models, browse
         server.paused.release()
         page.wait_for("document.body.dataset.state !== 'streaming'", what="the answer to end")
         assert page.text("#chat-error") == ""
-        assert page.text("#answer") == ANSWER
-        # The answer grew as it came: one text node per delta, those before the hold spelling the
-        # first tokens' text, the rest added after it.
-        deltas = page.evaluate("window.__deltas")
-        assert "".join(d["text"] for d in deltas) == ANSWER and len(deltas) >= 10, deltas
-        assert "".join(d["text"] for d in deltas if d["t"] < released) == prefix, (released, deltas)
+        assert page.text("#answer") == SHOWN
+        # The answer was rendered as it came: the first tokens' text before the hold, the rest after.
+        renders = page.evaluate("window.__renders")
+        before = [r["text"] for r in renders if r["t"] < released]
+        assert before and before[-1] == prefix, (released, renders)
+        assert len(before) < len(renders) and renders[-1]["text"] == SHOWN, (released, renders)
 
-        # No markup from the answer became an element (so no <img> could fire its onerror), and
-        # nothing in it ran.
-        assert page.evaluate("document.getElementById('answer').childElementCount") == 0
-        assert page.evaluate("document.querySelectorAll('#messages img, #messages script').length") == 0
+        # The answer's markup went through DOMPurify: its <script> is gone and its <img> has no
+        # onerror; once the image has failed to load (src="x"), nothing from the answer has run.
+        assert page.evaluate("document.querySelectorAll('#answer p').length") == 1
+        assert page.evaluate(live("#messages")) == []
+        page.wait_for(images_settled("#messages"), what="the answer's image to load or fail")
         assert page.evaluate("typeof window.__pwned") == "undefined"
-        assert "<script>alert(0)</script>" in page.evaluate("document.body.innerText")
 
         # The last answer's token count (the usage chunk's), tokens/s after the first token (from
         # the first delta to the last) and time to first token, against the page's own times
@@ -280,7 +303,7 @@ def test_chat_page_streams_answers_as_text_and_classifies(server, models, browse
         page.press("Enter", "Enter", 13)
         page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 2 && "
                       "document.body.dataset.state === 'idle'", what="the second answer")
-        assert page.text("#answer") == ANSWER
+        assert page.text("#answer") == SHOWN
         assert page.evaluate("document.querySelectorAll('#messages .msg.user').length") == 2
 
         # Stop, in a new chat: an answer that would go on for 4000 tokens, held after its 5th
@@ -321,7 +344,7 @@ def test_chat_page_streams_answers_as_text_and_classifies(server, models, browse
         page.click("#send")
         page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 1 && "
                       "document.body.dataset.state === 'idle'", what="an answer after the error")
-        assert page.text("#answer") == ANSWER and page.text("#chat-error") == ""
+        assert page.text("#answer") == SHOWN and page.text("#chat-error") == ""
 
         # The second tab: the spam classifier.
         page.click("#tab-classify")
@@ -338,3 +361,106 @@ def test_chat_page_streams_answers_as_text_and_classifies(server, models, browse
         assert page.text("#classify-error") == ""
         page.screenshot(ARTIFACTS / "serve-classify.png")
         assert not [line for line in page.console if line.startswith("exception")], page.console
+
+
+@pytest.fixture(scope="module")
+def bare_server():
+    """The app without models (create_app([])) under uvicorn in a thread, on a free loopback
+    port: the page and its files with their headers, nothing to wait for. Its URL."""
+    import uvicorn
+
+    from gptforge.serve.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app([]), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+MARKDOWN = '''Some `inline code` and a [link](https://example.org/).
+
+```python
+print("<b>not bold</b>")
+```
+
+- one
+- two
+
+| name | value |
+|:-----|------:|
+| a    | 1     |
+'''
+
+# Each would run script if the page inserted it unsanitized (and marked passes raw HTML through).
+HOSTILE = [
+    ANSWER,
+    '<a href="javascript:window.__pwned=1">a javascript: link</a>',
+    "[a Markdown javascript: link](javascript:window.__pwned=1)",
+    '<svg><script>window.__pwned=1</script></svg>',
+    '<iframe srcdoc="<script>parent.__pwned=1</script>"></iframe>',
+    '<details open ontoggle="window.__pwned=1"><summary>s</summary></details>',
+    '<img src="x" onerror="window.__pwned=1">',
+]
+
+# Shows each Markdown string of the argument as an answer is shown: the page's addMessage makes
+# an assistant turn, its renderMarkdown fills it (the n-th turn's content gets the id md-n).
+# Returns the HTML of each.
+RENDER = """(texts => texts.map((text) => {
+  const content = addMessage("assistant", "");
+  content.id = "md-" + (document.getElementById("messages").children.length - 1);
+  renderMarkdown(content, text);
+  return content.innerHTML;
+}))"""
+
+
+def test_chat_page_renders_answers_as_sanitized_markdown(bare_server, browser):
+    # The vendored libraries are served with the page's headers, the bytes of the package's files.
+    for name in ("marked.umd.js", "purify.min.js"):
+        with urllib.request.urlopen(f"{bare_server}/static/vendor/{name}", timeout=10) as r:
+            assert "script-src 'self'" in r.headers["content-security-policy"]
+            assert "javascript" in r.headers["content-type"], r.headers["content-type"]
+            assert r.read() == (STATIC / "vendor" / name).read_bytes()
+
+    with browser.open(f"{bare_server}/") as page:
+        page.wait_for("document.body.dataset.modelsLoaded === '1'", what="the (empty) model lists")
+        assert page.evaluate("typeof marked.parse === 'function' && DOMPurify.isSupported") is True
+        html = page.evaluate(f"{RENDER}({json.dumps([MARKDOWN])})[0]")
+        md = "document.querySelector('#md-0 {}')"
+        assert page.evaluate(md.format("pre > code.language-python") + ".textContent") == \
+            'print("<b>not bold</b>")\n', html
+        assert page.evaluate("document.querySelectorAll('#md-0 pre b').length") == 0, html
+        assert page.evaluate(md.format("p > code") + ".textContent") == "inline code", html
+        assert page.evaluate("[...document.querySelectorAll('#md-0 ul > li')].map(e => e.textContent)") == \
+            ["one", "two"], html
+        cells = "[...document.querySelectorAll('#md-0 table {}')].map(e => e.textContent)"
+        assert page.evaluate(cells.format("thead th")) == ["name", "value"], html
+        assert page.evaluate(cells.format("tbody td")) == ["a", "1"], html
+        link = page.evaluate(f"(a => [a.href, a.target, a.rel])({md.format('a')})")
+        assert link == ["https://example.org/", "_blank", "noopener noreferrer"], html
+        page.screenshot(ARTIFACTS / "serve-markdown.png")
+
+        # Hostile HTML, raw or as Markdown: nothing that could run is left, and nothing ran.
+        shown = page.evaluate(f"{RENDER}({json.dumps(HOSTILE)})")
+        assert page.evaluate(live("#messages")) == [], shown
+        page.wait_for(images_settled("#messages"), what="the answers' images to load or fail")
+        assert page.evaluate("typeof window.__pwned") == "undefined", shown
+        # The javascript: links (turns md-2 and md-3) keep their text, without a URL.
+        links = "[...document.querySelectorAll('#md-2 a, #md-3 a')].map(a => [a.textContent, a.getAttribute('href')])"
+        assert page.evaluate(links) == [["a javascript: link", None], ["a Markdown javascript: link", None]], shown
+        assert not [line for line in page.console if line.startswith("exception")], page.console
+
+
+def test_page_files_are_package_data():
+    """Every file of the page (static/ and its vendor/ folder) is in pyproject.toml's package
+    data, so an installed gptforge serves it too."""
+    package = REPO / "src" / "gptforge"
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["gptforge"]
+    covered = {p for pattern in patterns for p in package.glob(pattern) if p.is_file()}
+    files = {p for p in STATIC.rglob("*") if p.is_file()}
+    assert (STATIC / "vendor" / "purify.min.js") in files and files <= covered, sorted(map(str, files - covered))

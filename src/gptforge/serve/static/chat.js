@@ -2,20 +2,74 @@
 //
 // Chat: the conversation is kept in `messages` and sent whole to POST v1/chat/completions with
 // stream: true; the answer arrives as server-sent events (`data: {chunk}` lines, then
-// `data: [DONE]`), read with fetch + ReadableStream, each delta appended to the answer as a text
-// node as it arrives. The last chunk (stream_options.include_usage) carries the token counts.
+// `data: [DONE]`), read with fetch + ReadableStream, and the text so far is rendered as Markdown
+// as it grows (renderMarkdown). The last chunk (stream_options.include_usage) carries the token
+// counts.
 // Tokens/s = (completion tokens - 1) / (time of the last delta - time of the first): the decode
 // rate after the first token, whose wait is shown apart as the time to first token. When every
 // delta came at once (no measurable interval) it is completion tokens / time from send to the
 // last delta. #stats keeps the times these come from as data-sent, data-first and data-last.
 // Classifier: POST v1/classify, the label and each class's probability.
-// Everything the server sends is shown with textContent or createTextNode, never as HTML.
+// What the server sends is shown with textContent, except answers: Markdown, rendered with the
+// vendored marked and sanitized by the vendored DOMPurify (static/vendor/, loaded before this).
 "use strict";
 
 const KEY_STORE = "gptforge-api-key";
+const RENDER_MS = 50; // the least time between two renders of a streaming answer
 const $ = (id) => document.getElementById(id);
 
 const chat = { messages: [], controller: null };
+
+// ---------------------------------------------------------------------------------------------
+// Markdown
+
+// DOMPurify's defaults remove what could run (<script>, on* attributes, javascript: URLs, ...);
+// styles go too (the CSP would refuse them). Its result is a DOM fragment: no HTML string of an
+// answer is ever given to innerHTML.
+const SANITIZE = { RETURN_DOM_FRAGMENT: true, FORBID_TAGS: ["style"], FORBID_ATTR: ["style"] };
+
+if (window.DOMPurify) {
+  // Links open in a new tab that gets no handle on this one and no referrer.
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A" && node.hasAttribute("href")) {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+}
+
+// Show `text` in `element` as GitHub-flavoured Markdown (code blocks, lists, tables): marked
+// turns it into HTML, DOMPurify sanitizes it. Without the libraries it is shown as plain text.
+function renderMarkdown(element, text) {
+  if (!window.marked || !window.DOMPurify) {
+    element.textContent = text;
+    return;
+  }
+  const html = marked.parse(text, { gfm: true, async: false }).trim();
+  element.replaceChildren(DOMPurify.sanitize(html, SANITIZE));
+}
+
+// A streaming answer is rendered whole each time (Markdown is not rendered piece by piece), so
+// not at every delta: `schedule` renders `text()` at most once every RENDER_MS (less often when a
+// render takes over a tenth of that), `flush` renders now.
+function answerView(element, text) {
+  let timer = null;
+  let last = -Infinity;
+  let gap = RENDER_MS;
+  const flush = () => {
+    clearTimeout(timer);
+    timer = null;
+    const start = performance.now();
+    renderMarkdown(element, text());
+    last = performance.now();
+    gap = Math.max(RENDER_MS, 10 * (last - start));
+    $("messages").scrollTop = $("messages").scrollHeight;
+  };
+  const schedule = () => {
+    if (timer === null) timer = setTimeout(flush, Math.max(0, last + gap - performance.now()));
+  };
+  return { schedule, flush };
+}
 
 // ---------------------------------------------------------------------------------------------
 // Requests
@@ -186,6 +240,7 @@ async function send() {
   const t = { sent: performance.now(), first: null, last: null, deltas: 0, usage: null, cut: false };
   let text = "";
   let done = false;
+  const view = answerView(answer, () => text);
   chat.controller = new AbortController();
   setStreaming(true);
   try {
@@ -208,7 +263,7 @@ async function send() {
         t.last = now;
         t.deltas += 1;
         text += delta.content;
-        answer.appendChild(document.createTextNode(delta.content));
+        view.schedule();
       }
     };
     let lastYield = performance.now();
@@ -216,7 +271,6 @@ async function send() {
       const { value, done: ended } = await reader.read();
       if (ended) break;
       done = feed(state, decoder.decode(value, { stream: true }), onEvent);
-      $("messages").scrollTop = $("messages").scrollHeight;
       // Reads of data already received resolve at once, one after the other: when the
       // server is ahead of the page, let clicks (Stop) and painting in now and then.
       if (performance.now() - lastYield > 50) {
@@ -234,6 +288,7 @@ async function send() {
       chat.controller.abort(); // close a stream that broke off in the middle
     }
   } finally {
+    view.flush();
     // A partial answer stays in the conversation; a request that gave nothing is taken back
     // and its prompt put back in the box, to send again.
     if (text) {
