@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 
 from flows.recorder import IDLE_ENV, IDLE_SECONDS, Recorder
+from gptforge.runtime.journal import RECORDER_DIR
 
 # What a recorder imports on its way (its sinks import them lazily): loaded here, before any
 # fork. A module that is not installed is skipped: the recorder meets the same error itself.
@@ -133,14 +134,8 @@ def _fork(root: Path, env: dict[str, str], close: tuple) -> int:
         os.chdir(root)
         os.environ.clear()
         os.environ.update(env)
-        (root / ".gptforge" / "recorder").mkdir(parents=True, exist_ok=True)
-        out = os.open(root / ".gptforge" / "recorder" / "recorder.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.close(null)
+        (root / RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+        _log_to(root / RECORDER_DIR / "recorder.out", 0o644)
         if "prefect.context" in sys.modules:  # its settings were read from the host's environment
             sys.modules["prefect.context"].refresh_global_settings_context()
         code = Recorder(root).run()
@@ -171,8 +166,9 @@ def _idle_seconds(env: dict) -> float:
         return IDLE_SECONDS
 
 
-def _log_to(path: Path) -> None:
-    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+def _log_to(path: Path, mode: int = 0o600) -> None:
+    """stdin from /dev/null; stdout and stderr appended to `path`."""
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
