@@ -26,12 +26,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/gptforge pipeline
 
-# Three workers of one thread each (tests/conftest.py sets the threads): most of the suite's time
-# is single-threaded (CLI processes starting, Prefect and MLflow servers, dvc), so several
-# workers beat one worker with two threads on 2 cores, and a third fills the time the other two
-# spend waiting on a server or a process (2026-11-26, same tree: 469 s with three, ~495 s with
-# two; with one thread each no OpenMP spins). `worksteal` evens out the long tests.
-PYTEST_WORKERS ?= 3
+# Two workers of one thread each (tests/conftest.py sets the threads): most of the suite's time
+# is single-threaded (CLI processes starting, Prefect and MLflow servers, dvc), so two workers
+# beat one worker with two threads on 2 cores. `worksteal` evens out the long tests.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 

@@ -59,7 +59,7 @@ os.environ.update(
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
 )
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs three workers on 2 cores: one thread each, for the worker and every process
+    # `make test` runs two workers on 2 cores: one thread each, for the worker and every process
     # it starts (CLI stages, torchrun ranks), or OpenMP oversubscribes the cores tenfold.
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
