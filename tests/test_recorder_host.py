@@ -81,10 +81,10 @@ def test_one_host_forks_each_folder_s_recorder_with_the_asking_stage_s_environme
     other = recorder_of(second)
     assert other.pid != recorder.pid and other.parent().pid == host.pid
     assert Path(other.cwd()) == second.resolve()
-    for work, key in ((first, "aaaa"), (second, "bbbb")):
-        wait_for(lambda: delivered(work, f"20240101T00000{'0' if key == 'aaaa' else '1'}-prepare_classify-{key}"),
-                 "its journal delivered", work)
-        _, run = mlflow_run(uri, f"20240101T00000{'0' if key == 'aaaa' else '1'}-prepare_classify-{key}")
+    keys = {first: "20240101T000000-prepare_classify-aaaa", second: "20240101T000001-prepare_classify-bbbb"}
+    for work, key in keys.items():
+        wait_for(lambda: delivered(work, key), "its journal delivered", work)
+        _, run = mlflow_run(uri, key)
         assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 1.25}
     wait_for(lambda: gone(other.pid), "the second recorder gone", second, within=60)
     assert "idle for 1 s with nothing pending: exiting" in recorder_log(second)
@@ -138,8 +138,7 @@ def test_a_killed_host_a_second_host_and_no_host_still_deliver(tmp_path, own_cac
     plain = recorder_of(fourth)
     assert plain.cmdline()[-2:] == ["-m", "flows.recorder"]
     wait_for(lambda: delivered(fourth, "20240101T000003-prepare_classify-dddd"), "delivered", fourth)
-    for key in ("aaaa", "bbbb", "cccc", "dddd"):
-        n = "abcd".index(key[0])
+    for n, key in enumerate(("aaaa", "bbbb", "cccc", "dddd")):
         assert mlflow_run(uri, f"20240101T00000{n}-prepare_classify-{key}")[1].info.status == "FINISHED"
 
 
@@ -152,7 +151,8 @@ def test_the_host_key_follows_the_recorder_code(tmp_path, own_cache, monkeypatch
         folder.mkdir()
         (folder / "__init__.py").write_text("")
     (flows / "recorder.py").write_text("A = 1\n")
-    specs = {name: importlib.machinery.ModuleSpec(name, None, is_package=True) for name in ("flows", "gptforge.runtime")}
+    specs = {name: importlib.machinery.ModuleSpec(name, None, is_package=True)
+             for name in ("flows", "gptforge.runtime")}
     specs["flows"].submodule_search_locations = [str(flows)]
     specs["gptforge.runtime"].submodule_search_locations = [str(runtime)]
     monkeypatch.setattr(recorder_launch.importlib.util, "find_spec", lambda name: specs[name])

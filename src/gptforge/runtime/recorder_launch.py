@@ -17,6 +17,7 @@ recorder first, then serves others). `GPTFORGE_RECORDER_HOST=0` starts the plain
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -55,16 +56,14 @@ def host_socket() -> Path:
 def start_recorder(root: Path) -> None:
     """The folder's recorder, started detached (its own session, no terminal), so that it
     outlives this process and a Ctrl-C here does not reach it."""
+    path = None
     if os.environ.get(HOST_ENV, "1") != "0":
-        try:
+        with contextlib.suppress(OSError):
             path = host_socket()
-        except OSError:
-            path = None
-        if path is not None and _ask_host(path, root):
-            return
-        _spawn(root, ["flows.recorder_host", str(path)] if path is not None else ["flows.recorder"])
-    else:
+    if path is None:
         _spawn(root, ["flows.recorder"])
+    elif not _ask_host(path, root):
+        _spawn(root, ["flows.recorder_host", str(path)])
 
 
 def _ask_host(path: Path, root: Path) -> bool:
