@@ -48,7 +48,7 @@ def serve(path: Path) -> int:
     except OSError as e:  # another host serves this key, or no socket here: be this folder's recorder
         print(f"{time.strftime('%H:%M:%S')} not a recorder host ({e}): the recorder of {first} only", flush=True)
         return Recorder(first).run()
-    _log_to(path.with_suffix(".log"))
+    _log_to(path.parent / "recorder-host.log")  # one log for every key's host: lines carry the pid
     # No thread may run at a fork but the one forking: numpy's OpenBLAS and pyarrow's jemalloc
     # (through MLflow's imports) start one each at load unless told not to.
     os.environ.update(OPENBLAS_NUM_THREADS="1", JE_ARROW_MALLOC_CONF="background_thread:false")
@@ -88,11 +88,17 @@ def serve(path: Path) -> int:
                     idle = max(idle, _idle_seconds(env))
                     conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
                 except (OSError, ValueError, KeyError, AttributeError) as e:
-                    print(f"{time.strftime('%H:%M:%S')} a request failed: {e!r}", flush=True)
+                    print(f"{time.strftime('%H:%M:%S')} recorder host {os.getpid()}: a request failed: {e!r}",
+                          flush=True)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        # Socket and lock go with the host (a checkout's every change of code gets a new key):
+        # a host starting meanwhile either holds the old lock file and fails to lock it (and
+        # records its folder itself) or makes a new one.
+        for made in (path, path.with_suffix(".lock")):
+            with contextlib.suppress(FileNotFoundError):
+                made.unlink()
         listener.close()
+        lock.close()
         print(f"{time.strftime('%H:%M:%S')} recorder host {os.getpid()} exits", flush=True)
     return 0
 

@@ -92,6 +92,7 @@ def test_one_host_forks_each_folder_s_recorder_with_the_asking_stage_s_environme
     assert "idle for 3 s with nothing pending: exiting" in recorder_log(first)
     # Its recorders gone and nothing asked for in their idle time: the host leaves, socket and all.
     wait_for(lambda: gone(host.pid) and not socket_path.exists(), "the host gone", first, within=60)
+    assert sorted(p.name for p in socket_path.parent.iterdir()) == ["recorder-host.log"]  # nothing left but its log
 
 
 @pytest.mark.slow
