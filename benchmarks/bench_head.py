@@ -1,5 +1,5 @@
 """The output head's product at a few rows on the CPU: `model.head_logits` (F.linear; torch.mv for
-one row) against the same product written head @ x.T (what `serve.backends.GPTBackend.logits`
+one row) against the same product written head @ x.T (what `serve.gpt_backend.GPTBackend.logits`
 uses, one row computed as two).
 
     python benchmarks/bench_head.py [--n-embd 128] [--rows 1,2,4,8,16] [--repeats 50]

@@ -7,8 +7,8 @@ transformers' own `generate` on the same model: one request at a time, and a pad
 The model is a random Llama (hidden 256, 4 layers, 8 heads, 4 key/value heads, GPT-2's
 vocabulary), float32 on the CPU. Each level submits `clients` greedy requests at once, each
 with its own prompt (prompts of different lengths, so rows sit at different positions in the
-left-padded cache) and `--new-tokens` tokens, through `serve.backends.HFBackend` and the
-engine, and measures the aggregate tokens/s (all requests' tokens over the wall time, median of
+left-padded cache) and `--new-tokens` tokens, through `serve.hf_backend.HFBackend` and the
+engine (its scheduler in a thread of this process), and measures the aggregate tokens/s (all requests' tokens over the wall time, median of
 `--repeats`). Beside it: `generate_hf` one prompt at a time (what a server without batching
 gives), and transformers' `generate` on the left-padded batch of all prompts (a static batch,
 what padded batching would give at best, every row decoding until the longest ends). The JSON
@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_models import make_tokenizer  # noqa: E402
 
 from gptforge.modeling.decoding import generate_hf  # noqa: E402
-from gptforge.serve.backends import HFBackend  # noqa: E402
 from gptforge.serve.engine import Engine, Sampling  # noqa: E402
+from gptforge.serve.engine_core import ThreadCore  # noqa: E402
+from gptforge.serve.hf_backend import HFBackend  # noqa: E402
+from gptforge.serve.scheduler import Scheduler  # noqa: E402
 
 
 def make_model(folder: Path):
@@ -55,7 +57,8 @@ def make_model(folder: Path):
 
 def engine_level(model, prompts: list[list[int]], new_tokens: int, stop: set[int]) -> tuple[float, list[list[int]]]:
     async def main():
-        engine = Engine(HFBackend(model, max_batch=len(prompts), context=512), lambda ids: "", max_queue=64)
+        backend = HFBackend(model, max_batch=len(prompts), context=512)
+        engine = Engine(ThreadCore(Scheduler(backend)), lambda ids: "", max_queue=64)
         engine.start()
         try:
             start = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -253,6 +254,53 @@ def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes
     finally:
         paused.release()
         srv.stop()
+
+
+def engine_process(srv) -> psutil.Process:
+    engines = [p for p in psutil.Process(srv.proc.pid).children()
+               if "gptforge.serve.engine_process" in " ".join(p.cmdline())]
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
+def test_the_engine_process_killed_mid_stream_is_an_error_on_every_stream_and_a_non_zero_exit(folders, tmp_path):
+    paused = Paused(tmp_path, 3)  # three streams are answering when the engine dies
+    srv = Server([f"tiny={folders['tiny']}"], tmp_path, env={**os.environ, **paused.env()})
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            streams = [http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+                       for _ in range(3)]
+            paused.wait(srv.proc, output=srv.log.read_text)
+            engine_process(srv).kill()
+            t0 = time.monotonic()
+            for stream in streams:
+                events = [line for line in stream.iter_lines() if line]
+                assert events[-1] == "data: [DONE]"
+                assert json.loads(events[-2][6:])["error"]["type"] == "server_error"
+        code = srv.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        print(f"the server exited {took:.1f} s after its engine was killed")
+        assert code == 1 and took < 20  # the stop bound gptforge keeps
+        last = srv.log.read_text().strip().splitlines()[-1]
+        assert re.fullmatch(r"gptforge: error: gptforge serve stopped: the engine process of tiny stopped "
+                            r"\(killed by SIGKILL\)", last), last
+    finally:
+        paused.release()
+        srv.stop()
+
+
+def test_sigterm_stops_the_server_and_its_engine_process_within_the_stop_bound(folders, tmp_path):
+    srv = Server([f"tiny={folders['tiny']}"], tmp_path)
+    engine = engine_process(srv)
+    t0 = time.monotonic()
+    os.killpg(srv.proc.pid, signal.SIGTERM)  # as a service manager stops the whole group
+    code = srv.proc.wait(timeout=30)
+    engine.wait(timeout=30)
+    took = time.monotonic() - t0
+    print(f"stopped in {took:.1f} s")
+    assert took < 20 and code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert "engine process" not in srv.log.read_text()  # no engine loss reported: it was asked to stop
 
 
 # -- bad requests -----------------------------------------------------------------------------

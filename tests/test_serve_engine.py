@@ -1,4 +1,5 @@
-"""The scheduler of `gptforge serve` (serve.engine) on a scripted backend: no model, no HTTP.
+"""The engine of `gptforge serve` (serve.engine, serve.scheduler, serve.engine_core's thread
+runner) on a scripted backend: no model, no HTTP.
 
 The backend answers each row with logits that put all mass on a scripted next token (or on a
 given distribution), so the tests see exactly what the engine does with tokens: text in
@@ -17,7 +18,9 @@ import time
 import pytest
 import torch
 
-from gptforge.serve.engine import Engine, QueueFull, Request, Sampling, pick_tokens
+from gptforge.serve.engine import Engine, QueueFull, Request
+from gptforge.serve.engine_core import ThreadCore
+from gptforge.serve.scheduler import Job, Sampling, Scheduler, pick_tokens
 
 VOCAB = 16
 
@@ -37,18 +40,23 @@ class Script:
         out[nxt] = 30.0
         return out
 
-    def add(self, ids):
-        self.rows.append(list(ids))
-        return self._logits(self.rows[-1])
+    def open_row(self, prefix=None):
+        assert prefix is None
+        self.rows.append([])
 
     def keep(self, rows):
         self.rows = [self.rows[r] for r in rows]
 
-    def decode(self, tokens):
-        self.batch_sizes.append(len(tokens))
-        for row, t in zip(self.rows, tokens):
-            row.append(t)
-        return torch.stack([self._logits(r) for r in self.rows])
+    def forward(self, segments):
+        self.batch_sizes.append(len(segments))
+        for row, tokens in segments:
+            self.rows[row].extend(tokens)
+        return torch.stack([self._logits(self.rows[row]) for row, _ in segments])
+
+
+def engine_over(backend, **kw) -> Engine:
+    """The API side over the scheduler on `backend`, run in a thread."""
+    return Engine(ThreadCore(Scheduler(backend)), decode, **kw)
 
 
 # Token i decodes to PIECES[i] (bytes); 3 and 4 are the two halves of "é".
@@ -71,7 +79,7 @@ async def answer(engine: Engine, prompt, sampling, stop_ids=frozenset({0})) -> t
 
 def run(plans, *jobs, **kw):
     async def main():
-        engine = Engine(Script(plans, **{k: v for k, v in kw.items() if k in ("context", "max_batch")}), decode)
+        engine = engine_over(Script(plans, **{k: v for k, v in kw.items() if k in ("context", "max_batch")}))
         engine.start()
         try:
             return await asyncio.gather(*(answer(engine, *job) for job in jobs)), engine
@@ -108,17 +116,18 @@ def test_max_tokens_and_the_context_end_with_length():
 
 
 class Gated(Script):
-    """A Script whose decode steps wait for `gate` (`at_gate` is set while one waits): the test
-    decides when the engine moves on."""
+    """A Script whose steps with a decode segment wait for `gate` (`at_gate` is set while one
+    waits): the test decides when the engine moves on."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.gate, self.at_gate = threading.Event(), threading.Event()
 
-    def decode(self, tokens):
-        self.at_gate.set()
-        self.gate.wait(timeout=30)
-        return super().decode(tokens)
+    def forward(self, segments):
+        if any(len(tokens) == 1 for _, tokens in segments):
+            self.at_gate.set()
+            self.gate.wait(timeout=30)
+        return super().forward(segments)
 
 
 async def collect(request: Request) -> str:
@@ -131,7 +140,7 @@ async def collect(request: Request) -> str:
 def test_requests_share_steps_and_join_a_running_batch():
     async def main():
         backend = Gated({(9, 1): [1] * 20, (9, 2): [2] * 5, (9, 3): [1] * 8})
-        engine = Engine(backend, decode)
+        engine = engine_over(backend)
         engine.start()
         try:
             first = engine.submit([9, 1], Sampling(max_tokens=20, temperature=0), {0})
@@ -139,23 +148,23 @@ def test_requests_share_steps_and_join_a_running_batch():
             assert await asyncio.to_thread(backend.at_gate.wait, 30)
             others = [engine.submit([9, n], Sampling(max_tokens=m, temperature=0), {0}) for n, m in ((2, 5), (3, 8))]
             backend.gate.set()
-            return await asyncio.gather(*map(collect, [first, *others])), engine
+            return await asyncio.gather(*map(collect, [first, *others])), engine, backend
         finally:
             backend.gate.set()
             await engine.stop()
-    texts, engine = asyncio.run(main())
+    texts, engine, backend = asyncio.run(main())
     assert texts == ["a" * 20, "b" * 5, "a" * 8]
     # Step 1 prefills the first, step 2 decodes it (held while the others come), step 3 decodes
-    # it and prefills the others, which join its batch; each row leaves after its last token:
-    # 5 and 8 tokens from step 3 on, 20 from step 1.
-    assert engine.backend.batch_sizes == [1, 1] + [3] * 4 + [2] * 3 + [1] * 10
+    # it and prefills the others in the same forward, and they join its batch; each row leaves
+    # after its last token: 5 and 8 tokens from step 3 on, 20 from step 1.
+    assert backend.batch_sizes == [1, 1] + [3] * 5 + [2] * 3 + [1] * 10
     assert engine.steps == 20  # one request's steps: the others took none of their own
 
 
 def test_a_cancelled_request_leaves_the_batch_at_the_next_step_and_a_full_queue_refuses():
     async def main():
         backend = Gated({(9, 9): [1] * 60}, max_batch=1)
-        engine = Engine(backend, decode, max_queue=1)
+        engine = engine_over(backend, max_queue=1)
         engine.start()
         try:
             first = engine.submit([9, 9], Sampling(max_tokens=60, temperature=0), {0})
@@ -186,7 +195,7 @@ def test_the_pause_holds_the_engine_after_its_nth_step_until_its_file_is_removed
     monkeypatch.setenv("GPTFORGE_PAUSE_FILE", str(path))
 
     async def main():
-        engine = Engine(Script({(9, 9): [1] * 10}), decode)
+        engine = engine_over(Script({(9, 9): [1] * 10}))
         engine.start()
         try:
             request = engine.submit([9, 9], Sampling(max_tokens=10, temperature=0), {0})
@@ -209,8 +218,8 @@ def test_the_pause_holds_the_engine_after_its_nth_step_until_its_file_is_removed
 
 # -- sampling against its formula -------------------------------------------------------------
 
-def request_with(**kw) -> Request:
-    return Request([1], Sampling(max_tokens=1, **kw), set())
+def request_with(**kw) -> Job:
+    return Job(0, [1], Sampling(max_tokens=1, **kw), set())
 
 
 def test_greedy_takes_the_lowest_index_of_a_tie():

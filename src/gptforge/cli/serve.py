@@ -28,6 +28,15 @@ def add_commands(sub) -> None:
                    help="requests decoded together per model (default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting per model before 429 (default: %(default)s)")
+    s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens prefilled per engine step, beside the running streams' decode "
+                   "(default: 256)")
+    s.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MB",
+                   help="memory for reused prompt prefixes per model, least recently used out; 0: off "
+                   "(default: %(default)s)")
+    s.add_argument("--engine-process", choices=("on", "off"), default="on",
+                   help="on: each model's engine in a process of its own; off: in a thread of the API "
+                   "process (default: %(default)s)")
     s.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
     config_args(s)
     s.set_defaults(func=cmd_serve)
@@ -43,6 +52,10 @@ def cmd_serve(args) -> int:
         raise BadInput(f"--port must be in 1..65535, got {args.port}")
     if args.max_batch < 1 or args.max_queue < 1:
         raise BadInput(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise BadInput(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.prefix_cache_mb < 0:
+        raise BadInput(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     api_key = args.api_key if args.api_key is not None else (os.environ.get("GPTFORGE_API_KEY") or None)
     cfg = load_config(params_file(args), args.set)
     if args.engine == "vllm":
@@ -59,6 +72,15 @@ def cmd_serve(args) -> int:
     sock = listen(args.host, args.port)
     sources = resolve_all(args.models, cfg)
     device = pick_device(args.device)
-    models = [load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device)
-              for src in sources]
+    models = []
+    try:
+        for src in sources:
+            models.append(load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device,
+                                      prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+                                      engine_process=args.engine_process == "on"))
+    except BaseException:
+        for m in models:  # the engine processes of the models loaded before the failure
+            if getattr(m, "engine", None) is not None:
+                m.engine.core.kill()
+        raise
     return run_server(models, sock=sock, host=args.host, port=args.port, api_key=api_key)

@@ -5,8 +5,12 @@ on GPU workers.
 - `sources`: what a MODEL argument names (registry URI, checkpoint, Hugging Face folder,
   classifier) and where its files are.
 - `loading`: a served language model (tokenizer, chat prompt, engine) or classifier.
-- `backends`: the model side of continuous batching (gptforge GPT, transformers models).
-- `engine`: the scheduler: queue, admission, one decode step for every running request, stops.
+- `engine`: the API side of a model's engine: requests, their text and stop strings, the queue.
+- `engine_process`: the engine in a process of its own (the default), and the channel to it.
+- `engine_core`: the scheduler's loop, and its in-thread runner (`--engine-process off`).
+- `scheduler`: which rows run in a step (decode, chunked and batched prefill), token picking.
+- `prefix_cache`: prompt blocks' keys/values reused across requests.
+- `gpt_backend`, `hf_backend`: the model side (gptforge GPT, transformers causal LMs).
 - `app`: the FastAPI app (OpenAI's routes and error objects, classify, health, metrics, page).
 - `metrics`: the Prometheus series.
 - `vllm`: `--engine vllm`.
@@ -43,14 +47,30 @@ def listen(host: str, port: int):
 
 def run_server(models: list, *, sock, host: str, port: int, api_key: str | None) -> int:
     """Serve loaded models on `sock` (`listen`) until SIGINT/SIGTERM (uvicorn's own handling:
-    in-flight answers are given a few seconds, then the engines stop)."""
+    in-flight answers are given a few seconds, then the engines stop). An engine lost on the way
+    (its process died) ends every open answer with an error and stops the server: StageFailed."""
     import uvicorn
 
+    from gptforge.errors import StageFailed
     from gptforge.serve.app import create_app
 
+    lost: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_lost(message: str) -> None:
+        lost.append(message)
+        print(f"gptforge serve: {message}; stopping", flush=True)
+        if server is not None:
+            server.should_exit = True
+
+    for m in models:
+        if getattr(m, "engine", None) is not None:
+            m.engine.on_lost = on_lost
     app = create_app(models, api_key=api_key)
     names = ", ".join(m.name for m in models)
     print(f"gptforge serve: {names} on http://{host}:{port} (chat page at /, API at /v1)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
+    if lost:
+        raise StageFailed(f"gptforge serve stopped: {lost[0]}")
     return 0

@@ -16,7 +16,6 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from gptforge.errors import BadInput
-from gptforge.serve.backends import GPTBackend, HFBackend
 from gptforge.serve.engine import Engine
 
 
@@ -106,10 +105,16 @@ class ServedClassifier:
         return out
 
 
-def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device,
-                observe=None) -> ServedLM | ServedClassifier:
-    """Load one resolved model (`serve.sources.ModelSource`) for serving."""
+def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device, observe=None,
+                prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0,
+                engine_process: bool = True) -> ServedLM | ServedClassifier:
+    """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
+    engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
+    of this one), its tokenizer here."""
     import time
+
+    from gptforge.serve.engine_process import EngineSpec
+    from gptforge.serve.scheduler import DEFAULT_PREFILL_CHUNK
 
     created = int(time.time())
     template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
@@ -122,29 +127,61 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
         enc = tokenizer if tokenizer is not None else load_tokenizer(
             str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
         return ServedClassifier(source.name, classifier, enc, device, created)
-    if source.kind == "gptforge":
-        from gptforge.modeling.tokenizer import load_tokenizer
-        from gptforge.modeling.weights import load_model
+    spec = EngineSpec("gptforge" if source.kind == "gptforge" else "hf", str(source.path), str(device), max_batch,
+                      prefill_chunk or DEFAULT_PREFILL_CHUNK, prefix_cache_mb, source.name)
+    ready = _start_engine(spec, engine_process)
+    try:
+        if source.kind == "gptforge":
+            from gptforge.modeling.tokenizer import load_tokenizer
 
-        model = load_model(source.path, map_location=device)
-        enc = load_tokenizer(str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
-        if model.config.n_vocab != enc.n_vocab:
-            raise BadInput(f"{source.spec}: a vocabulary of {model.config.n_vocab}, the tokenizer "
-                           f"{enc.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
-        backend = GPTBackend(model, max_batch)
-        served = ServedLM(source.name, "gptforge", None, backend.context, enc, {enc.eot_token}, template, created)
-    else:
-        from gptforge.modeling.hf_causal import load_causal_lm, stop_ids
-
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, tok = load_causal_lm(str(source.path), param="MODEL", dtype=dtype)
-        if source.tokenizer:
+            tok = load_tokenizer(str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
+        else:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(source.tokenizer))
-        model.to(device)
-        context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        backend = HFBackend(model, max_batch, context)
-        served = ServedLM(source.name, "hf", None, context, tok, set(stop_ids(tok, model)), template, created)
-    served.engine = Engine(backend, served.decode, max_queue=max_queue, observe=observe)
+            where = str(source.tokenizer or source.path)
+            try:
+                tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+            except Exception as e:  # noqa: BLE001 - the engine's own error says more when it has one
+                core = ready()
+                raise BadInput(f"{source.spec}: {where} has no usable tokenizer ({type(e).__name__})") from None
+        core = ready()
+    except BaseException:
+        _abandon(ready)
+        raise
+    info = core.info
+    if source.kind == "gptforge":
+        if info["n_vocab"] != tok.n_vocab:
+            core.kill()
+            raise BadInput(f"{source.spec}: a vocabulary of {info['n_vocab']}, the tokenizer "
+                           f"{tok.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
+        served = ServedLM(source.name, "gptforge", None, core.context, tok, {tok.eot_token}, template, created)
+    else:
+        from gptforge.modeling.hf_causal import stop_ids
+
+        ids = set(info["stop_ids"]) | set(stop_ids(tok))
+        served = ServedLM(source.name, "hf", None, core.context, tok, ids, template, created)
+    served.engine = Engine(core, served.decode, max_queue=max_queue, observe=observe)
     return served
+
+
+def _start_engine(spec, engine_process: bool):
+    """A function that gives the engine's core once it is ready (loading runs meanwhile in the
+    engine process, or runs in this one when the function is called)."""
+    if engine_process:
+        from gptforge.serve.engine_process import start_engine_process
+
+        return start_engine_process(spec)
+    from gptforge.serve.engine_core import ThreadCore
+    from gptforge.serve.engine_process import build_scheduler
+
+    def ready():
+        scheduler, info = build_scheduler(spec)
+        return ThreadCore(scheduler, info)
+    return ready
+
+
+def _abandon(ready) -> None:
+    """Loading failed on this side: the engine process (if one started) is stopped."""
+    abandon = getattr(ready, "abandon", None)
+    if abandon is not None:
+        abandon()

@@ -5,8 +5,13 @@ Series: `gptforge_requests_total{endpoint,status}`, `gptforge_request_errors_tot
 `gptforge_prompt_tokens_total{model}`, `gptforge_generated_tokens_total{model}`, histograms
 `gptforge_time_to_first_token_seconds{model}` (submission to the first generated token, queueing
 and prefill included) and `gptforge_inter_token_latency_seconds{model}` (between a request's
-consecutive tokens), and gauges `gptforge_running_requests{model}` (rows in the batch) and
-`gptforge_waiting_requests{model}` (the queue).
+consecutive tokens), gauges `gptforge_running_requests{model}` (rows in the batch) and
+`gptforge_waiting_requests{model}` (requests without a token yet: queued or prefilling), and the
+engine's prefill and prefix-cache counts: `gptforge_prefill_tokens_total{model}` (prompt tokens
+computed), `gptforge_prefix_cache_query_tokens_total{model}` and
+`gptforge_prefix_cache_hit_tokens_total{model}` (prompt tokens looked up, and found cached: their
+ratio is the hit rate), `gptforge_prefix_cache_hit_rate{model}` and
+`gptforge_prefix_cache_bytes{model}`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ class ServeMetrics:
         self.itl = Histogram("gptforge_inter_token_latency_seconds", "time between a request's tokens", ["model"],
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("gptforge_running_requests", "requests in the decode batch", ["model"], registry=r)
-        self.waiting = Gauge("gptforge_waiting_requests", "requests in the queue", ["model"], registry=r)
+        self.waiting = Gauge("gptforge_waiting_requests", "requests without a token yet", ["model"], registry=r)
+        self.prefilled = Counter("gptforge_prefill_tokens", "prompt tokens computed", ["model"], registry=r)
+        self.prefix_queries = Counter("gptforge_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                                      "cache", ["model"], registry=r)
+        self.prefix_hits = Counter("gptforge_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache",
+                                   ["model"], registry=r)
+        self.prefix_hit_rate = Gauge("gptforge_prefix_cache_hit_rate", "hit tokens / query tokens so far", ["model"],
+                                     registry=r)
+        self.prefix_bytes = Gauge("gptforge_prefix_cache_bytes", "bytes the prefix cache holds", ["model"], registry=r)
+        self._seen: dict[str, tuple[int, int, int]] = {}  # the engine's running totals at the last render
 
     def observer(self, model: str):
         """The engine's `observe` callback for `model`: token counts and latencies."""
@@ -52,5 +66,15 @@ class ServeMetrics:
     def render(self, engines: dict) -> bytes:
         for name, engine in engines.items():
             self.running.labels(name).set(engine.busy_slots)
-            self.waiting.labels(name).set(len(engine.waiting))
+            self.waiting.labels(name).set(engine.waiting)
+            st = engine.stats  # totals since the engine started: the counters grow by the difference
+            now = (st.prefilled_tokens, st.prefix_query_tokens, st.prefix_hit_tokens)
+            before = self._seen.get(name, (0, 0, 0))
+            for counter, a, b in zip((self.prefilled, self.prefix_queries, self.prefix_hits), now, before):
+                if a > b:
+                    counter.labels(name).inc(a - b)
+            self._seen[name] = now
+            self.prefix_hit_rate.labels(name).set(st.prefix_hit_tokens / st.prefix_query_tokens
+                                                  if st.prefix_query_tokens else 0.0)
+            self.prefix_bytes.labels(name).set(st.prefix_cache_bytes)
         return generate_latest(self.registry)

@@ -1,0 +1,232 @@
+"""The engine in a process of its own (vLLM V1's layout): the API process parses, tokenizes,
+detokenizes and streams; this process loads the model and runs the scheduler's loop
+(`serve.engine_core.serve_loop`). Before the split the two shared one interpreter lock, and on
+2 cores they took turns (together 0.91-0.94 of a core busy, bench_serve.py).
+
+The channel is a Unix socket pair carrying pickled messages (`multiprocessing.connection`, the
+standard library's): one message per model step each way at most, a few hundred bytes. Against
+ZeroMQ (pyzmq) it is a dependency fewer at the same cost for messages this small:
+benchmarks/bench_channel.py measures both (docs/serving.md). The API side reads it on its
+event loop (`loop.add_reader`), so no thread of its own waits on it.
+
+    python -m gptforge.serve.engine_process FD
+
+The child gets the socket as FD, reads an `EngineSpec`, loads the model, answers
+("ready", {"context", "n_vocab", "stop_ids"}) or ("error", "one line"), then serves. It ignores
+SIGINT and SIGTERM (a Ctrl-C in the terminal, or a stop sent to the process group, reaches both
+processes; the API process decides when the engine stops, after its in-flight answers, and says
+so with a "stop" message) and exits when the socket closes, so it never outlives the API
+process. The API process treats the socket's end as the engine's
+death: every open stream gets an error event and the server stops with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from gptforge.errors import BadInput
+from gptforge.serve.engine_core import STOP_SECONDS
+
+READY_SECONDS = 600.0  # loading a model from a slow disk; the child's own errors come at once
+
+
+@dataclass
+class EngineSpec:
+    """What the engine process loads and how it schedules."""
+
+    kind: str  # "gptforge" or "hf"
+    path: str
+    device: str = "cpu"
+    max_batch: int = 16
+    prefill_chunk: int = 256
+    prefix_cache_mb: float = 256.0
+    name: str = "model"
+
+
+def build_scheduler(spec: EngineSpec):
+    """(scheduler, info) for `spec`: the model loaded, its backend, the prefix cache."""
+    import torch
+
+    from gptforge.serve.prefix_cache import PrefixCache
+    from gptforge.serve.scheduler import Scheduler
+
+    device = torch.device(spec.device)
+    if spec.kind == "gptforge":
+        from gptforge.modeling.weights import load_model
+        from gptforge.serve.gpt_backend import GPTBackend
+
+        model = load_model(spec.path, map_location=device)
+        backend = GPTBackend(model, spec.max_batch)
+        info = {"context": backend.context, "n_vocab": model.config.n_vocab, "stop_ids": []}
+    else:
+        from gptforge.modeling.hf_causal import load_causal_lm, stop_ids
+        from gptforge.serve.hf_backend import HFBackend
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tok = load_causal_lm(spec.path, param="MODEL", dtype=dtype)
+        model.to(device)
+        context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        backend = HFBackend(model, spec.max_batch, context)
+        info = {"context": context, "n_vocab": int(model.config.vocab_size), "stop_ids": stop_ids(tok, model)}
+    cache = PrefixCache(int(spec.prefix_cache_mb * (1 << 20)))
+    return Scheduler(backend, prefill_chunk=spec.prefill_chunk, prefix_cache=cache), info
+
+
+def main(fd: int) -> int:
+    """The engine process (the module's docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        spec = EngineSpec(**conn.recv())
+        scheduler, info = build_scheduler(spec)
+    except EOFError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - one line for the API process to print
+        message = str(e) if isinstance(e, BadInput) else f"{type(e).__name__}: {e}"
+        conn.send(("error", " ".join(message.split())))
+        return 2
+    conn.send(("ready", info))
+    from gptforge.serve.engine_core import serve_loop
+
+    def receive(block: bool) -> list:
+        messages = []
+        if block:
+            messages.append(conn.recv())
+        while conn.poll():
+            messages.append(conn.recv())
+        return messages
+
+    try:
+        serve_loop(scheduler, receive, conn.send)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the API process went away
+        return 0
+    return 0
+
+
+class ProcessCore:
+    """The API side's handle on an engine process (`start_engine_process` makes one)."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, spec: EngineSpec):
+        self.proc, self.conn, self.info, self.spec = proc, conn, info, spec
+        self.max_batch, self.context = spec.max_batch, info["context"]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_lost: Callable[[str], None] | None = None
+        self._closed = False
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None],
+              on_lost: Callable[[str], None]) -> None:
+        self._loop, self._on_lost = loop, on_lost
+        fd = self.conn.fileno()
+
+        def readable() -> None:
+            try:
+                while self.conn.poll():
+                    on_message(self.conn.recv())
+            except (EOFError, OSError):
+                self._gone()
+
+        loop.add_reader(fd, readable)
+
+    def _gone(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self.conn.fileno())
+        try:
+            code = self.proc.wait(timeout=5)  # its socket closed: it has exited or is exiting
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exit code {code}" if code is not None else "its socket closed")
+        self._on_lost(f"the engine process of {self.spec.name} stopped ({how})")
+
+    def send(self, message: tuple) -> None:
+        if self._closed:
+            return
+        try:
+            self.conn.send(message)
+        except OSError:
+            self._gone()
+
+    async def stop(self) -> None:
+        """Ask the engine to stop; after STOP_SECONDS it is killed."""
+        if not self._closed:
+            self._closed = True
+            if self._loop is not None:
+                self._loop.remove_reader(self.conn.fileno())
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+        try:
+            await asyncio.to_thread(self.proc.wait, STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+        self.conn.close()
+
+    def kill(self) -> None:
+        """Stop the engine at once (loading failed on the API side; the server did not start)."""
+        self._closed = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.proc.poll() is None
+
+
+def start_engine_process(spec: EngineSpec) -> Callable[[], ProcessCore]:
+    """Start the engine process for `spec` (it loads the model while the caller loads the
+    tokenizer); the returned function waits for it to be ready and gives its `ProcessCore`,
+    or raises BadInput with the engine's one-line error."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, "-m", "gptforge.serve.engine_process", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    conn = Connection(os.dup(mine.fileno()))
+    mine.close()
+    conn.send(asdict(spec))
+
+    def ready() -> ProcessCore:
+        try:
+            if not conn.poll(READY_SECONDS):
+                raise BadInput(f"{spec.name}: the engine process did not load the model in {READY_SECONDS:.0f} s")
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            code = proc.wait()
+            raise BadInput(f"{spec.name}: the engine process exited while loading (exit code {code})") from None
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            conn.close()
+            raise
+        if kind == "error":
+            proc.wait()
+            conn.close()
+            raise BadInput(payload)
+        return ProcessCore(proc, conn, payload, spec)
+
+    def abandon() -> None:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        conn.close()
+
+    ready.abandon = abandon
+    return ready
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))
