@@ -71,7 +71,7 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     out = tmp_path / "serve.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--clients", "1,2", "--requests", "2", "--rounds", "1", "--max-tokens", "8",
+        [sys.executable, str(SCRIPT), "--measures", "ceiling,levels", "--clients", "1,2", "--requests", "2", "--rounds", "1", "--max-tokens", "8",
          "--max-batch", "2", "--repeats", "1", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -188,6 +188,18 @@ def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, ser
     wait_until(lambda: running(server) == 0, "the closed streams to leave the batch")
 
 
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_a_shared_prompt_prefix_comes_from_the_prefix_cache_and_answers_are_unchanged(folders, server, client, model):
+    system = "You answer questions about the weather in short sentences. " * 6
+    questions = ["Is it raining?", "Will it snow tomorrow?"]
+    hits = lambda: metric(server, "gptforge_prefix_cache_hit_tokens_total")  # noqa: E731
+    before = hits()
+    answers = [client.completions.create(model=model, prompt=system + q, max_tokens=12, temperature=0).choices[0].text
+               for q in questions]
+    assert hits() - before >= 48  # the second found at least the system prompt's first three blocks
+    assert answers[1] == cli_generate(folders[model], system + questions[1], 12)  # the cached one, against the plain path
+
+
 # -- classify ------------------------------------------------------------------------------
 
 def test_classify_gives_the_classifiers_probabilities(folders, server):
