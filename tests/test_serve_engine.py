@@ -20,7 +20,7 @@ import torch
 
 from gptforge.serve.engine import Engine, QueueFull, Request
 from gptforge.serve.engine_core import ThreadCore
-from gptforge.serve.scheduler import Job, Sampling, Scheduler, pick_tokens
+from gptforge.serve.scheduler import Job, Sampling, Scheduler, pick_tokens, pick_tokens_per_row
 
 VOCAB = 16
 
@@ -222,19 +222,24 @@ def request_with(**kw) -> Job:
     return Job(0, [1], Sampling(max_tokens=1, **kw), set())
 
 
-def test_greedy_takes_the_lowest_index_of_a_tie():
+SAMPLERS = pytest.mark.parametrize("pick", [pick_tokens, pick_tokens_per_row], ids=["batched", "per-row"])
+
+
+@SAMPLERS
+def test_greedy_takes_the_lowest_index_of_a_tie(pick):
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
-    assert pick_tokens(logits, [request_with(temperature=0)]) == [1]
+    assert pick(logits, [request_with(temperature=0)]) == [1]
 
 
-def test_top_k_top_p_and_temperature_draw_from_the_renormalized_distribution():
+@SAMPLERS
+def test_top_k_top_p_and_temperature_draw_from_the_renormalized_distribution(pick):
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04], dtype=torch.float64)).float()
     n = 5000
 
     def frequencies(**kw):
         req = request_with(seed=0, **kw)
         counts = torch.zeros(5)
-        for t in pick_tokens(logits.expand(n, 5).contiguous(), [req] * n):
+        for t in pick(logits.expand(n, 5).contiguous(), [req] * n):
             counts[t] += 1
         return counts / n
 
@@ -251,8 +256,29 @@ def test_top_k_top_p_and_temperature_draw_from_the_renormalized_distribution():
     assert torch.allclose(frequencies(temperature=2.0), expected(sqrt), atol=0.03)
 
 
-def test_a_seed_repeats_the_draws():
+@SAMPLERS
+def test_a_seed_repeats_the_draws(pick):
     logits = torch.randn(1, 50)
-    a = [pick_tokens(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
-    b = [pick_tokens(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
+    a = [pick(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
+    b = [pick(logits, [r])[0] for r in [request_with(temperature=1.0, seed=3)] for _ in range(20)]
     assert a == b and len(set(a)) > 1
+
+
+def test_rows_of_one_batch_each_draw_under_their_own_settings():
+    """The batched sampler with greedy, top-k, top-p and plain rows in one call: each row's
+    frequencies are its own formula's (as in the test above, one setting per call)."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04], dtype=torch.float64)
+    logits = torch.log(p).float().expand(4, 5).contiguous()
+    rows = [request_with(temperature=0), request_with(temperature=1.0, top_k=2, seed=1),
+            request_with(temperature=1.0, top_p=0.7, top_k=4, seed=2), request_with(temperature=1.0, seed=3)]
+    n = 4000
+    counts = torch.zeros(4, 5)
+    for _ in range(n):
+        for row, t in enumerate(pick_tokens(logits, rows)):
+            counts[row, t] += 1
+    freq = counts / n
+    norm = lambda q: (torch.tensor(q, dtype=torch.float64) / sum(q)).float()  # noqa: E731
+    assert freq[0].tolist() == [1, 0, 0, 0, 0]
+    assert torch.allclose(freq[1], norm([0.5, 0.25, 0, 0, 0]), atol=0.03)
+    assert torch.allclose(freq[2], norm([0.5, 0.25, 0, 0, 0]), atol=0.03)
+    assert torch.allclose(freq[3], p.float(), atol=0.03)
