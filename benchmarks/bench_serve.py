@@ -602,9 +602,19 @@ def summarize(clients: int, rounds: list[dict]) -> dict:
 
 
 def _roles(cpu: dict[str, float], wall: float) -> dict[str, float]:
-    others = sorted((v for k, v in cpu.items() if k != "main"), reverse=True)
-    return {"main": round(cpu.get("main", 0.0) / wall, 3), "worker": round((others[0] if others else 0.0) / wall, 3),
-            "rest": round(sum(others[1:]) / wall, 3)}
+    """Cores busy by role: `main` the API process (event loop: HTTP, SSE, JSON, detokenizing),
+    `worker` the engine's loop (the engine process's main thread, or with `--engine-process off`
+    the API process's busiest other thread), `rest` torch's other intra-op threads."""
+    api = {k: v for k, v in cpu.items() if not k.startswith("child ")}
+    engine = {k: v for k, v in cpu.items() if k.startswith("child ")}
+    loop = [v for k, v in engine.items() if k.endswith(" main")]
+    if engine:
+        worker, rest = sum(loop), sum(engine.values()) - sum(loop)
+        main = sum(api.values())
+    else:  # the scheduler in a thread of the API process
+        others = sorted((v for k, v in api.items() if k != "main"), reverse=True)
+        main, worker, rest = api.get("main", 0.0), (others[0] if others else 0.0), sum(others[1:])
+    return {"main": round(main / wall, 3), "worker": round(worker / wall, 3), "rest": round(rest / wall, 3)}
 
 
 def timed_level(port: int, server_pid: int, clients: int, requests: int, body, parser=parse,
@@ -1072,9 +1082,10 @@ def where_the_time_goes(result: dict) -> str:
             text += (f" The server's model step alone (its backend's decode and greedy pick, no HTTP, in this "
                      f"process) takes {a1['step_aligned_ms']:.2f} ms at one row, of which {head} is "
                      f"{a1['head_ms']:.2f} ms. The rest, "
-                     f"{t_srv - a1['step_aligned_ms']:.2f} ms per token, is the serving around the step: the "
-                     f"hand-off of each step's tokens from the engine thread to the event loop, detokenizing, the JSON chunk, the SSE "
-                     f"write, and the request's time to first text ({one['ttft_ms']['p50']:.1f} ms p50 per "
+                     f"{t_srv - a1['step_aligned_ms']:.2f} ms per token, is the serving around the step: each "
+                     f"step's tokens crossing from the engine process to the API process, detokenizing, the JSON "
+                     f"chunk, the SSE write (a send to the socket per token), the two processes sharing the "
+                     f"machine's cores, and the request's time to first text ({one['ttft_ms']['p50']:.1f} ms p50 per "
                      f"{n}-token request: {one['ttft_ms']['p50'] / n:.2f} ms per token).")
         text += (f" Server threads: {_threads(one)}; {one['server_cores_busy']:.2f} cores busy, the client "
                  f"{one['client_cores_busy']:.2f}.")
@@ -1096,26 +1107,26 @@ def where_the_time_goes(result: dict) -> str:
         lines.append(text)
     roles = [(c, lv["server_cores_by_role"]) for c, lv in sorted(levels.items())]
     lines.append(
-        "**Threads**: the event loop and the engine's worker together kept "
-        + ", ".join(f"{r['main'] + r['worker']:.2f}" for _, r in roles)
-        + f" cores busy at {', '.join(str(c) for c, _ in roles)} clients, torch's other threads "
+        "**Processes**: the API process (HTTP, SSE, JSON, detokenizing) kept "
+        + ", ".join(f"{r['main']:.2f}" for _, r in roles)
+        + f" cores busy at {', '.join(str(c) for c, _ in roles)} clients, the engine process's loop "
+        + ", ".join(f"{r['worker']:.2f}" for _, r in roles)
+        + " and torch's other intra-op threads there "
         + ", ".join(f"{r['rest']:.2f}" for _, r in roles)
-        + ". Python runs one thread of a process at a time (the GIL), and a tiny-model step is mostly short "
-          "operations dispatched from Python: the event loop's work per token (detokenizing, JSON, the SSE "
-          "write) and the worker's step take turns on one core rather than overlapping.")
+        + ". The two no longer share an interpreter lock, but on a machine of two cores the API process's "
+          "work per token takes some of the core that the engine's second intra-op thread would use.")
     return "\n\n".join(lines)
 
 
 def _threads(level: dict) -> str:
-    """CPU seconds by thread: `main` is the event loop (HTTP, SSE, JSON, detokenizing); the
-    others are the engine's worker thread (the model step) and torch's intra-op threads."""
-    items = sorted(level["server_cpu_s_by_thread"].items(), key=lambda kv: -kv[1])
-    total = sum(v for _, v in items) or 1.0
-    main = level["server_cpu_s_by_thread"].get("main", 0.0)
-    others = [v for k, v in items if k != "main"]
-    return (f"the event loop (main thread) {100 * main / total:.0f}% of the server's CPU time, the other "
-            f"{len(others)} thread(s) (the engine's worker or process, torch's) "
-            + "/".join(f"{100 * v / total:.0f}%" for v in others[:3]))
+    """Shares of the server's CPU time: the API process (its event loop, HTTP, SSE, JSON,
+    detokenizing) and the engine process's threads (its loop and torch's intra-op threads)."""
+    cpu = level["server_cpu_s_by_thread"]
+    total = sum(cpu.values()) or 1.0
+    api = sum(v for k, v in cpu.items() if not k.startswith("child "))
+    engine = sorted((v for k, v in cpu.items() if k.startswith("child ")), reverse=True)
+    return (f"the API process {100 * api / total:.0f}% of the server's CPU time, the engine process's "
+            f"{len(engine)} busy thread(s) " + "/".join(f"{100 * v / total:.0f}%" for v in engine[:3]))
 
 
 def _alone_row(alone: dict) -> str:
