@@ -7,7 +7,8 @@ when pyzmq is installed.
 
 The message is what the engine sends after a step of 16 rows: ("tokens", 16 (id, token) pairs,
 the scheduler's Stats); the echo is what the API side sends most ("cancel", id). Both pickled,
-as the engine does. Per channel: the round trip's median over `--repeats` runs of `--messages`
+as the engine does (`Connection.send`, pyzmq's `send_pyobj`): messages between two processes of
+one server over a channel no other process can reach. Per channel: the round trip's median over `--repeats` runs of `--messages`
 ping-pongs each (after one warm-up run), in microseconds. A model step on this project's 2-core
 CPU takes milliseconds (bench_serve.py), so either channel is a small part of it; the figures
 say how small.
@@ -46,10 +47,10 @@ def _zmq_echo(address: str) -> None:
     sock = zmq.Context().socket(zmq.PAIR)
     sock.connect(address)
     while True:
-        message = pickle.loads(sock.recv())
+        message = sock.recv_pyobj()
         if message is None:
             return
-        sock.send(pickle.dumps(("cancel", 7)))
+        sock.send_pyobj(("cancel", 7))
 
 
 def time_pipe(messages: int, repeats: int) -> list[float]:
@@ -84,11 +85,11 @@ def time_zmq(messages: int, repeats: int) -> list[float] | str:
     for r in range(repeats + 1):
         t0 = time.perf_counter()
         for _ in range(messages):
-            sock.send(pickle.dumps(MESSAGE))
-            pickle.loads(sock.recv())
+            sock.send_pyobj(MESSAGE)
+            sock.recv_pyobj()
         if r:
             runs.append((time.perf_counter() - t0) / messages * 1e6)
-    sock.send(pickle.dumps(None))
+    sock.send_pyobj(None)
     proc.join()
     return runs
 
