@@ -53,20 +53,26 @@ def _zmq_echo(address: str) -> None:
         sock.send_pyobj(("cancel", 7))
 
 
+def ping_pong(send, recv, messages: int, repeats: int) -> list[float]:
+    """Microseconds a round trip, one figure per run of `messages`, after one warm-up run."""
+    runs = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(messages):
+            send(MESSAGE)
+            recv()
+        if r:
+            runs.append((time.perf_counter() - t0) / messages * 1e6)
+    send(None)
+    return runs
+
+
 def time_pipe(messages: int, repeats: int) -> list[float]:
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=_pipe_echo, args=(theirs,))
     proc.start()
-    runs = []
-    for r in range(repeats + 1):
-        t0 = time.perf_counter()
-        for _ in range(messages):
-            mine.send(MESSAGE)
-            mine.recv()
-        if r:  # the first run warms up
-            runs.append((time.perf_counter() - t0) / messages * 1e6)
-    mine.send(None)
+    runs = ping_pong(mine.send, mine.recv, messages, repeats)
     proc.join()
     return runs
 
@@ -81,15 +87,7 @@ def time_zmq(messages: int, repeats: int) -> list[float] | str:
     sock.bind(address)
     proc = mp.get_context("spawn").Process(target=_zmq_echo, args=(address,))
     proc.start()
-    runs = []
-    for r in range(repeats + 1):
-        t0 = time.perf_counter()
-        for _ in range(messages):
-            sock.send_pyobj(MESSAGE)
-            sock.recv_pyobj()
-        if r:
-            runs.append((time.perf_counter() - t0) / messages * 1e6)
-    sock.send_pyobj(None)
+    runs = ping_pong(sock.send_pyobj, sock.recv_pyobj, messages, repeats)
     proc.join()
     return runs
 
