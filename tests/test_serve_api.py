@@ -8,6 +8,7 @@ answers, `class_probabilities` for the classifier, the tokenizer for the usage c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import BIN, Paused
+from conftest import BIN, Paused, free_port
 from hf_models import make_tiny_causal_lm
 from serve_support import PARAMS, Server, tiny_classifier, tiny_gpt
 
@@ -421,6 +422,51 @@ def test_accepted_connections_send_small_writes_at_once():
         return nodelay
 
     assert asyncio.run(main()) != 0
+
+
+@pytest.mark.parametrize("flag", [["--prefill-chunk", "0"], ["--prefix-cache-mb", "-1"]])
+def test_bad_engine_settings_are_one_line(folders, flag):
+    from conftest import last_error_line
+
+    done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", *flag,
+                           "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert last_error_line(done.stderr).startswith(f"gptforge: error: {flag[0]} must be >=")
+
+
+def test_a_model_the_engine_process_cannot_load_is_one_line_and_leaves_no_process(folders, tmp_path):
+    from conftest import last_error_line
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folders["tiny"] / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    t0 = time.time()
+    proc = subprocess.Popen([str(BIN / "gptforge"), "serve", f"b={broken}", "--port", str(free_port()),
+                             "--params", str(PARAMS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = set()
+    while proc.poll() is None:  # the engine processes it starts, while it runs
+        with contextlib.suppress(psutil.Error):
+            pids |= {c.pid for c in psutil.Process(proc.pid).children()}
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert re.fullmatch(rf"gptforge: error: {re.escape(str(broken))}/model.safetensors: not a readable "
+                        r"safetensors file \(.*\)", last_error_line(stderr))
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).create_time() >= t0 - 1]
+    assert not alive, "an engine process outlived the failed start"
+
+
+def test_the_engine_in_a_thread_of_the_api_process_answers_as_the_engine_process(folders, server, client, tmp_path):
+    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--engine-process", "off")
+    try:
+        assert [c.name() for c in psutil.Process(srv.proc.pid).children()] == []
+        other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        ask = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+        assert other.completions.create(**ask).choices[0].text == client.completions.create(**ask).choices[0].text
+    finally:
+        srv.stop()
 
 
 def test_chat_without_a_chat_template_uses_the_instruct_template(tmp_path):
