@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,6 +20,7 @@ from conftest import BIN, Paused, cli_env, error_lines, records_delivered, start
 from gptforge.config.load import load_config
 from gptforge.data.pretrain import prepare_pretrain
 from gptforge.errors import BadInput, StageFailed
+from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.training import loop as T
 
 
@@ -380,6 +382,99 @@ def test_ddp_two_processes_match_one_process(tmp_path, shards, small_tokenizer):
     assert sorted(a) == sorted(b) == list(range(6))
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+
+
+def _torchrun(folder: Path, shards: Path, args: list[str], env: dict, dry: bool = False):
+    """`gptforge pretrain` on 2 processes in `folder` (made, with the shards linked in); `dry`:
+    the folder only."""
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    if not (folder / "data/pretrain").exists():
+        (folder / "data/pretrain").symlink_to(shards)
+    if dry:
+        return None
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
+                           "pretrain", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_zero1_follows_ddp_step_for_step_and_resumes_exactly(tmp_path, shards, small_tokenizer):
+    """pretrain.strategy zero1 on 2 gloo processes, gradient accumulation 2 and clipping on: the
+    loss curve of DDP within 1e-5 (relative) for 20 steps; and a zero1 run SIGKILLed after step 10
+    (its checkpoint: the consolidated optimizer state) and resumed ends bitwise as the
+    uninterrupted one."""
+    common = [*SMALL, f"tokenizer.path={small_tokenizer}", "pretrain.batch_tokens=256", "pretrain.grad_clip=0.5",
+              "pretrain.max_steps=20"]
+    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess:
+        done = _torchrun(tmp_path / name, shards, sum((["-S", s] for s in [*common, *extra]), []), env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    run("ddp")
+    run("zero1", "pretrain.strategy=zero1")
+    ddp, zero1 = losses(tmp_path / "ddp/plots/pretrain.csv"), losses(tmp_path / "zero1/plots/pretrain.csv")
+    assert sorted(ddp) == sorted(zero1) == list(range(20))
+    for step in ddp:
+        assert abs(ddp[step] - zero1[step]) <= 1e-5 * abs(ddp[step]), (step, ddp[step], zero1[step])
+
+    killed = tmp_path / "killed"
+    pause = Paused(tmp_path, 10)  # after step 10 and its checkpoint (ckpt_interval 5)
+    _torchrun(killed, shards, [], env, dry=True)
+    args = sum((["-S", s] for s in [*common, "pretrain.strategy=zero1"]), [])
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
+                                 "pretrain", *args], cwd=killed, env={**env, **pause.env()}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            pause.wait(proc, output=(tmp_path / "killed.log").read_text)
+            # torchrun's workers run in process groups of their own: every process of the job.
+            job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            for p in job:
+                p.kill()
+            proc.wait()
+            _, alive = psutil.wait_procs(job, timeout=30)
+            assert not alive
+        finally:
+            pause.release()
+    resumed = run("killed", "pretrain.strategy=zero1")
+    assert "step_00000010 at step 10" in resumed.stderr, resumed.stderr[-3000:]
+    _assert_same_final(tmp_path / "zero1", killed)
+
+
+def _optimizer_state_bytes(rank: int, world: int, store: str, strategy: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from gptforge.training.optim import adamw, zero1_adamw
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    # Small vocabulary: no single parameter dominates (the split is by whole parameters).
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, n_vocab=64))
+    build = zero1_adamw if strategy == "zero1" else adamw
+    opt = build(model.parameters(), lr=1e-3, weight_decay=0.1, device_type="cpu")
+    model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()
+    opt.step()
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's local AdamW
+    nbytes = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
+                 if torch.is_tensor(t) and t.dim() > 0)
+    Path(f"{out}.{rank}").write_text(str(nbytes))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero1_keeps_about_half_the_optimizer_state_on_each_of_two_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    per_rank = {}
+    for strategy in ("ddp", "zero1"):
+        out = tmp_path / strategy
+        mp.spawn(_optimizer_state_bytes, args=(2, str(tmp_path / f"store-{strategy}"), strategy, str(out)), nprocs=2)
+        per_rank[strategy] = [int(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    print(per_rank)
+    whole = per_rank["ddp"][0]
+    assert per_rank["ddp"] == [whole, whole]
+    assert all(b <= 0.55 * whole for b in per_rank["zero1"]) and sum(per_rank["zero1"]) == whole
 
 
 # ---------------------------------------------------------------------------------------------

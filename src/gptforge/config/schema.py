@@ -253,6 +253,9 @@ class PretrainConfig(Section):
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = Field(32, gt=0)
     peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
+    # How the processes share the training state (docs/multi-node.md): ddp, a whole copy on every
+    # process; zero1, AdamW's states split across the processes (ZeroRedundancyOptimizer).
+    strategy: Literal["ddp", "zero1"] = Field("ddp", description="ddp | zero1 (optimizer states sharded)")
     # Above 1 process in all, `gptforge pretrain` launches itself under torchrun (gptforge.training.launch).
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
     nnodes: int = Field(1, gt=0, description="machines; above 1, run the same command on each")

@@ -42,7 +42,7 @@ from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training import checkpoint as ckpt
 from gptforge.training.loader import ShardLoader
-from gptforge.training.optim import adamw
+from gptforge.training.optim import adamw, zero1_adamw
 
 log = logging.getLogger("gptforge")
 
@@ -160,6 +160,8 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
 
 def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
     keys = {k: getattr(cfg.pretrain, k) for k in FINGERPRINT_KEYS}
+    if cfg.pretrain.strategy != "ddp":  # (ddp runs keep the fingerprints they had before strategies)
+        keys["strategy"] = cfg.pretrain.strategy
     blob = json.dumps({"model": cfg.model.model_dump(mode="json"), "pretrain": keys, "world": world,
                        "shards": [s["sha256"] for s in manifest["shards"]]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -309,7 +311,8 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     model = load_model(resume_from) if resume_from else build_model(cfg, enc.n_vocab)
     model = model.to(rt.device)
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
-    optimizer = adamw(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
+    build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
+    optimizer = build(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
@@ -414,8 +417,11 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
                 metrics["mfu"] = step_mfu
             run.log_metrics(metrics, step=s.step)
         stopping = _stop_now(stop, rt)
-        if (s.step % p.ckpt_interval == 0 or s.step == p.max_steps or stopping) and rt.master:
-            s.last_ckpt = save_checkpoint(s)
+        if s.step % p.ckpt_interval == 0 or s.step == p.max_steps or stopping:
+            if hasattr(s.optimizer, "consolidate_state_dict"):  # zero1: every process hands its share to 0
+                s.optimizer.consolidate_state_dict(to=0)
+            if rt.master:
+                s.last_ckpt = save_checkpoint(s)
         if rt.ddp:
             dist.barrier()
         if stopping:
