@@ -302,19 +302,48 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return dq, dk, dv
 
 
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        o, lse = flash_attention_forward(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)  # O(B·H·T·D) + O(B·H·T): no T x T matrix kept
-        ctx.causal, ctx.sm_scale = causal, sm_scale
-        return o
+# The autograd entry point is a torch.library custom op rather than an autograd.Function: under
+# torch.compile Dynamo would trace into an autograd.Function and hand our Triton kernels to
+# Inductor, which re-generates them; on an H100 with Triton 3.6 that re-generated forward failed
+# to compile (docs/benchmarks/2026-11-26-nvidia-h100-80gb-hbm3.md). A compiled graph calls a
+# custom op as it is, the kernels Triton compiled for eager mode included.
+@torch.library.custom_op("gptforge::flash_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention_forward(q, k, v, causal, sm_scale)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+
+@_fwd_op.register_fake
+def _(q, k, v, causal, sm_scale):
+    B, H, T, D = q.shape
+    return q.new_empty((B, H, T, D)), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("gptforge::flash_attention_bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attention_backward(do, q, k, v, o, lse, causal, sm_scale)
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, sm_scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)  # O(B·H·T·D) + O(B·H·T): no T x T matrix kept
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -323,5 +352,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
     sm_scale defaults to 1/sqrt(D). q, k and v share shape and dtype (fp32, fp16 or bf16) and D is
     16, 32, 64 or 128. CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before this
-    module was imported; anything else raises KernelUnavailable."""
-    return FlashAttention.apply(q, k, v, causal, sm_scale)
+    module was imported; anything else raises KernelUnavailable. Works inside torch.compile."""
+    _check(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.size(-1)) if sm_scale is None else float(sm_scale)
+    return _fwd_op(q, k, v, bool(causal), sm_scale)[0]

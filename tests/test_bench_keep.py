@@ -127,6 +127,28 @@ def test_a_fast_change_is_kept_and_built_on(fake):
     assert [v.precision for v in built] == ["fp32", "bf16", "bf16"]
 
 
+def test_a_variant_that_fails_is_a_row_and_the_chain_goes_on(tmp_path, fake, monkeypatch):
+    # On an H100, compiling the model with the Triton attention raised inside Inductor and ended
+    # the whole stage; a failing variant is now a row saying why, and the next builds on the last kept.
+    built, calls = fake(baseline=1.0, sdpa=0.5, vocab50304=0.25)
+    real_build = bench.build_step
+
+    def build_step(v, *args):
+        if v.name == "sdpa":
+            raise RuntimeError("CompilationError at 40:14\nmore lines")
+        return real_build(v, *args)
+
+    monkeypatch.setattr(bench, "build_step", build_step)
+    cfg = load_config(None, [*SMALL, "benchmark.steps=3", "benchmark.variants=[baseline, sdpa, vocab50304]"])
+    rows = bench.run_variants(cfg, torch.device("cpu"), 2, 32)
+    by_name = {r["variant"]: r for r in rows}
+    assert by_name["sdpa"] == {"variant": "sdpa", "change": by_name["sdpa"]["change"],
+                               "skipped": "failed: RuntimeError: CompilationError at 40:14"}
+    assert by_name["vocab50304"]["kept"] and by_name["vocab50304"]["builds_on"] == "baseline"
+    assert built[-1].attention == "math" and built[-1].vocab_size == 50304
+    assert "sdpa" not in calls and calls["vocab50304"] == 1 + 3
+
+
 def test_the_keep_rule_in_words():
     assert bench.slower_reason(105.0, 100.0, "sdpa") is None  # within the 5% tolerance
     assert bench.slower_reason(90.0, 100.0, "sdpa") is None

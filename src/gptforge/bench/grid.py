@@ -295,12 +295,23 @@ def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun(
             log.info("benchmark %s: skipped (%s)", name, reason)
             continue
         v = replace(head, name=name, change=change_text, **change)
-        with _matmul_precision(v, device):
-            raw, step = build_step(v, cfg, device, B, T)
-            extra_warmup = 2 if v.compile else 0  # compilation happens in the first calls
-            with PeakMemory(device) as mem:
-                times, stopped = time_step(step, device, b.warmup + extra_warmup, b.steps, settle=1 + extra_warmup,
-                                           stop_over_s=best and STOP_FACTOR * best[1] / 1e3)
+        try:
+            with _matmul_precision(v, device):
+                raw, step = build_step(v, cfg, device, B, T)
+                extra_warmup = 2 if v.compile else 0  # compilation happens in the first calls
+                with PeakMemory(device) as mem:
+                    times, stopped = time_step(step, device, b.warmup + extra_warmup, b.steps,
+                                               settle=1 + extra_warmup,
+                                               stop_over_s=best and STOP_FACTOR * best[1] / 1e3)
+        except Exception as e:  # noqa: BLE001 - one variant that cannot run (a compiler error, out of
+            # memory) is a row of the report, not the end of the stage: the rest of the grid and the
+            # micro-benchmarks still run, and the next variant builds on the last one kept.
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            rows.append({"variant": name, "change": change_text, "skipped": f"failed: {type(e).__name__}: {first}"})
+            log.warning("benchmark %s: failed (%s: %s); going on without it", name, type(e).__name__, first)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         s = summary(times)
         tokens_per_sec = B * T / (s["ms"] / 1e3)
         precision = "fp32" if v.precision == "tf32" else v.precision
