@@ -396,32 +396,46 @@ def _torchrun(folder: Path, shards: Path, args: list[str], env: dict, dry: bool 
                            "pretrain", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
+ACCUM_CLIP = ["pretrain.batch_tokens=256", "pretrain.grad_clip=0.5", "pretrain.max_steps=20"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory, shards, small_tokenizer) -> Path:
+    """DDP on 2 gloo processes, gradient accumulation 2 and clipping on, 20 steps: the run the
+    sharded strategies are held to."""
+    folder = tmp_path_factory.mktemp("ddp")
+    args = sum((["-S", s] for s in [*SMALL, f"tokenizer.path={small_tokenizer}", *ACCUM_CLIP]), [])
+    done = _torchrun(folder, shards, args, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
 @pytest.mark.slow
-def test_zero1_follows_ddp_step_for_step_and_resumes_exactly(tmp_path, shards, small_tokenizer):
-    """pretrain.strategy zero1 on 2 gloo processes, gradient accumulation 2 and clipping on: the
-    loss curve of DDP within 1e-5 (relative) for 20 steps; and a zero1 run SIGKILLed after step 10
-    (its checkpoint: the consolidated optimizer state) and resumed ends bitwise as the
-    uninterrupted one."""
-    common = [*SMALL, f"tokenizer.path={small_tokenizer}", "pretrain.batch_tokens=256", "pretrain.grad_clip=0.5",
-              "pretrain.max_steps=20"]
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(tmp_path, shards, small_tokenizer,
+                                                                       ddp_reference, strategy):
+    """pretrain.strategy zero1 / fsdp on 2 gloo processes, gradient accumulation 2 and clipping on:
+    the loss curve of DDP within 1e-5 (relative) for 20 steps; and a run SIGKILLed after step 10
+    (its checkpoint: zero1's consolidated optimizer state; fsdp's shards, one file per process)
+    and resumed ends bitwise as the uninterrupted one."""
+    common = [*SMALL, f"tokenizer.path={small_tokenizer}", *ACCUM_CLIP, f"pretrain.strategy={strategy}"]
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
 
-    def run(name: str, *extra: str) -> subprocess.CompletedProcess:
-        done = _torchrun(tmp_path / name, shards, sum((["-S", s] for s in [*common, *extra]), []), env)
+    def run(name: str) -> subprocess.CompletedProcess:
+        done = _torchrun(tmp_path / name, shards, sum((["-S", s] for s in common), []), env)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    run("ddp")
-    run("zero1", "pretrain.strategy=zero1")
-    ddp, zero1 = losses(tmp_path / "ddp/plots/pretrain.csv"), losses(tmp_path / "zero1/plots/pretrain.csv")
-    assert sorted(ddp) == sorted(zero1) == list(range(20))
+    run("straight")
+    ddp, sharded = losses(ddp_reference / "plots/pretrain.csv"), losses(tmp_path / "straight/plots/pretrain.csv")
+    assert sorted(ddp) == sorted(sharded) == list(range(20))
     for step in ddp:
-        assert abs(ddp[step] - zero1[step]) <= 1e-5 * abs(ddp[step]), (step, ddp[step], zero1[step])
+        assert abs(ddp[step] - sharded[step]) <= 1e-5 * abs(ddp[step]), (step, ddp[step], sharded[step])
 
     killed = tmp_path / "killed"
     pause = Paused(tmp_path, 10)  # after step 10 and its checkpoint (ckpt_interval 5)
     _torchrun(killed, shards, [], env, dry=True)
-    args = sum((["-S", s] for s in [*common, "pretrain.strategy=zero1"]), [])
+    args = sum((["-S", s] for s in common), [])
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
                                  "pretrain", *args], cwd=killed, env={**env, **pause.env()}, stdout=log,
@@ -437,44 +451,70 @@ def test_zero1_follows_ddp_step_for_step_and_resumes_exactly(tmp_path, shards, s
             assert not alive
         finally:
             pause.release()
-    resumed = run("killed", "pretrain.strategy=zero1")
+    step10 = killed / "checkpoints/pretrain/step_00000010"
+    if strategy == "fsdp":  # each process wrote its own shards, all under the checksums
+        sums = json.loads((step10 / "checksums.json").read_text())["files"]
+        assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "state.pt", "config.json"} <= set(sums)
+        assert not (step10 / "model.safetensors").exists()
+    resumed = run("killed")
     assert "step_00000010 at step 10" in resumed.stderr, resumed.stderr[-3000:]
-    _assert_same_final(tmp_path / "zero1", killed)
+    _assert_same_final(tmp_path / "straight", killed)
+
+    if strategy == "fsdp":
+        # Written by 2 processes, read in this one: the same logits as the whole model the run
+        # gathered at its end (final/, an ordinary model.safetensors).
+        from gptforge.modeling.weights import load_model
+
+        from_shards = load_model(killed / "checkpoints/pretrain/step_00000020")
+        whole = load_model(killed / "checkpoints/pretrain/final")
+        idx = torch.randint(0, 280, (2, 16), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(from_shards(idx)[0], whole(idx)[0])
 
 
-def _optimizer_state_bytes(rank: int, world: int, store: str, strategy: str, out: str) -> None:
+# The memory test's model: a small vocabulary, so that no single parameter dominates (in the tiny
+# config the tied 50k-row embedding is most of the model, and zero1 splits by whole parameters).
+MEMORY_MODEL = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, n_vocab=64)
+
+
+def _state_bytes(rank: int, world: int, store: str, strategy: str, out: str) -> None:
     import torch.distributed as dist
 
+    from gptforge.training import sharding
     from gptforge.training.optim import adamw, zero1_adamw
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    # Small vocabulary: no single parameter dominates (the split is by whole parameters).
-    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, n_vocab=64))
+    model = GPT(GPTConfig(**MEMORY_MODEL))
+    if strategy == "fsdp":
+        sharding.shard(model, device=torch.device("cpu"), precision="fp32", reshard_after_forward=True)
     build = zero1_adamw if strategy == "zero1" else adamw
     opt = build(model.parameters(), lr=1e-3, weight_decay=0.1, device_type="cpu")
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()
     opt.step()
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's local AdamW
-    nbytes = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
-                 if torch.is_tensor(t) and t.dim() > 0)
-    Path(f"{out}.{rank}").write_text(str(nbytes))
+    Path(f"{out}.{rank}").write_text(json.dumps(sharding.state_bytes(model, opt)))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_zero1_keeps_about_half_the_optimizer_state_on_each_of_two_processes(tmp_path):
+def test_sharded_strategies_keep_about_half_the_training_state_on_each_of_two_processes(tmp_path):
+    """Per process, counted from the tensors each holds after a step: zero1 about half the
+    optimizer states, fsdp about half of parameters + gradients + optimizer states."""
     import torch.multiprocessing as mp
 
     per_rank = {}
-    for strategy in ("ddp", "zero1"):
+    for strategy in ("ddp", "zero1", "fsdp"):
         out = tmp_path / strategy
-        mp.spawn(_optimizer_state_bytes, args=(2, str(tmp_path / f"store-{strategy}"), strategy, str(out)), nprocs=2)
-        per_rank[strategy] = [int(Path(f"{out}.{r}").read_text()) for r in range(2)]
+        mp.spawn(_state_bytes, args=(2, str(tmp_path / f"store-{strategy}"), strategy, str(out)), nprocs=2)
+        per_rank[strategy] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     print(per_rank)
     whole = per_rank["ddp"][0]
     assert per_rank["ddp"] == [whole, whole]
-    assert all(b <= 0.55 * whole for b in per_rank["zero1"]) and sum(per_rank["zero1"]) == whole
+    assert whole["params"] == whole["grads"] and whole["optimizer"] == 2 * whole["params"]  # AdamW: two moments
+    zero1 = [r["optimizer"] for r in per_rank["zero1"]]
+    assert all(b <= 0.55 * whole["optimizer"] for b in zero1) and sum(zero1) == whole["optimizer"]
+    total = sum(whole.values())
+    fsdp = [sum(r.values()) for r in per_rank["fsdp"]]
+    assert all(b <= 0.55 * total for b in fsdp) and sum(fsdp) == total, (fsdp, total)
 
 
 # ---------------------------------------------------------------------------------------------

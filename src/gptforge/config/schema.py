@@ -254,8 +254,16 @@ class PretrainConfig(Section):
     sample_tokens: int = Field(32, gt=0)
     peak_flops: Optional[float] = Field(None, gt=0, description="per device; null: from the known-devices table")
     # How the processes share the training state (docs/multi-node.md): ddp, a whole copy on every
-    # process; zero1, AdamW's states split across the processes (ZeroRedundancyOptimizer).
-    strategy: Literal["ddp", "zero1"] = Field("ddp", description="ddp | zero1 (optimizer states sharded)")
+    # process; zero1, AdamW's states split across the processes (ZeroRedundancyOptimizer); fsdp,
+    # parameters, gradients and AdamW's states all split (FSDP2 fully_shard on every block and the
+    # root), checkpoints written by every process through torch.distributed.checkpoint.
+    strategy: Literal["ddp", "zero1", "fsdp"] = Field(
+        "ddp", description="ddp | zero1 (optimizer states sharded) | fsdp (parameters, gradients, states sharded)")
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="fsdp: free each block's gathered weights after its forward (ZeRO-3; false: ZeRO-2, "
+                          "more memory, one all-gather less per step)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in the backward instead of keeping them")
     # Above 1 process in all, `gptforge pretrain` launches itself under torchrun (gptforge.training.launch).
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
     nnodes: int = Field(1, gt=0, description="machines; above 1, run the same command on each")

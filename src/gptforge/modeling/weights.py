@@ -1,12 +1,14 @@
 """The gptforge checkpoint format: a folder with the weights (`model.safetensors`, never pickle)
 and the model config (`config.json`, tagged with FORMAT and FORMAT_VERSION), written atomically
-by `save_model` and read back, with one-line errors naming the file, by `load_model`. It imports
+by `save_model` and read back, with one-line errors naming the file, by `load_model`, which also
+reads the weights of a sharded training checkpoint (`dcp/`, pretrain.strategy fsdp). It imports
 `gptforge.modeling.gpt`, `gptforge.io` and `gptforge.errors`; `gptforge.modeling.hf_convert` builds on its
 public helpers (`empty_model`, `load_checked`, `few`).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from gptforge.modeling.gpt import GPT, GPTConfig
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+SHARDS_DIR = "dcp"  # a sharded training checkpoint's weights and optimizer state (training.sharding)
 FORMAT = "gptforge-gpt2"
 FORMAT_VERSION = 1
 
@@ -46,6 +49,13 @@ def save_model(model: GPT, folder: str | Path) -> Path:
     data = _safetensors_bytes(_own_state_dict(model), metadata={"format": "pt"})
     with atomic_file(folder / WEIGHTS_FILE, "wb") as f:
         f.write(data)
+    return write_model_config(model, folder)
+
+
+def write_model_config(model: GPT, folder: str | Path) -> Path:
+    """`config.json` alone: beside the weights, or beside the shards of a sharded checkpoint."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / CONFIG_FILE, {**model.config.to_dict(), "format": FORMAT, "version": FORMAT_VERSION})
     return folder
 
@@ -73,6 +83,8 @@ def load_model(folder: str | Path, map_location="cpu") -> GPT:
         raise BadInput(f"model folder not found: {folder}")
     config = load_config(folder)
     path = folder / WEIGHTS_FILE
+    if not path.is_file() and (folder / SHARDS_DIR).is_dir():
+        return _load_shards(folder / SHARDS_DIR, config, map_location)
     if not path.is_file():
         raise BadInput(f"{path}: not found")
     try:
@@ -81,6 +93,24 @@ def load_model(folder: str | Path, map_location="cpu") -> GPT:
         raise BadInput(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
     model = empty_model(config, map_location)
     load_checked(model, state, path)
+    return model
+
+
+def _load_shards(shards: Path, config: GPTConfig, map_location) -> GPT:
+    """The whole model from the shards a `pretrain.strategy: fsdp` checkpoint holds (written by
+    any number of processes; torch.distributed.checkpoint reassembles them here, in this process)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = empty_model(config, map_location)
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(shards))
+    except Exception as e:  # DCP raises CheckpointException (wrapping each rank's error) and others
+        raise BadInput(f"{shards}: not a readable sharded checkpoint ({' '.join(str(e).split())[:200]})") from None
+    model.load_state_dict(state["model"], strict=True)
+    model.lm_head.weight = model.transformer.wte.weight
     return model
 
 

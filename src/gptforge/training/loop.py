@@ -1,6 +1,7 @@
 """`gptforge pretrain`: the GPT-2 pretraining recipe, read top to bottom.
 
-One process, or DDP when launched by `torchrun` (nccl on CUDA, gloo on CPU). Gradient
+One process, or several when launched by `torchrun` (nccl on CUDA, gloo on CPU), sharing the
+training state as `pretrain.strategy` says: DDP, ZeRO-1 or FSDP2 (gptforge.training.sharding). Gradient
 accumulation fills `pretrain.batch_tokens` per optimizer step; AdamW with weight decay on
 matrices only; linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16
 autocast; optional torch.compile. Checkpoints hold everything a resumed run needs to continue
@@ -35,13 +36,14 @@ from gptforge.modeling import flops
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.tokenizer import describe, load_tokenizer
-from gptforge.modeling.weights import load_model, save_model
+from gptforge.modeling.weights import load_model, save_model, write_model_config
 from gptforge.runtime.pause import PausePoint
 from gptforge.runtime.signals import stop_requested
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training import checkpoint as ckpt
 from gptforge.training.loader import ShardLoader
+from gptforge.training import sharding
 from gptforge.training.optim import adamw, zero1_adamw
 
 log = logging.getLogger("gptforge")
@@ -203,8 +205,10 @@ def train_step(model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int
     loss_sum = torch.zeros((), device=rt.device)
     for micro in range(grad_accum):
         x, y = loader.next_batch(rt.device)
-        # DDP: all-reduce gradients only on the last micro-step of the accumulation.
-        sync = contextlib.nullcontext() if not rt.ddp or micro == grad_accum - 1 else model.no_sync()
+        # DDP: all-reduce gradients only on the last micro-step of the accumulation. (FSDP
+        # reduce-scatters every micro-step: its gradients stay sharded in between.)
+        last = micro == grad_accum - 1
+        sync = model.no_sync() if rt.ddp and not last and hasattr(model, "no_sync") else contextlib.nullcontext()
         with sync:
             with rt.autocast():
                 _, loss = model(x, y)
@@ -217,7 +221,10 @@ def train_step(model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int
     if not math.isfinite(loss_value):
         return loss_value, float("nan")
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf")).item()
+    if rt.ddp and sharding.is_sharded(raw_model):
+        grad_norm = sharding.clip_grad_norm(raw_model.parameters(), grad_clip or float("inf"))
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf")).item()
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.step(optimizer)
@@ -275,7 +282,7 @@ class Session:
     fingerprint: str
     hellaswag: list | None
     model: Any  # what runs the batches: the model, compiled and/or DDP-wrapped
-    raw_model: GPT  # what gets saved
+    raw_model: GPT  # what gets saved (under fsdp: the sharded model itself, see `plain_model`)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     out_dir: Path
@@ -285,6 +292,15 @@ class Session:
     hellaswag_result: dict | None = None
     history: list = field(default_factory=list)  # rows of plots/pretrain.csv
     step_times: list = field(default_factory=list)
+    sharded: bool = False  # pretrain.strategy fsdp on several processes
+
+    def plain_model(self, everywhere: bool = True) -> GPT | None:
+        """The model as an ordinary GPT with whole weights: under fsdp a copy gathered from the
+        shards (a collective: every process calls it; `everywhere` False: on process 0 only, the
+        others get None), else the model itself."""
+        if not self.sharded:
+            return self.raw_model
+        return sharding.unsharded_copy(self.raw_model, self.rt.device, everywhere=everywhere)
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Session:
@@ -306,21 +322,35 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
                              download=cfg.data.download)
         hellaswag = hs.load_examples(path, limit=p.hellaswag.limit)
 
+    sharded = p.strategy == "fsdp" and rt.ddp
+    if sharded and rt.precision == "fp16":
+        raise BadInput("pretrain.strategy fsdp runs bf16 or fp32, not fp16 (its loss scaler does not take sharded "
+                       "gradients): set pretrain.precision to bf16")
     resume_from = find_resume(cfg, out_dir, fp)
+    if resume_from is not None:
+        _check_resumable(resume_from, sharded)
     # A resumed run takes the architecture and weights from its checkpoint (no hub access).
     model = load_model(resume_from) if resume_from else build_model(cfg, enc.n_vocab)
     model = model.to(rt.device)
+    model.gradient_checkpointing = p.activation_checkpointing
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
+    if sharded:
+        sharding.shard(model, device=rt.device, precision=rt.precision,
+                       reshard_after_forward=p.fsdp_reshard_after_forward, compile_blocks=rt.compile)
     build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
     optimizer = build(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
         state = ckpt.load_state(resume_from)
-        optimizer.load_state_dict(state["optimizer"])
+        if sharded:  # weights and AdamW's state from every process's shards
+            sharding.load_sharded(resume_from / sharding.SHARDS_DIR, model, optimizer)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         train_loader.load_state_dict(state["loader"])
-        ckpt.restore_rng(state["rng"])
+        by_rank = state.get("rng_by_rank") or []  # each process's own stream, when it was saved
+        ckpt.restore_rng(by_rank[rt.rank] if rt.rank < len(by_rank) else state["rng"])
         step = int(state["step"])
         log.info("resumed from %s at step %d", resume_from, step)
     elif out_dir.exists():
@@ -331,21 +361,67 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
                 shutil.rmtree(folder)
 
     raw_model = model
-    if rt.compile:
+    if rt.compile and not sharded:  # (fsdp compiled each block before sharding it)
         model = torch.compile(model)
-    if rt.ddp:
+    if rt.ddp and not sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     return Session(cfg, rt, enc, grad_accum, train_loader, val_loader, fp, hellaswag, model, raw_model, optimizer,
-                   scaler, out_dir, step=step, last_ckpt=resume_from)
+                   scaler, out_dir, step=step, last_ckpt=resume_from, sharded=sharded)
 
 
-def save_checkpoint(s: Session) -> Path:
-    state = {"step": s.step, "optimizer": s.optimizer.state_dict(), "scaler": s.scaler.state_dict(),
-             "loader": s.train_loader.state_dict(), "rng": ckpt.capture_rng(), "fingerprint": s.fingerprint}
-    return ckpt.save_checkpoint(s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state,
-                                keep_last=s.cfg.pretrain.keep_last)
+def _check_resumable(folder: Path, sharded: bool) -> None:
+    """A sharded checkpoint resumes under fsdp only, a whole one under ddp/zero1 only."""
+    has_shards = (folder / sharding.SHARDS_DIR).is_dir()
+    if has_shards != sharded:
+        made, now = ("fsdp", "ddp/zero1") if has_shards else ("ddp/zero1", "fsdp")
+        raise BadInput(f"pretrain.resume: {folder} was written under strategy {made} and this run is {now}: "
+                       f"resume it under {made}, or start from its weights with pretrain.init_from")
+
+
+def _rng_states(s: Session) -> dict:
+    """Process 0's RNG states, and every process's when there are several (a collective): each
+    resumes its own dropout stream."""
+    mine = ckpt.capture_rng()
+    if not s.rt.ddp:
+        return {"rng": mine}
+    every = [None] * s.rt.world_size
+    dist.all_gather_object(every, mine)
+    return {"rng": every[0], "rng_by_rank": every}
+
+
+def save_checkpoint(s: Session) -> Path | None:
+    """The step folder (see gptforge.training.checkpoint). Called on every process: under ddp and
+    zero1 process 0 writes it alone; under fsdp every process writes its shards into it first.
+    Returns the folder on process 0, None on the others."""
+    rng = _rng_states(s)
+    if not s.rt.master and not s.sharded:
+        return None
+    state = {"step": s.step, "scaler": s.scaler.state_dict(), "loader": s.train_loader.state_dict(), **rng,
+             "fingerprint": s.fingerprint}
+    keep_last = s.cfg.pretrain.keep_last
+    if not s.sharded:
+        state["optimizer"] = s.optimizer.state_dict()
+        return ckpt.save_checkpoint(s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state,
+                                    keep_last=keep_last)
+    # Every process writes its shards to one hidden folder beside the step folders; process 0 then
+    # moves it into the step folder it builds, which appears whole (checksums included) or not at all.
+    shards = sharding.shared_folder(s.out_dir / f".shards_step_{s.step:08d}" if s.rt.master else None)
+    if s.rt.master:
+        shutil.rmtree(shards, ignore_errors=True)  # a kill's leftover from an earlier try
+    dist.barrier()
+    sharding.save_sharded(shards, s.raw_model, s.optimizer)
+    dist.barrier()
+    folder = None
+    if s.rt.master:
+        def write_model(d: Path) -> None:
+            write_model_config(s.raw_model, d)
+            os.replace(shards, d / sharding.SHARDS_DIR)
+
+        folder = ckpt.save_checkpoint(s.out_dir, s.step, write_model=write_model, state=state, keep_last=keep_last)
+    dist.barrier()
+    return folder
 
 
 def train_loop(s: Session, run=NullRun()) -> None:
@@ -385,12 +461,14 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
             row["val_loss"] = eval_loss(s.model, s.val_loader, p.eval_steps, rt)
             run.log_metrics({"val_loss": row["val_loss"]}, step=step)
         if s.hellaswag is not None and p.hellaswag_interval and step % p.hellaswag_interval == 0 and step:
-            s.hellaswag_result = _hellaswag(s.raw_model, s.hellaswag, s.enc, rt, cfg)
+            s.hellaswag_result = _hellaswag(s.plain_model(), s.hellaswag, s.enc, rt, cfg)
             run.log_metrics({"hellaswag_acc_norm": s.hellaswag_result["acc_norm"],
                              "hellaswag_acc": s.hellaswag_result["acc"]}, step=step)
-        if p.sample_interval and step % p.sample_interval == 0 and step and rt.master:
-            run.log_text(sample_text(s.raw_model, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
-                         f"samples/step_{step:08d}.txt")
+        if p.sample_interval and step % p.sample_interval == 0 and step:
+            plain = s.plain_model()
+            if rt.master:
+                run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
+                             f"samples/step_{step:08d}.txt")
 
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -420,8 +498,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         if s.step % p.ckpt_interval == 0 or s.step == p.max_steps or stopping:
             if hasattr(s.optimizer, "consolidate_state_dict"):  # zero1: every process hands its share to 0
                 s.optimizer.consolidate_state_dict(to=0)
-            if rt.master:
-                s.last_ckpt = save_checkpoint(s)
+            s.last_ckpt = save_checkpoint(s)
         if rt.ddp:
             dist.barrier()
         if stopping:
@@ -437,13 +514,16 @@ def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     val_loss = eval_loss(s.model, s.val_loader, max(1, s.val_loader.batches_per_epoch), rt)
     s.history.append({"step": s.step, "val_loss": val_loss, "whole_split": True})
+    # The final model is always whole: later stages read it as they read any. Under fsdp it is
+    # gathered on every process when HellaSwag splits its examples among them, else on process 0.
+    plain = s.plain_model(everywhere=s.hellaswag is not None)
     if s.hellaswag is not None:
-        s.hellaswag_result = _hellaswag(s.raw_model, s.hellaswag, s.enc, rt, cfg)
+        s.hellaswag_result = _hellaswag(plain, s.hellaswag, s.enc, rt, cfg)
     if not rt.master:
         return {}
     final = s.out_dir / "final"
     with atomic_dir(final) as tmp:
-        save_model(s.raw_model, tmp)
+        save_model(plain, tmp)
     timed = s.step_times[min(len(s.step_times) - 1, 5):] or s.step_times  # the first steps warm up
     tokens_per_sec = p.batch_tokens / statistics.median(timed) if timed else 0.0
     peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
@@ -455,7 +535,7 @@ def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics
     write_plot_csv(plots_path, s.history)
     publish_metrics(run, metrics, metrics_path)
     run.log_metrics({"final_val_loss": val_loss}, step=s.step)
-    run.log_text(sample_text(s.raw_model, s.enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device),
+    run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device),
                  "samples/final.txt")
     run.log_artifact(final, "checkpoint")
     run.log_artifact(plots_path)

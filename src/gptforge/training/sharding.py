@@ -1,0 +1,148 @@
+"""`pretrain.strategy: fsdp`: the model's parameters, gradients and AdamW states split across the
+processes with PyTorch's FSDP2, and the sharded checkpoints that go with it.
+
+`shard(model, ...)` applies `fully_shard` from outside the model, as torchtitan's `parallelize`
+does: once on every transformer block, then on the root (embeddings, final LayerNorm and the
+tied lm_head). Each parameter becomes a DTensor holding 1/N of its rows on each process; a
+block's whole weights exist only between the all-gather before its forward (and backward) and
+the free after it (`reshard_after_forward`; off, they stay gathered from forward to backward:
+ZeRO-2's memory, one all-gather less). Gradients are reduce-scattered, so each process keeps
+and steps only its own rows. On CUDA with bf16 a mixed-precision policy gathers and computes in
+bf16 and reduces gradients in fp32, over fp32 master weights.
+
+Checkpoints (`save_sharded`/`load_sharded`): every process writes its shards of the model and
+of AdamW's state through `torch.distributed.checkpoint` (DCP) into `dcp/` of the step folder,
+whose contract stays that of gptforge.training.checkpoint (whole or absent, checksums, newest
+intact one on resume). DCP reshards on load, so a checkpoint written by N processes loads into
+M (gptforge.modeling.weights.load_model reads one in a single process).
+
+`state_bytes` counts what one process holds of parameters, gradients and optimizer states: the
+figure `gptforge plan` predicts and the tests measure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gptforge.modeling.gpt import GPT
+
+from gptforge.modeling.weights import SHARDS_DIR  # noqa: F401 - inside a step folder
+
+
+def shard(model: GPT, *, device: torch.device, precision: str, reshard_after_forward: bool,
+          compile_blocks: bool = False) -> GPT:
+    """Apply FSDP2 to `model` in place (every block, then the root) and return it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict = {"reshard_after_forward": reshard_after_forward}
+    if device.type == "cuda" and precision in ("bf16", "fp16"):
+        low = torch.bfloat16 if precision == "bf16" else torch.float16
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        if compile_blocks:  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
+            block.compile()
+        fully_shard(block, **kw)
+    # The root's own parameters (wte = lm_head, wpe, ln_f) are the first the backward needs
+    # (lm_head): kept gathered from the forward into it, as torchtitan does, one all-gather less.
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` for DTensor gradients: the norm over every process's
+    shards (a collective), then the same scale on each shard. Returns the total norm."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
+
+
+def full_state_dict(model: GPT, *, to_rank0_cpu: bool) -> dict[str, torch.Tensor]:
+    """The whole weights gathered from the shards (a collective: every process calls it).
+    `to_rank0_cpu`: only process 0 gets them, on the CPU (the others an empty dict); else every
+    process gets them on its device."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=to_rank0_cpu))
+
+
+def unsharded_copy(model: GPT, device: torch.device, *, everywhere: bool = True) -> GPT | None:
+    """An ordinary GPT with the sharded model's current weights on `device` (a collective), for
+    what runs on some processes only or on uneven work (samples, HellaSwag, the final save).
+    `everywhere` False: gathered through process 0's CPU memory, and only process 0 gets it."""
+    from gptforge.modeling.weights import empty_model
+
+    state = full_state_dict(model, to_rank0_cpu=not everywhere)
+    if not everywhere and dist.get_rank() != 0:
+        return None
+    copy = empty_model(model.config, device)
+    copy.load_state_dict(state, strict=True)
+    copy.train(model.training)
+    return copy
+
+
+def _state(model: GPT, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_sharded(folder: str | os.PathLike, model: GPT, optimizer) -> None:
+    """Every process writes its shards of the model and AdamW's state to `folder` (a collective;
+    process 0 also writes DCP's metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
+
+
+def load_sharded(folder: str | os.PathLike, model: GPT, optimizer) -> None:
+    """Read a checkpoint written by `save_sharded` (at any world size: DCP reshards) into the
+    sharded `model` and `optimizer` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def shared_folder(path: Path | None) -> Path:
+    """Process 0's `path`, on every process (a collective): the temporary folder they all write to."""
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this process holds of parameters, gradients and optimizer states (local shards of
+    DTensors; ZeroRedundancyOptimizer's local share; a tied parameter once)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its share in .optim
+    states = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"params": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(t) for t in states)}
