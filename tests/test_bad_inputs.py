@@ -301,6 +301,12 @@ CASES = [
          "params file params_dir is a folder, not a YAML file"),
     Case("cli", "pipeline --params naming a folder", ["pipeline", "--params", "params_dir"],
          "params file params_dir is a folder, not a YAML file"),
+    Case("cli", "plan with an unreadable GPU memory", ["plan", "--gpu-memory", "lots"],
+         "--gpu-memory: expected a size such as 80GB or 24GiB, got 'lots'"),
+    Case("cli", "plan for a model it cannot see offline", ["plan", "--stage", "instruct", "-S",
+                                                           "instruct.init_from=someone/unknown-7b"],
+         "plan: instruct.init_from someone/unknown-7b has no config.json here and someone/unknown-7b is not among "
+         "the known architectures"),
 ]
 
 

@@ -56,6 +56,42 @@ def test_config_show_prints_resolved_yaml(workdir, capsys):
     assert shown["tracking"]["enabled"] is False  # from the params file
 
 
+def test_plan_counts_what_the_models_hold(workdir, capsys, tmp_path):
+    """`gptforge plan`: the GPT's rows from its parameter count; for a Hugging Face folder under
+    LoRA, the trained count peft itself gives the same model, and the fits column."""
+    import peft
+    import transformers
+
+    from gptforge.modeling.gpt import GPT, GPTConfig
+
+    rc, out, err = call(capsys, "plan", "--gpus", "4")
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split() and line.split()[0] in ("ddp", "zero1", "fsdp")}
+    assert list(rows) == ["ddp", "zero1", "fsdp"] and "stage: pretrain" in out
+    from gptforge.config.load import load_config
+
+    m = load_config("params.yaml").model
+    n = sum(p.numel() for p in GPT(GPTConfig.from_model_config(m, m.vocab_size)).parameters())
+    assert float(rows["ddp"][0]) == pytest.approx(4 * n / 2**30, abs=0.006)  # fp32 weights, GiB to 2 places
+    assert float(rows["fsdp"][2]) == pytest.approx(8 * n / 4 / 2**30, abs=0.006)  # AdamW's states over 4 GPUs
+
+    folder = tmp_path / "tiny-llama"
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    cfg.save_pretrained(folder)
+    model = transformers.LlamaForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                             "gate_proj", "up_proj", "down_proj"]))
+    trained = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    rc, out, err = call(capsys, "plan", "--stage", "instruct", "--gpus", "1", "--gpu-memory", "1MB",
+                        "-S", f"instruct.init_from={folder}", "-S", "instruct.method=lora", "-S", "instruct.lora.r=4")
+    assert rc == 0, err
+    assert f"{total / 1e6:,.1f}M parameters, {trained / 1e6:,.1f}M trained" in out, out
+    assert all(line.endswith("  no") for line in out.splitlines() if line.split()[:1] in (["ddp"], ["zero1"], ["fsdp"]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Exit codes: 1 for a failure of the run itself, 2 from the console script; one line, no traceback
 

@@ -516,6 +516,20 @@ def test_sharded_strategies_keep_about_half_the_training_state_on_each_of_two_pr
     fsdp = [sum(r.values()) for r in per_rank["fsdp"]]
     assert all(b <= 0.55 * total for b in fsdp) and sum(fsdp) == total, (fsdp, total)
 
+    # `gptforge plan`'s figures for the same model on 2 GPUs: within 5% of what each process held.
+    from gptforge.training import memory_plan
+
+    m = MEMORY_MODEL
+    cfg = load_config(None, [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}",
+                             f"model.n_embd={m['n_embd']}", f"model.block_size={m['block_size']}",
+                             f"model.vocab_size={m['vocab_size']}"])
+    planned = {r.strategy: r for r in memory_plan.state_rows(memory_plan.gpt_shape(cfg), gpus=2)}
+    for strategy, ranks in per_rank.items():
+        for measured in ranks:
+            for part, attr in (("params", "weights"), ("grads", "grads"), ("optimizer", "optimizer")):
+                got = getattr(planned[strategy], attr)
+                assert abs(got - measured[part]) <= 0.05 * measured[part], (strategy, part, got, measured[part])
+
 
 # ---------------------------------------------------------------------------------------------
 # bf16 autocast and torch.compile on the CPU

@@ -12,7 +12,6 @@ step and every RNG state.
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
 import json
 import logging
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
-from gptforge.io import atomic_dir, atomic_file
+from gptforge.io import atomic_dir
 from gptforge.modeling import flops
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
@@ -43,6 +42,7 @@ from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training import checkpoint as ckpt
 from gptforge.training.loader import ShardLoader
+from gptforge.training.loss_plot import plot_losses, write_plot_csv
 from gptforge.training import sharding
 from gptforge.training.optim import adamw, zero1_adamw
 
@@ -574,40 +574,3 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def write_plot_csv(path: str | os.PathLike, history: list[dict]) -> None:
-    with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_loss", "lr"])
-        writer.writeheader()
-        for row in history:
-            writer.writerow({k: row.get(k, "") for k in writer.fieldnames})
-
-
-def plot_losses(history: list[dict], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # a bare GPU box: no plot, the CSV has the numbers
-        return None
-    train = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r and not r.get("whole_split")]
-    whole = [(r["step"], r["val_loss"]) for r in history if r.get("whole_split")]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", linewidth=0.8)
-    if val:
-        ax.plot(*zip(*val), "o-", label="val (first eval_steps batches)", markersize=3)
-    if whole:
-        ax.plot(*zip(*whole), "*", label=f"val, whole split: {whole[-1][1]:.3f}", markersize=10)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
