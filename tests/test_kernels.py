@@ -295,42 +295,34 @@ def tiny(attention: str, **kw) -> GPT:
     return GPT(GPTConfig(**cfg, attention=attention, **kw)).to(DEVICE)
 
 
-def test_model_triton_attention_matches_math(kern):
+def _assert_triton_model_matches_math(wrap, seed: int, loss_rtol: float) -> None:
+    """The Triton-attention model, run through `wrap` (itself, or compiled), against the eager math
+    model with the same weights: logits, loss and every parameter's gradient."""
     math_model, triton_model = tiny("math"), tiny("triton")
     triton_model.load_state_dict(math_model.state_dict())
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 100, (2, 37), generator=g).to(DEVICE)
     targets = torch.randint(0, 100, (2, 37), generator=g).to(DEVICE)
     logits_m, loss_m = math_model(idx, targets)
-    logits_t, loss_t = triton_model(idx, targets)
+    logits_t, loss_t = wrap(triton_model)(idx, targets)
     loss_m.backward()
     loss_t.backward()
     real = slice(0, 100)  # the padded columns are -inf in both
     torch.testing.assert_close(logits_t[..., real], logits_m[..., real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss_t, loss_m, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_t, loss_m, rtol=loss_rtol, atol=1e-6)
     grads_m = dict(math_model.named_parameters())
     for name, p in triton_model.named_parameters():
         torch.testing.assert_close(p.grad, grads_m[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_model_triton_attention_matches_math(kern):
+    _assert_triton_model_matches_math(lambda m: m, seed=0, loss_rtol=1e-6)
 
 
 def test_model_triton_attention_under_torch_compile(kern):
     # torch.compile must call the kernel as the custom op it is, not trace into it: on an H100
-    # (Triton 3.6) Inductor's re-generated copy of the forward kernel failed to compile. Compiled
-    # with the Triton attention, the model's loss and gradients equal the eager math model's.
-    math_model, triton_model = tiny("math"), tiny("triton")
-    triton_model.load_state_dict(math_model.state_dict())
-    compiled = torch.compile(triton_model)
-    g = torch.Generator().manual_seed(3)
-    idx = torch.randint(0, 100, (2, 37), generator=g).to(DEVICE)
-    targets = torch.randint(0, 100, (2, 37), generator=g).to(DEVICE)
-    _, loss_m = math_model(idx, targets)
-    _, loss_c = compiled(idx, targets)
-    loss_m.backward()
-    loss_c.backward()
-    torch.testing.assert_close(loss_c, loss_m, rtol=1e-5, atol=1e-6)
-    grads_m = dict(math_model.named_parameters())
-    for name, p in triton_model.named_parameters():
-        torch.testing.assert_close(p.grad, grads_m[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    # (Triton 3.6) Inductor's re-generated copy of the forward kernel failed to compile.
+    _assert_triton_model_matches_math(torch.compile, seed=3, loss_rtol=1e-5)
 
 
 def test_model_triton_generates_through_sdpa(kern):
