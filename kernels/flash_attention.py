@@ -353,6 +353,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     sm_scale defaults to 1/sqrt(D). q, k and v share shape and dtype (fp32, fp16 or bf16) and D is
     16, 32, 64 or 128. CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before this
     module was imported; anything else raises KernelUnavailable. Works inside torch.compile."""
-    _check(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.size(-1)) if sm_scale is None else float(sm_scale)
     return _fwd_op(q, k, v, bool(causal), sm_scale)[0]

@@ -471,6 +471,22 @@ def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(tmp_path
         assert torch.equal(from_shards(idx)[0], whole(idx)[0])
 
 
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_and_no_reshard_follows_ddp(tmp_path, shards, small_tokenizer,
+                                                                      ddp_reference):
+    """The two fsdp knobs change memory, not the math: each block recomputed in the backward and
+    its weights kept gathered from forward to backward, the losses stay DDP's within 1e-5."""
+    args = sum((["-S", s] for s in [*SMALL, f"tokenizer.path={small_tokenizer}", *ACCUM_CLIP,
+                                    "pretrain.strategy=fsdp", "pretrain.activation_checkpointing=true",
+                                    "pretrain.fsdp_reshard_after_forward=false"]), [])
+    done = _torchrun(tmp_path, shards, args, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp, knobs = losses(ddp_reference / "plots/pretrain.csv"), losses(tmp_path / "plots/pretrain.csv")
+    assert sorted(ddp) == sorted(knobs) == list(range(20))
+    for step in ddp:
+        assert abs(ddp[step] - knobs[step]) <= 1e-5 * abs(ddp[step]), (step, ddp[step], knobs[step])
+
+
 # The memory test's model: a small vocabulary, so that no single parameter dominates (in the tiny
 # config the tied 50k-row embedding is most of the model, and zero1 splits by whole parameters).
 MEMORY_MODEL = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, n_vocab=64)

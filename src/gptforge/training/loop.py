@@ -35,7 +35,7 @@ from gptforge.modeling import flops
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.tokenizer import describe, load_tokenizer
-from gptforge.modeling.weights import load_model, save_model, write_model_config
+from gptforge.modeling.weights import empty_model, load_config, load_model, save_model, write_model_config
 from gptforge.runtime.pause import PausePoint
 from gptforge.runtime.signals import stop_requested
 from gptforge.runtime.steps import DIRECT, Steps
@@ -221,10 +221,10 @@ def train_step(model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int
     if not math.isfinite(loss_value):
         return loss_value, float("nan")
     scaler.unscale_(optimizer)
-    if rt.ddp and sharding.is_sharded(raw_model):
-        grad_norm = sharding.clip_grad_norm(raw_model.parameters(), grad_clip or float("inf"))
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if rt.ddp:  # under fsdp a DTensor: the norm over every process's shards
+        grad_norm = sharding.whole(grad_norm)
+    grad_norm = grad_norm.item()
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.step(optimizer)
@@ -329,8 +329,12 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     resume_from = find_resume(cfg, out_dir, fp)
     if resume_from is not None:
         _check_resumable(resume_from, sharded)
-    # A resumed run takes the architecture and weights from its checkpoint (no hub access).
-    model = load_model(resume_from) if resume_from else build_model(cfg, enc.n_vocab)
+    # A resumed run takes the architecture and weights from its checkpoint (no hub access); under
+    # fsdp only the architecture here: each process reads its shards of the weights below.
+    if resume_from is None:
+        model = build_model(cfg, enc.n_vocab)
+    else:
+        model = empty_model(load_config(resume_from)) if sharded else load_model(resume_from)
     model = model.to(rt.device)
     model.gradient_checkpointing = p.activation_checkpointing
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
@@ -407,9 +411,10 @@ def save_checkpoint(s: Session) -> Path | None:
                                     keep_last=keep_last)
     # Every process writes its shards to one hidden folder beside the step folders; process 0 then
     # moves it into the step folder it builds, which appears whole (checksums included) or not at all.
-    shards = sharding.shared_folder(s.out_dir / f".shards_step_{s.step:08d}" if s.rt.master else None)
+    shards = s.out_dir / f".shards_step_{s.step:08d}"
     if s.rt.master:
-        shutil.rmtree(shards, ignore_errors=True)  # a kill's leftover from an earlier try
+        for leftover in s.out_dir.glob(".shards_step_*"):  # a kill's, between the shards and the rename
+            shutil.rmtree(leftover, ignore_errors=True)
     dist.barrier()
     sharding.save_sharded(shards, s.raw_model, s.optimizer)
     dist.barrier()
@@ -465,7 +470,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
             run.log_metrics({"hellaswag_acc_norm": s.hellaswag_result["acc_norm"],
                              "hellaswag_acc": s.hellaswag_result["acc"]}, step=step)
         if p.sample_interval and step % p.sample_interval == 0 and step:
-            plain = s.plain_model()
+            plain = s.plain_model(everywhere=False)
             if rt.master:
                 run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
                              f"samples/step_{step:08d}.txt")

@@ -163,7 +163,7 @@ def hf_config(cfg: Config) -> tuple[dict, str]:
                    f"known architectures ({', '.join(KNOWN_ARCHITECTURES)}): fetch it first (gptforge prepare base)")
 
 
-def hf_shape(cfg: Config, *, cuda: bool = True) -> Shape:
+def hf_shape(cfg: Config) -> Shape:
     import torch
     import torch.nn as nn
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -189,7 +189,7 @@ def hf_shape(cfg: Config, *, cuda: bool = True) -> Shape:
         targets = set(block_linear_names(model) if c.lora.target_modules == "auto" else c.lora.target_modules)
         trainable = sum(c.lora.r * (mod.in_features + mod.out_features) for name, mod in blocks.named_modules()
                         if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
-        base_bytes = 2 if cuda and c.precision in ("auto", "bf16") else 4
+        base_bytes = 2 if c.precision in ("auto", "bf16") else 4  # on a GPU, auto is bf16
         weight_bytes = base_bytes * params + 4 * trainable
     else:
         trainable, weight_bytes = params, 4 * params

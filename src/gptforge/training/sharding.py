@@ -23,7 +23,6 @@ figure `gptforge plan` predicts and the tests measure.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,23 +51,12 @@ def shard(model: GPT, *, device: torch.device, precision: str, reshard_after_for
     return model
 
 
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """`torch.nn.utils.clip_grad_norm_` for DTensor gradients: the norm over every process's
-    shards (a collective), then the same scale on each shard. Returns the total norm."""
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every process (a collective); any other tensor as it is. For
+    what `torch.nn.utils.clip_grad_norm_` returns over sharded gradients."""
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total.item()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_state_dict(model: GPT, *, to_rank0_cpu: bool) -> dict[str, torch.Tensor]:
@@ -119,13 +107,6 @@ def load_sharded(folder: str | os.PathLike, model: GPT, optimizer) -> None:
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-def shared_folder(path: Path | None) -> Path:
-    """Process 0's `path`, on every process (a collective): the temporary folder they all write to."""
-    box = [str(path) if path is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
 
 
 def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
