@@ -24,7 +24,7 @@ def add_commands(sub) -> None:
                           "the activations, and whether the total fits. Offline: the model is counted on the "
                           "meta device from the config, a local config.json or a table of known architectures.")
     plan.add_argument("--gpus", type=int, default=None, metavar="N",
-                      help="GPUs in all (default: pretrain.nproc_per_node x pretrain.nnodes)")
+                      help="GPUs in all (default: the stage's nproc_per_node x distributed.nnodes)")
     plan.add_argument("--gpu-memory", default="80GB", metavar="SIZE", help="memory of one GPU (default: %(default)s)")
     plan.add_argument("--stage", choices=["pretrain", "instruct"], default=None,
                       help="plan this stage's model instead of the main one")
@@ -45,11 +45,11 @@ def cmd_plan(args) -> int:
     from gptforge.training import memory_plan as mp
 
     cfg = load_config(params_file(args), args.set)
-    gpus = args.gpus if args.gpus is not None else cfg.pretrain.world_size
+    stage = args.stage or mp.main_stage(cfg)
+    gpus = args.gpus if args.gpus is not None else cfg.world_size(stage)
     if gpus < 1:
         raise BadInput(f"--gpus must be >= 1, got {gpus}")
     memory = mp.parse_memory(args.gpu_memory)
-    stage = args.stage or mp.main_stage(cfg)
     shape = mp.gpt_shape(cfg) if stage == "pretrain" else mp.hf_shape(cfg)
     print(f"stage: {stage}")
     print(mp.render(shape, mp.state_rows(shape, gpus), gpus, memory))

@@ -49,7 +49,7 @@ def add_commands(sub) -> None:
 
     stage = STAGES["pretrain"]
     p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
-                       "With pretrain.nproc_per_node or pretrain.nnodes above 1 it launches itself under torchrun "
+                       "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun "
                        "(DDP); under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it "
                        "trains with DDP.")
     config_args(p)
@@ -60,7 +60,10 @@ def add_commands(sub) -> None:
     finetune_sub.required = True
     for what in ("classify", "instruct", "preference"):
         stage = STAGES[f"finetune_{what}"]
-        p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}.")
+        p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}. "
+                                    f"With {what}.nproc_per_node or distributed.nnodes above 1 it launches itself under "
+                                    f"torchrun ({what}.strategy: ddp or fsdp), each process training on its part of "
+                                    "every batch.")
         config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
 

@@ -113,7 +113,7 @@ def _describe(err: dict) -> str:
         msg = msg[len("Value error, ") :]
     got = f"{value!r} ({type(value).__name__})"
     if err["type"] == "value_error":
-        return msg if msg.startswith(f"{key}.") else f"{key}: {msg}"
+        return msg if not key or msg.startswith(f"{key}.") else f"{key}: {msg}"
     if expected and err["type"] != "missing":
         return f"{key}: expected {expected}, got {got}: {msg}"
     return f"{key}: {msg}"

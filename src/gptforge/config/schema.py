@@ -264,18 +264,9 @@ class PretrainConfig(Section):
                           "more memory, one all-gather less per step)")
     activation_checkpointing: bool = Field(
         False, description="recompute each block's activations in the backward instead of keeping them")
-    # Above 1 process in all, `gptforge pretrain` launches itself under torchrun (gptforge.training.launch).
+    # Above 1 process in all (x distributed.nnodes), `gptforge pretrain` launches itself under
+    # torchrun (gptforge.training.launch); the node and rendezvous settings are `distributed`'s.
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
-    nnodes: int = Field(1, gt=0, description="machines; above 1, run the same command on each")
-    # Multi-node rendezvous (torchrun's --rdzv_*); a single node runs --standalone and ignores them.
-    rdzv_endpoint: str = Field("", description="host:port every node can reach; required when nnodes > 1")
-    rdzv_backend: Literal["c10d", "static"] = "c10d"
-    rdzv_id: str = Field("gptforge", min_length=1, description="job id: the same on every node")
-    max_restarts: int = Field(0, ge=0, description="torchrun restarts of the worker group after a failure")
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
     @model_validator(mode="after")
     def _check(self):
@@ -283,14 +274,33 @@ class PretrainConfig(Section):
             raise ValueError(f"pretrain.betas must be two numbers in [0, 1), got {self.betas}")
         if self.min_lr > self.lr:
             raise ValueError(f"pretrain.min_lr ({self.min_lr}) is above pretrain.lr ({self.lr})")
+        return self
+
+
+class DistributedConfig(Section):
+    # The nodes and the rendezvous of every training stage run under torchrun (pretrain, classify,
+    # instruct, preference: each says its own nproc_per_node and strategy). One node runs
+    # --standalone and ignores the rendezvous. `pretrain.nnodes`, `pretrain.rdzv_*` and
+    # `pretrain.max_restarts`, where these settings lived first, are still read (and moved here).
+    nnodes: int = Field(1, gt=0, description="machines; above 1, run the same command on each")
+    rdzv_endpoint: str = Field("", description="host:port every node can reach; required when nnodes > 1")
+    rdzv_backend: Literal["c10d", "static"] = "c10d"
+    rdzv_id: str = Field("gptforge", min_length=1, description="job id: the same on every node")
+    max_restarts: int = Field(0, ge=0, description="torchrun restarts of the worker group after a failure")
+
+    @model_validator(mode="after")
+    def _check(self):
         if self.nnodes > 1 and not self.rdzv_endpoint.strip():
-            raise ValueError(f"pretrain.rdzv_endpoint is required when pretrain.nnodes > 1 (got {self.nnodes}): "
+            raise ValueError(f"distributed.rdzv_endpoint is required when distributed.nnodes > 1 (got {self.nnodes}): "
                              "the host:port of the rendezvous, the same on every node")
         if ":" in self.rdzv_endpoint:  # HOST alone is fine: torchrun's default port (29400)
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host.strip() or not (port.isdigit() and 0 < int(port) < 65536):
-                raise ValueError(f"pretrain.rdzv_endpoint must be HOST or HOST:PORT, got {self.rdzv_endpoint!r}")
+                raise ValueError(f"distributed.rdzv_endpoint must be HOST or HOST:PORT, got {self.rdzv_endpoint!r}")
         return self
+
+
+NODE_KEYS = ("nnodes", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts")
 
 
 class LoraConfig(Section):
@@ -318,6 +328,11 @@ class FinetuneCommon(Section):
     lora: LoraConfig = LoraConfig()
     # recompute each block's activations in the backward pass: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
+    # Above 1 process in all (x distributed.nnodes) the stage launches itself under torchrun; each
+    # process reads its own part of every batch (batch_size is the whole batch), process 0 writes.
+    nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: a whole copy per process | fsdp: weights, grads and AdamW states split (FSDP2)")
 
 
 class ClassifyConfig(FinetuneCommon):
@@ -350,6 +365,9 @@ class InstructConfig(FinetuneCommon):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.quantize is not None and self.strategy == "fsdp":
+            raise ValueError(f"instruct.quantize: {self.quantize} (QLoRA) keeps the base in bitsandbytes' 4-bit "
+                             "tensors, which FSDP does not shard here: use instruct.strategy: ddp")
         if self.quantize is not None and self.method != "lora":
             raise ValueError(f"instruct.quantize: {self.quantize} (QLoRA) trains LoRA adapters on frozen quantized "
                              f"weights: it needs instruct.method: lora, not {self.method}")
@@ -382,6 +400,13 @@ class PreferenceConfig(FinetuneCommon):
     group_by_length: bool = True
     n_responses: Optional[int] = Field(5, gt=0, description="test prompts answered by both models; null: all")
     max_new_tokens: int = Field(64, gt=0)
+
+    @model_validator(mode="after")
+    def _strategy(self):
+        if self.strategy == "fsdp":
+            raise ValueError("preference.strategy: fsdp is not available for DPO: trl's trainer runs the processes "
+                             "through accelerate's DDP here (a whole copy each); use ddp")
+        return self
 
     @field_validator("loss_type")
     @classmethod
@@ -545,6 +570,31 @@ class Config(Section):
     synthesize: SynthesizeConfig = SynthesizeConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_keys_from_pretrain(cls, tree: Any) -> Any:
+        """`pretrain.nnodes` and the other node settings, where they lived first, move to
+        `distributed`; set in both places to different values, the config is refused."""
+        if not isinstance(tree, dict) or not isinstance(tree.get("pretrain"), dict):
+            return tree
+        pretrain = dict(tree["pretrain"])
+        moved = {k: pretrain.pop(k) for k in NODE_KEYS if k in pretrain}
+        if not moved:
+            return tree
+        distributed = dict(tree.get("distributed") or {})
+        for key, value in moved.items():
+            if key in distributed and distributed[key] != value and value != DistributedConfig.model_fields[key].default:
+                raise ValueError(f"pretrain.{key} ({value!r}) and distributed.{key} ({distributed[key]!r}) disagree: "
+                                 f"set distributed.{key} only")
+            if key not in distributed or value != DistributedConfig.model_fields[key].default:
+                distributed[key] = value
+        return {**tree, "pretrain": pretrain, "distributed": distributed}
+
+    def world_size(self, section: str) -> int:
+        """Processes in all of a training stage: its section's nproc_per_node x distributed.nnodes."""
+        return getattr(self, section).nproc_per_node * self.distributed.nnodes
 
     @model_validator(mode="after")
     def _synthetic_source(self):

@@ -57,6 +57,7 @@ from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, enable_gradient_checkpointing, epoch_batches,
                                       load_base, load_hf_base, make_optimizer, merge_lora, model_positions,
                                       plot_curves, runtime, train_epochs, trainable_params)
+from gptforge.finetune.distributed import Wrapped, alone, gather_rows, gathered, part, wrap
 from gptforge.finetune.hf_models import save_hf_model
 from gptforge.io import atomic_dir, atomic_file, write_json
 from gptforge.modeling.gpt import GPT
@@ -281,7 +282,9 @@ def batches(examples: Sequence[Example], batch_size: int) -> list[list[Example]]
 def predict(model: nn.Module, examples: Sequence[Example], batch_size: int, pad_id: int, rt: Runtime,
             max_batches: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (N, n_classes) float32 on the CPU, labels (N,)) over `examples` in order (the first
-    `max_batches` batches only, when given); eval mode, autocast, then back to the old mode."""
+    `max_batches` batches only, when given); eval mode, autocast, then back to the old mode.
+    Under torchrun (`rt.world_size` > 1, `model` the wrapped classifier) each process scores its
+    part of every batch and all get every row, grouped by process."""
     was_training = model.training
     model.eval()
     out, gold = [], []
@@ -289,14 +292,21 @@ def predict(model: nn.Module, examples: Sequence[Example], batch_size: int, pad_
         for i, batch in enumerate(batches(examples, batch_size)):
             if max_batches is not None and i >= max_batches:
                 break
-            idx, lengths, labels = collate(batch, pad_id, rt.device)
+            rows, factor = part(batch, rt)
+            idx, lengths, labels = collate(rows, pad_id, rt.device)
             with rt.autocast():
                 logits = model(idx, lengths)
-            out.append(logits.float().cpu())
-            gold.append(labels.cpu())
+            if factor:
+                out.append(logits.float().cpu())
+                gold.append(labels.cpu())
     finally:
         model.train(was_training)
-    return torch.cat(out), torch.cat(gold)
+    return gather_rows(_cat(out, torch.float32), rt), gather_rows(_cat(gold, torch.long), rt)
+
+
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat, or an empty tensor of `dtype` that torch.cat skips (a process with no rows)."""
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
 
 
 def scores(logits: torch.Tensor, labels: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -426,6 +436,7 @@ class Session:
     rt: Runtime
     pad_id: int
     history: Any = None
+    wrapped: Wrapped | None = None  # the model under the strategy (finetune/distributed.py)
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
@@ -450,23 +461,26 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     """Epochs of AdamW over the trainable parameters, with periodic validation."""
     c = cfg.classify
     torch.manual_seed(c.seed)  # dropout streams
-    optimizer = make_optimizer(s.model, c.lr, c.weight_decay, s.rt.device)
+    # A Hugging Face backbone's output head is not used by the classifier: DDP must not wait for it.
+    s.wrapped = w = wrap(s.model, s.rt, c.strategy, param="classify", find_unused_parameters=True)
+    optimizer = make_optimizer(w.module, c.lr, c.weight_decay, s.rt.device)
 
     def loss_fn(batch):
-        idx, lengths, labels = collate(batch, s.pad_id, s.rt.device)
-        return F.cross_entropy(s.model(idx, lengths).float(), labels)
+        rows, factor = part(batch, s.rt, trace=True)  # this process's rows (all of them on one)
+        idx, lengths, labels = collate(rows, s.pad_id, s.rt.device)
+        return F.cross_entropy(w.module(idx, lengths).float(), labels) * factor
 
     def evaluate():
         # Fixed prefixes of the splits, comparable from one evaluation to the next; train accuracy
         # beside val accuracy shows over-fitting (Raschka's ch. 6 curves).
-        logits, labels = predict(s.model, s.data["val"], c.batch_size, s.pad_id, s.rt, max_batches=c.eval_batches)
-        train_logits, train_labels = predict(s.model, s.data["train"], c.batch_size, s.pad_id, s.rt,
+        logits, labels = predict(w.module, s.data["val"], c.batch_size, s.pad_id, s.rt, max_batches=c.eval_batches)
+        train_logits, train_labels = predict(w.module, s.data["train"], c.batch_size, s.pad_id, s.rt,
                                              max_batches=c.eval_batches)
         return {**scores(logits, labels, "val"),
                 "train_accuracy": scores(train_logits, train_labels, "train")["train_accuracy"]}
 
     s.history = train_epochs(
-        s.model, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
+        w.module, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
         rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="classify")
     return s
 
@@ -477,13 +491,16 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     """Merge LoRA, measure the saved model on the full splits, write the model, metrics and curves."""
     c = cfg.classify
     n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
+    trained = gathered(s.wrapped) if s.wrapped is not None else s.model  # process 0's whole model
+    if trained is None:  # another process: process 0 measures and writes
+        return {}
+    rt = alone(s.rt)
     # What is measured is what is saved: the merged weights, not the adapters beside them.
-    merge_lora(s.model)
-    classifier = s.classifier
+    classifier = merge_lora(trained)
     metrics: dict[str, float] = {}
     results = {}
     for name in SPLITS:
-        logits, labels = predict(classifier, s.data[name], c.batch_size, s.pad_id, s.rt)
+        logits, labels = predict(classifier, s.data[name], c.batch_size, s.pad_id, rt)
         results[name] = (logits.argmax(-1).tolist(), labels.tolist())
         split_scores = scores(logits, labels, name)
         if name == "train":

@@ -41,9 +41,13 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
     on CUDA, fp32 on CPU) | fp32 | bf16 | fp16. `param` is the config section (`classify`,
     `instruct`) named in errors. Returns pretraining's `train.Runtime`: use `rt.device`,
     `with rt.autocast(): ...`, `rt.precision`; fp16 also needs a GradScaler, which
-    `train_epochs` makes. Fine-tuning is one process: no DDP, no torch.compile (its compile
-    time is not repaid over a few epochs of small batches).
+    `train_epochs` makes. Under torchrun (the stage's nproc_per_node above 1) it joins the
+    process group and each process takes the GPU of its local rank (`rt.rank`, `rt.world_size`;
+    finetune/distributed.py). No torch.compile: its compile time is not repaid over a few
+    epochs of small batches.
     """
+    from gptforge.training.processes import join
+
     if device == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(device_type)
@@ -56,6 +60,9 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
             raise BadInput(f"{param}.device: expected auto, cpu, cuda or cuda:N, got {device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise BadInput(f"{param}.device is {device} but no CUDA device is available")
+    rank, local_rank, world = join(dev.type)
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":
         if dev.index is not None:
             torch.cuda.set_device(dev)
@@ -65,7 +72,8 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
     resolved = precision if precision != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     if resolved == "fp16" and dev.type == "cpu":
         raise BadInput(f"{param}.precision fp16 needs CUDA; on the CPU use bf16 or fp32")
-    return Runtime(device=dev, precision=resolved)
+    return Runtime(device=dev, rank=rank, local_rank=local_rank, world_size=world, ddp=world > 1,
+                   precision=resolved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +291,8 @@ def train_epochs(
     """Train for `epochs` passes; return the History.
 
     `batches(epoch)` gives that epoch's batches (the recipe shuffles with its seed; a sized
-    iterable gets a tqdm total). `loss_fn(batch)` returns the scalar loss of one batch; it runs
+    iterable gets a tqdm total; under torchrun every process gets the same batches and
+    `loss_fn` takes its part). `loss_fn(batch)` returns the scalar loss of one batch; it runs
     under `rt.autocast()` with the model in train mode. One optimizer step per batch.
     `evaluate()` returns metrics (e.g. {"val_loss": ..., "val_accuracy": ...}); it runs with the
     model in eval mode, under no_grad and autocast, after every `eval_interval` optimizer steps
@@ -293,6 +302,8 @@ def train_epochs(
     A non-finite loss stops the run with StageFailed before it reaches the weights.
     """
     from tqdm.auto import tqdm
+
+    from gptforge.finetune.distributed import reduce_sums
 
     history = History()
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
@@ -312,13 +323,16 @@ def train_epochs(
     for epoch in range(1, epochs + 1):
         epoch_batches = batches(epoch)
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
-        bar = tqdm(epoch_batches, total=total, desc=f"{desc} epoch {epoch}/{epochs}", unit="batch", leave=False)
+        bar = tqdm(epoch_batches, total=total, desc=f"{desc} epoch {epoch}/{epochs}", unit="batch", leave=False,
+                   disable=not rt.master)
         train_time, evaluated_at = 0.0, -1
         t0 = time.perf_counter()
         for batch in bar:
             with rt.autocast():
                 loss = loss_fn(batch)
-            value = loss.item()
+            # Each process's loss is its part's share of the batch's, scaled by the world
+            # (finetune/distributed.py): their mean is the batch's loss, the same on every process.
+            value = reduce_sums([loss.item()], rt)[0] / rt.world_size
             if not math.isfinite(value):
                 raise StageFailed(f"{desc}: loss is {value} at step {history.step + 1} (epoch {epoch}); "
                                   "stopping before it reaches the weights (try a lower lr)")

@@ -56,6 +56,7 @@ from gptforge.finetune.common import (History, apply_lora, check_max_length, ena
                                       epoch_batches, is_gpt, length_grouped_batches, load_base, load_hf_base,
                                       make_optimizer, merge_lora, model_positions, runtime, train_epochs,
                                       trainable_params)
+from gptforge.finetune.distributed import LossOf, Wrapped, alone, gathered, part, reduce_sums, wrap
 from gptforge.finetune.hf_models import greedy_answers, lm_loss, merged_qlora, save_hf_model
 from gptforge.finetune.templates import IGNORE_INDEX, Example, chat_template_tokenizer, collate, encode_all
 from gptforge.io import atomic_dir, atomic_file
@@ -115,24 +116,39 @@ def padding_stats(batch: Sequence[Example], width: int) -> tuple[int, int]:
 def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int, pad_id: int, max_length: int,
                mask_prompt: bool, rt: Runtime, max_batches: int | None = None) -> float:
     """Mean cross-entropy per target token over `examples` in order (the first `max_batches`
-    batches only, when given): a fixed prefix, so evaluations during training are comparable."""
+    batches only, when given): a fixed prefix, so evaluations during training are comparable.
+    `model` is the model, or the training module that computes the loss itself (`LossOf`, under
+    DDP or FSDP: then each process scores its part of every batch and the sums are added up)."""
     was_training = model.training
     model.eval()
+    compute = model if _computes_loss(model) else (lambda i, t: batch_loss(model, i, t))
     total, count = 0.0, 0
     try:
         for i in range(0, len(examples), batch_size):
             if max_batches is not None and i // batch_size >= max_batches:
                 break
-            inputs, targets = collate(examples[i:i + batch_size], pad_id=pad_id, max_length=max_length,
-                                      mask_prompt=mask_prompt)
+            rows, factor = part(examples[i:i + batch_size], rt)
+            inputs, targets = collate(rows, pad_id=pad_id, max_length=max_length, mask_prompt=mask_prompt)
             n = int((targets != IGNORE_INDEX).sum())
             with rt.autocast():
-                loss = batch_loss(model, inputs.to(rt.device), targets.to(rt.device))
-            total += loss.float().item() * n  # the loss is the mean over these n targets
-            count += n
+                loss = compute(inputs.to(rt.device), targets.to(rt.device))
+            if factor:  # 0: a process with no rows in this batch ran one only to join the collectives
+                total += loss.float().item() * n  # the loss is the mean over these n targets
+                count += n
     finally:
         model.train(was_training)
+    total, count = reduce_sums([total, count], rt)
     return total / count
+
+
+def _computes_loss(model: nn.Module) -> bool:
+    """The training module (`LossOf`, maybe inside DDP; FSDP keeps its class) rather than a model."""
+    return isinstance(model, LossOf) or isinstance(getattr(model, "module", None), LossOf)
+
+
+def target_count(rows: Sequence[Example], **shape) -> int:
+    """How many target tokens the rows have once collated (what the loss averages over)."""
+    return int((collate(rows, **shape)[1] != IGNORE_INDEX).sum())
 
 
 def respond(model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int,
@@ -180,8 +196,9 @@ class Session:
     skipped: int
     hf_source: str | None = None  # the Hugging Face model it started from (None: our GPT)
     history: History | None = None
-    real_tokens: int = 0  # training tokens that were not padding
-    padded: int = 0  # training positions that were padding
+    real_tokens: int = 0  # training tokens that were not padding (this process's)
+    padded: int = 0  # training positions that were padding (this process's)
+    wrapped: Wrapped | None = None  # the model under the strategy (finetune/distributed.py)
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
@@ -219,6 +236,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     if c.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if c.method == "lora":
+        torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
         model = apply_lora(model, c.lora, task_type=None if source is None else "CAUSAL_LM")
     n_train, n_total = trainable_params(model)
     log.info("instruct: %s fine-tuning, %d of %d parameters train (%.2f%%); template %s, max_length %d; %s",
@@ -232,15 +250,19 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     """Epochs of AdamW over the trainable parameters; validation loss every eval_interval steps."""
     c = cfg.instruct
     torch.manual_seed(c.seed)  # dropout streams
-    optimizer = make_optimizer(s.model, c.lr, c.weight_decay, s.rt.device)
+    s.wrapped = w = wrap(s.model, s.rt, c.strategy, loss=batch_loss, param=PARAM)
+    optimizer = make_optimizer(w.module, c.lr, c.weight_decay, s.rt.device)
     shape = dict(pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=c.mask_prompt)
 
     def loss_fn(batch):
-        inputs, targets = collate(batch, **shape)
-        real, padded = padding_stats(batch, inputs.size(1))
-        s.real_tokens += real
-        s.padded += padded
-        return batch_loss(s.model, inputs.to(s.rt.device), targets.to(s.rt.device))
+        # This process's rows (all of them on one), its loss weighted by its share of the targets.
+        rows, factor = part(batch, s.rt, weight=lambda rows: target_count(rows, **shape), trace=True)
+        inputs, targets = collate(rows, **shape)
+        if factor:
+            real, padded = padding_stats(rows, inputs.size(1))
+            s.real_tokens += real
+            s.padded += padded
+        return w.module(inputs.to(s.rt.device), targets.to(s.rt.device)) * factor
 
     def batches(epoch: int) -> list[list[Example]]:
         if c.group_by_length:
@@ -249,12 +271,12 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
         return epoch_batches(s.data["train"], c.batch_size, c.seed, epoch)
 
     def evaluate():
-        loss = split_loss(s.model, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches,
+        loss = split_loss(w.module, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches,
                           **shape)
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
 
     s.history = train_epochs(
-        s.model, optimizer, loss_fn, batches, rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval,
+        w.module, optimizer, loss_fn, batches, rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval,
         evaluate=evaluate, run=run, desc="instruct")
     return s
 
@@ -265,31 +287,36 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     """Save the adapter, merge it, then measure, answer with and save the merged model."""
     c, out_dir = cfg.instruct, Path(out_dir)
     n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
+    s.real_tokens, s.padded = map(int, reduce_sums([s.real_tokens, s.padded], s.rt))  # every process's
+    trained = gathered(s.wrapped) if s.wrapped is not None else s.model  # process 0's whole model
+    if trained is None:  # another process: process 0 measures, answers and writes
+        return {}
+    rt = alone(s.rt)
     adapter = None
     if c.method == "lora":
         adapter = out_dir / "adapter"
         with atomic_dir(adapter) as tmp:
-            s.model.save_pretrained(str(tmp))
+            trained.save_pretrained(str(tmp))
     # What is measured is what is saved: the merged weights (and the merged model decodes
     # without the adapters' extra matmuls).
     if c.quantize is not None:
-        model = merged_qlora(s.hf_source, adapter, param=f"{PARAM}.init_from", device=s.rt.device)
+        model = merged_qlora(s.hf_source, adapter, param=f"{PARAM}.init_from", device=rt.device)
     else:
-        model = merge_lora(s.model)
+        model = merge_lora(trained)
     model.eval()
 
     shape = dict(batch_size=c.batch_size, pad_id=s.enc.eot_token, max_length=s.max_length,
-                 mask_prompt=c.mask_prompt, rt=s.rt)
+                 mask_prompt=c.mask_prompt, rt=rt)
     val_loss = split_loss(model, s.data["val"], **shape)
     test_loss = split_loss(model, s.data["test"], **shape)
 
     n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
     if s.hf_source is None:
         texts, tokens_per_sec = respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
-                                        rt=s.rt)
+                                        rt=rt)
     else:
         texts, tokens_per_sec = greedy_answers(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
-                                               positions=model_positions(model), rt=s.rt)
+                                               positions=model_positions(model), rt=rt)
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
         for index, text in zip(s.kept["test"], texts):
             rec = s.records["test"][index]

@@ -227,6 +227,7 @@ def load_models(cfg: Config, rt: Runtime) -> Models:
         ref.to(rt.device).eval().requires_grad_(False)
     policy.to(rt.device)
     if c.method == "lora":
+        torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
         policy = apply_lora(policy, c.lora, task_type="CAUSAL_LM")
     return Models(policy, ref, enc, tokenizer, gpt, source)
 
@@ -259,7 +260,9 @@ def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runti
     train_rows = pairs["train"].rows[: c.max_samples] if c.max_samples else pairs["train"].rows
     args = DPOConfig(
         output_dir=output_dir, report_to="none", save_strategy="no", seed=c.seed, data_seed=c.seed,
-        per_device_train_batch_size=c.batch_size, per_device_eval_batch_size=c.batch_size,
+        # preference.batch_size is the whole batch: under torchrun each process takes its share
+        per_device_train_batch_size=c.batch_size // rt.world_size,
+        per_device_eval_batch_size=c.batch_size // rt.world_size,
         num_train_epochs=c.epochs, learning_rate=c.lr, weight_decay=c.weight_decay,
         lr_scheduler_type="constant",  # LLMs-from-scratch ch. 7: plain AdamW, no schedule
         beta=c.beta, loss_type=[c.loss_type], max_length=max_length, truncation_mode="keep_start",
@@ -377,6 +380,9 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     the first test prompts (before it changes)."""
     c = cfg.preference
     rt = runtime(c.device, c.precision, param=PARAM)
+    if c.batch_size % rt.world_size:
+        raise BadInput(f"{PARAM}.batch_size ({c.batch_size}) is the whole batch, shared by the {rt.world_size} "
+                       "processes: make it a multiple of their number")
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the models
     template = c.template or cfg.instruct.template
     models = load_models(cfg, rt)
@@ -401,6 +407,8 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
                     "%d", dropped["identical"], max_length)
 
     n = len(pairs["test"].rows) if c.n_responses is None else min(c.n_responses, len(pairs["test"].rows))
+    if not rt.master:  # under torchrun process 0 answers (before and after) and writes
+        n = 0
     sft_answers = answers(models.policy, pairs["test"].prompts()[:n], models=models, gpt_model=models.gpt,
                           max_new_tokens=c.max_new_tokens, rt=rt)
     if models.gpt is not None:
@@ -453,6 +461,9 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     import shutil
 
     c, out_dir, plots_dir = cfg.preference, Path(out_dir), Path(plots_dir)
+    if not s.rt.master:  # under torchrun trl's trainer has kept every process's copy equal
+        shutil.rmtree(s.workdir, ignore_errors=True)
+        return {}
     policy = s.trainer.model
     n_train, n_total = trainable_params(policy)
     adapter = None

@@ -233,6 +233,9 @@ def _causal_mask(T: int, S: int, device) -> torch.Tensor:
 
 
 class GPT(nn.Module):
+    # The module kind to shard (FSDP) or place whole, named as transformers names it for its models.
+    _no_split_modules = ["Block"]
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

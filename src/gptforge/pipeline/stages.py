@@ -2,7 +2,7 @@
 
 `run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
 through here, so a stage behaves the same with or without Prefect. A pretrain asking for more
-than one process launches torchrun here instead (`gptforge.training.launch`). `run_recorded`
+than one process (pretrain or a fine-tuning stage) launches torchrun here instead (`gptforge.training.launch`). `run_recorded`
 is how a stage command runs: its MLflow run and Prefect flow run go to its journal, and the
 recorder makes them (`gptforge.runtime.recording`), so the process starts on its work at once.
 """
@@ -95,12 +95,14 @@ def run_stage(name: str, cfg: Config, *, steps: Steps = DIRECT, tags: Mapping[st
 
 def _run_stage(name: str, cfg: Config, *, steps: Steps, tags: Mapping[str, Any] | None) -> dict:
     stage = STAGES[name]
-    if name == "pretrain":
-        from gptforge.training.launch import launch_pretrain, needs_launch
+    from gptforge.training.launch import TRAINING_STAGES
 
-        if needs_launch(cfg):
+    if name in TRAINING_STAGES:
+        from gptforge.training.launch import launch_stage, needs_launch
+
+        if needs_launch(cfg, name):
             # torchrun's workers run this stage again; their rank 0 opens the MLflow run (with `tags`).
-            return steps(launch_pretrain, cfg, tags=tags)
+            return steps(launch_stage, name, cfg, tags=tags)
     recipe = stage.load()
     # Under torchrun every process runs the recipe; only rank 0 records the run.
     with tracking.start_run(
@@ -206,6 +208,6 @@ def check_inputs(name: str, cfg: Config) -> None:
     if name == "pretrain":
         from gptforge.training.loop import grad_accum_steps
 
-        grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.pretrain.world_size)))
+        grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", cfg.world_size("pretrain"))))
         if not Path("data/pretrain/manifest.json").is_file():
             raise BadInput("data/pretrain/manifest.json not found: run `gptforge prepare pretrain` first")

@@ -1,12 +1,13 @@
-"""Pretraining on several processes: the pretrain stage launches itself under torchrun.
+"""Training on several processes: a training stage launches itself under torchrun.
 
-When `pretrain.nproc_per_node * pretrain.nnodes` is above 1 and this process is not already a
+When a training stage's `nproc_per_node * distributed.nnodes` is above 1 (`pretrain.`,
+`classify.`, `instruct.` or `preference.nproc_per_node`) and this process is not already a
 torchrun worker (torchrun sets `WORLD_SIZE`), the stage does not train in this process. It runs
 
     python -m torch.distributed.run --nproc_per_node N (--standalone | --nnodes M --rdzv_...)
-        -m gptforge.cli pretrain --params SNAPSHOT
+        -m gptforge.cli STAGE COMMAND --params SNAPSHOT
 
-and waits. Each worker runs the ordinary stage (DDP in `gptforge.training.loop`, without Prefect); global
+and waits. Each worker runs the ordinary stage (DDP, ZeRO-1 or FSDP2, without Prefect); global
 rank 0 opens the stage's one MLflow run and writes the checkpoints, metrics and plots. This
 process opens no MLflow run: it hands its tags (the Prefect flow run id) to rank 0 through
 `GPTFORGE_RUN_TAGS`, shows the workers' output as it comes, forwards Ctrl-C and SIGTERM to
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,22 +43,41 @@ log = logging.getLogger("gptforge")
 
 
 
-def needs_launch(cfg: Config) -> bool:
-    """More than one process asked for, and this process is not one of torchrun's workers."""
-    return cfg.pretrain.world_size > 1 and "WORLD_SIZE" not in os.environ
+@dataclass(frozen=True)
+class TrainingStage:
+    section: str  # the config section with its nproc_per_node, strategy and device
+    command: tuple[str, ...]  # its `gptforge` command
+    metrics: str  # the metrics file rank 0 writes
+
+
+TRAINING_STAGES = {
+    "pretrain": TrainingStage("pretrain", ("pretrain",), "metrics/pretrain.json"),
+    "finetune_classify": TrainingStage("classify", ("finetune", "classify"), "metrics/classify.json"),
+    "finetune_instruct": TrainingStage("instruct", ("finetune", "instruct"), "metrics/instruct.json"),
+    "finetune_preference": TrainingStage("preference", ("finetune", "preference"), "metrics/preference.json"),
+}
+
+
+def needs_launch(cfg: Config, stage: str = "pretrain") -> bool:
+    """A training stage asking for more than one process, and this process is not one of
+    torchrun's workers."""
+    if stage not in TRAINING_STAGES or "WORLD_SIZE" in os.environ:
+        return False
+    return cfg.world_size(TRAINING_STAGES[stage].section) > 1
 
 
 def torchrun_command(cfg: Config, params_file: str | os.PathLike | None,
-                     overrides: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line that runs `gptforge pretrain` on this node's processes."""
-    p = cfg.pretrain
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(p.nproc_per_node)]
-    if p.nnodes == 1:
+                     overrides: Sequence[str] = (), stage: str = "pretrain") -> list[str]:
+    """The torchrun command line that runs the stage's `gptforge` command on this node's processes."""
+    spec, d = TRAINING_STAGES[stage], cfg.distributed
+    nproc = getattr(cfg, spec.section).nproc_per_node
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    if d.nnodes == 1:
         cmd.append("--standalone")  # a rendezvous on this machine, on a free port
     else:
-        cmd += ["--nnodes", str(p.nnodes), "--rdzv_backend", p.rdzv_backend, "--rdzv_endpoint", p.rdzv_endpoint,
-                "--rdzv_id", p.rdzv_id]
-    cmd += ["--max_restarts", str(p.max_restarts), "-m", "gptforge.cli", "pretrain"]
+        cmd += ["--nnodes", str(d.nnodes), "--rdzv_backend", d.rdzv_backend, "--rdzv_endpoint", d.rdzv_endpoint,
+                "--rdzv_id", d.rdzv_id]
+    cmd += ["--max_restarts", str(d.max_restarts), "-m", "gptforge.cli", *spec.command]
     if params_file is not None:
         cmd += ["--params", str(params_file)]
     for override in overrides:
@@ -75,41 +96,49 @@ def worker_env(tags: Mapping[str, Any] | None = None) -> dict[str, str]:
     return env
 
 
-def check_devices(cfg: Config) -> None:
+def check_devices(cfg: Config, stage: str = "pretrain") -> None:
     """One GPU per process: more processes than this node's GPUs fail here, not in every worker."""
     import torch
 
-    p = cfg.pretrain
+    section = TRAINING_STAGES[stage].section
+    p = getattr(cfg, section)
     if p.device != "cpu" and torch.cuda.is_available() and p.nproc_per_node > torch.cuda.device_count():
-        raise BadInput(f"pretrain.nproc_per_node ({p.nproc_per_node}) is above the {torch.cuda.device_count()} "
+        raise BadInput(f"{section}.nproc_per_node ({p.nproc_per_node}) is above the {torch.cuda.device_count()} "
                        "CUDA device(s) of this machine (one process per GPU)")
 
 
 def launch_pretrain(cfg: Config, *, tags: Mapping[str, Any] | None = None,
                     metrics_path: str | os.PathLike = "metrics/pretrain.json") -> dict:
-    """Run the pretrain stage under torchrun on this node and wait; the metrics of rank 0.
+    """`launch_stage` for pretrain."""
+    return launch_stage("pretrain", cfg, tags=tags, metrics_path=metrics_path)
+
+
+def launch_stage(stage: str, cfg: Config, *, tags: Mapping[str, Any] | None = None,
+                 metrics_path: str | os.PathLike | None = None) -> dict:
+    """Run a training stage under torchrun on this node and wait; the metrics of rank 0.
 
     Raises StageFailed with torchrun's exit code (and the last worker's one-line error) when
     the job fails. Returns {} on a node where rank 0 did not run (multi-node without a shared
     working directory): the metrics file is on rank 0's node.
     """
-    check_devices(cfg)
-    metrics_path = Path(metrics_path)
+    check_devices(cfg, stage)
+    spec = TRAINING_STAGES[stage]
+    metrics_path = Path(metrics_path or spec.metrics)
     before = _identity(metrics_path)
-    p = cfg.pretrain
+    nnodes = cfg.distributed.nnodes
     with tempfile.TemporaryDirectory(prefix="gptforge-torchrun-") as tmp:
         snapshot = Path(tmp) / "params.yaml"
         snapshot.write_text(dump_yaml(cfg), encoding="utf-8")
-        cmd = torchrun_command(cfg, snapshot)
-        log.info("launching %d processes (%d node%s x %d): %s", p.world_size, p.nnodes, "s" if p.nnodes > 1 else "",
-                 p.nproc_per_node, shlex.join(cmd))
+        cmd = torchrun_command(cfg, snapshot, stage=stage)
+        log.info("launching %d processes (%d node%s x %d): %s", cfg.world_size(spec.section), nnodes,
+                 "s" if nnodes > 1 else "", getattr(cfg, spec.section).nproc_per_node, shlex.join(cmd))
         rc, signum, last_error = _run(cmd, worker_env(tags))
     if signum is not None:
         signal.raise_signal(signum)  # this process's own handler now: KeyboardInterrupt, Prefect's, or exit
-        raise StageFailed(f"pretrain under torchrun stopped by {signal.Signals(signum).name}")
+        raise StageFailed(f"{stage} under torchrun stopped by {signal.Signals(signum).name}")
     if rc != 0:
         said = f": a worker said: {last_error}" if last_error else "; the workers' output above says why"
-        raise StageFailed(f"pretrain under torchrun failed (exit code {rc}){said}")
+        raise StageFailed(f"{stage} under torchrun failed (exit code {rc}){said}")
     if _identity(metrics_path) in (None, before):
         log.info("%s was not written on this node: global rank 0 ran on another one", metrics_path)
         return {}

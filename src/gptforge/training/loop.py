@@ -84,9 +84,9 @@ class Runtime:
 
 
 def setup_runtime(cfg: Config) -> Runtime:
+    from gptforge.training.processes import join
+
     p = cfg.pretrain
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ddp = world > 1
     if p.device == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     else:
@@ -95,11 +95,8 @@ def setup_runtime(cfg: Config) -> Runtime:
             raise BadInput(f"pretrain.device: expected auto, cpu, cuda or cuda:N, got {p.device!r}")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise BadInput("pretrain.device is cuda but no CUDA device is available")
-    rank = local_rank = 0
-    if ddp:
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    rank, local_rank, world = join(device_type)
+    ddp = world > 1
     if device_type == "cuda":
         index = local_rank if ddp or ":" not in p.device else int(p.device.split(":")[1])
         device = torch.device("cuda", index)
