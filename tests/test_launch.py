@@ -1,5 +1,6 @@
 """Pretraining on several processes: `gptforge pretrain` launches itself under torchrun when
-`pretrain.nproc_per_node * pretrain.nnodes` is above 1 (gptforge.training.launch).
+`pretrain.nproc_per_node * distributed.nnodes` is above 1 (gptforge.training.launch); the
+fine-tuning stages' launch is in test_finetune_distributed.py.
 
 Fast: the torchrun command lines (checked with torchrun's own parser), the multi-node settings'
 validation, the workers' environment and the streaming of their output. Slow (CPU, gloo, two
@@ -46,37 +47,46 @@ def test_single_node_is_standalone_and_passes_params_and_overrides():
 
 
 def test_multi_node_has_the_rendezvous():
-    cfg = load_config(None, ["pretrain.nproc_per_node=8", "pretrain.nnodes=4", "pretrain.rdzv_endpoint=node0:29500",
-                             "pretrain.rdzv_id=job7", "pretrain.max_restarts=3"])
+    cfg = load_config(None, ["pretrain.nproc_per_node=8", "distributed.nnodes=4",
+                             "distributed.rdzv_endpoint=node0:29500", "distributed.rdzv_id=job7",
+                             "distributed.max_restarts=3"])
     cmd = launch.torchrun_command(cfg, None)
     args = torchrun_args(cmd[3:])
     assert not args.standalone
     assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
             args.max_restarts) == ("8", "4", "c10d", "node0:29500", "job7", 3)
     assert args.training_script_args == ["pretrain"]
-    static = load_config(None, ["pretrain.nnodes=2", "pretrain.rdzv_endpoint=10.0.0.1:29400",
-                                "pretrain.rdzv_backend=static"])
+    static = load_config(None, ["distributed.nnodes=2", "distributed.rdzv_endpoint=10.0.0.1:29400",
+                                "distributed.rdzv_backend=static"])
     assert torchrun_args(launch.torchrun_command(static, "p.yaml")[3:]).rdzv_backend == "static"
 
 
 def test_launch_only_above_one_process_and_never_inside_a_worker(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert not launch.needs_launch(load_config(None, []))
-    two_nodes = load_config(None, ["pretrain.nnodes=2", "pretrain.rdzv_endpoint=node0"])
-    assert two_nodes.pretrain.world_size == 2 and launch.needs_launch(two_nodes)
-    cfg = load_config(None, ["pretrain.nproc_per_node=2", "pretrain.nnodes=3", "pretrain.rdzv_endpoint=node0:1234"])
-    assert cfg.pretrain.world_size == 6 and launch.needs_launch(cfg)
+    two_nodes = load_config(None, ["distributed.nnodes=2", "distributed.rdzv_endpoint=node0"])
+    assert two_nodes.world_size("pretrain") == 2 and launch.needs_launch(two_nodes)
+    cfg = load_config(None, ["pretrain.nproc_per_node=2", "distributed.nnodes=3",
+                             "distributed.rdzv_endpoint=node0:1234"])
+    assert cfg.world_size("pretrain") == 6 and launch.needs_launch(cfg)
+    # every training stage reads the nodes from distributed and its own nproc_per_node
+    assert cfg.world_size("instruct") == 3 and launch.needs_launch(cfg, "finetune_instruct")
+    assert not launch.needs_launch(cfg, "evaluate")
     monkeypatch.setenv("WORLD_SIZE", "6")  # torchrun's workers run the same stage: they train
     assert not launch.needs_launch(cfg)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["pretrain.nnodes=2"], "pretrain.rdzv_endpoint is required when pretrain.nnodes > 1"),
-    (["pretrain.nnodes=2", "pretrain.rdzv_endpoint=node0:http"], "must be HOST or HOST:PORT, got 'node0:http'"),
-    (["pretrain.rdzv_endpoint=:29400"], "must be HOST or HOST:PORT"),
-    (["pretrain.nnodes=0"], "pretrain.nnodes: expected"),
-    (["pretrain.rdzv_backend=etcd"], "pretrain.rdzv_backend: expected one of 'c10d', 'static'"),
-    (["pretrain.max_restarts=-1"], "pretrain.max_restarts"),
+    (["distributed.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
+    (["distributed.nnodes=2", "distributed.rdzv_endpoint=node0:http"], "must be HOST or HOST:PORT, got 'node0:http'"),
+    (["distributed.rdzv_endpoint=:29400"], "must be HOST or HOST:PORT"),
+    (["distributed.nnodes=0"], "distributed.nnodes: expected"),
+    (["distributed.rdzv_backend=etcd"], "distributed.rdzv_backend: expected one of 'c10d', 'static'"),
+    (["distributed.max_restarts=-1"], "distributed.max_restarts"),
+    # the names these settings had first, in the pretrain section, still work, moved
+    (["pretrain.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
+    (["pretrain.nnodes=2", "distributed.nnodes=3", "distributed.rdzv_endpoint=h"],
+     "pretrain.nnodes (2) and distributed.nnodes (3) disagree: set distributed.nnodes only"),
 ])
 def test_multi_node_settings_are_validated(overrides, message):
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -86,11 +96,11 @@ def test_multi_node_settings_are_validated(overrides, message):
 @pytest.mark.slow
 def test_cli_bad_multi_node_settings_are_one_line(tmp_path):
     env = cli_env(GPTFORGE_PREFECT="0")
-    r = run_cli(["pretrain", "-S", "pretrain.nnodes=2"], cwd=tmp_path, env=env, timeout=120)
+    r = run_cli(["pretrain", "-S", "distributed.nnodes=2"], cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == error_lines(r.stderr) == [
-        "gptforge: error: config with -S overrides: pretrain.rdzv_endpoint is required when pretrain.nnodes > 1 "
-        "(got 2): the host:port of the rendezvous, the same on every node"]
+        "gptforge: error: config with -S overrides: distributed.rdzv_endpoint is required when distributed.nnodes "
+        "> 1 (got 2): the host:port of the rendezvous, the same on every node"]
     # The batch split counts every process of every node: 12 sequences x 64 tokens x 2 x 2.
     r = run_cli(["pretrain", "-S", "pretrain.nproc_per_node=2", "-S", "pretrain.nnodes=2", "-S",
                  "pretrain.rdzv_endpoint=node0:29400"], cwd=tmp_path, env=env, timeout=120)
@@ -228,7 +238,7 @@ def test_two_processes_from_the_cli_match_one_and_make_one_mlflow_run(tmp_path, 
 
     [run] = _stage_runs(mlflow_uri, experiment)  # rank 0's run; neither the launcher nor rank 1 made one
     assert run.info.status == "FINISHED" and run.data.tags["gptforge.stage"] == "pretrain"
-    assert run.data.params["pretrain.nproc_per_node"] == "2" and run.data.params["pretrain.nnodes"] == "1"
+    assert run.data.params["pretrain.nproc_per_node"] == "2" and run.data.params["distributed.nnodes"] == "1"
     assert run.data.metrics["val_loss"] == pytest.approx(metrics["val_loss"])
     assert "prefect.flow_run_id" not in run.data.tags
 

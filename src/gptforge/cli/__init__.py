@@ -59,7 +59,10 @@ def _setup_logging() -> None:
     handler.gptforge_cli = True
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s gptforge: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
-    log.setLevel(os.environ.get("GPTFORGE_LOG_LEVEL", "INFO").upper())
+    # Under torchrun the processes other than global rank 0 say only what goes wrong: their
+    # progress is rank 0's, line for line.
+    quiet = int(os.environ.get("RANK", "0") or 0) > 0
+    log.setLevel(os.environ.get("GPTFORGE_LOG_LEVEL", "WARNING" if quiet else "INFO").upper())
     log.propagate = False
 
 
