@@ -177,8 +177,8 @@ def set_trainable(model: LastTokenClassifier, trainable: str) -> None:
         parts += [blocks[-1]] + ([norm] if norm is not None else [])
     elif trainable != "head":
         raise ValueError(f"set_trainable: unknown trainable {trainable!r}")
-    for part in parts:
-        part.requires_grad_(True)
+    for module in parts:
+        module.requires_grad_(True)
 
 
 def build_classifier(cfg: Config, rt: Runtime) -> tuple[nn.Module, LastTokenClassifier, Any]:
