@@ -51,6 +51,21 @@ def test_build_nanogpt_numbers():
     assert c.data.pretrain.source == "hf://HuggingFaceFW/fineweb-edu" and c.data.pretrain.name == "sample-10BT"
 
 
+def test_qwen_7b_config_is_full_fine_tuning_on_8_gpus_with_fsdp_and_the_plan_says_it_fits(capsys):
+    from gptforge.cli import main
+
+    path = REPO / "configs" / "qwen2.5-7b-fsdp.yaml"
+    c = load_config(path)
+    i = c.instruct
+    assert c.base.models[Path(i.init_from).name] == "Qwen/Qwen2.5-7B-Instruct"
+    assert (i.method, i.strategy, i.nproc_per_node, i.precision, c.world_size("instruct")) == \
+        ("full", "fsdp", 8, "bf16", 8)
+    assert main(["plan", "--params", str(path)]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["ddp"], ["zero1"], ["fsdp"])}
+    assert rows["fsdp"][-1] == "yes" and rows["ddp"][-1] == rows["zero1"][-1] == "no"
+
+
 def test_quickstart_reads_only_embedded_samples():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     cfg = load_config(REPO / "params.yaml")

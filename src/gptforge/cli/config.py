@@ -50,7 +50,7 @@ def cmd_plan(args) -> int:
     if gpus < 1:
         raise BadInput(f"--gpus must be >= 1, got {gpus}")
     memory = mp.parse_memory(args.gpu_memory)
-    shape = mp.gpt_shape(cfg) if stage == "pretrain" else mp.hf_shape(cfg)
+    shape = mp.gpt_shape(cfg) if stage == "pretrain" else mp.hf_shape(cfg, gpus)
     print(f"stage: {stage}")
     print(mp.render(shape, mp.state_rows(shape, gpus), gpus, memory))
     return 0

@@ -163,7 +163,9 @@ def hf_config(cfg: Config) -> tuple[dict, str]:
                    f"known architectures ({', '.join(KNOWN_ARCHITECTURES)}): fetch it first (gptforge prepare base)")
 
 
-def hf_shape(cfg: Config) -> Shape:
+def hf_shape(cfg: Config, gpus: int = 1) -> Shape:
+    """The instruct stage's model and its micro-batch on each of `gpus` processes (instruct.batch_size
+    is the whole batch, split between them)."""
     import torch
     import torch.nn as nn
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -198,7 +200,7 @@ def hf_shape(cfg: Config) -> Shape:
     seq_len = c.max_length or getattr(text, "max_position_embeddings", None) or 2048
     return Shape(f"{model_type} from {origin}" + (f", LoRA r={c.lora.r}" if c.method == "lora" else ""),
                  params, trainable, weight_bytes, block, text.num_hidden_layers, text.hidden_size,
-                 text.vocab_size, c.batch_size, seq_len, c.gradient_checkpointing)
+                 text.vocab_size, -(-c.batch_size // gpus), seq_len, c.gradient_checkpointing)
 
 
 def parse_memory(text: str) -> int:
