@@ -98,11 +98,11 @@ def _run_stage(name: str, cfg: Config, *, steps: Steps, tags: Mapping[str, Any] 
     from gptforge.training.launch import TRAINING_STAGES
 
     if name in TRAINING_STAGES:
-        from gptforge.training.launch import launch_stage, needs_launch
+        from gptforge.training.launch import launcher, needs_launch
 
         if needs_launch(cfg, name):
             # torchrun's workers run this stage again; their rank 0 opens the MLflow run (with `tags`).
-            return steps(launch_stage, name, cfg, tags=tags)
+            return steps(launcher(name), cfg, tags=tags)
     recipe = stage.load()
     # Under torchrun every process runs the recipe; only rank 0 records the run.
     with tracking.start_run(

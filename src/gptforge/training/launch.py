@@ -29,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gptforge.config.load import dump_yaml
 
@@ -107,10 +107,19 @@ def check_devices(cfg: Config, stage: str = "pretrain") -> None:
                        "CUDA device(s) of this machine (one process per GPU)")
 
 
-def launch_pretrain(cfg: Config, *, tags: Mapping[str, Any] | None = None,
-                    metrics_path: str | os.PathLike = "metrics/pretrain.json") -> dict:
-    """`launch_stage` for pretrain."""
-    return launch_stage("pretrain", cfg, tags=tags, metrics_path=metrics_path)
+def launcher(stage: str) -> Callable[..., dict]:
+    """`launch_stage` for one stage, named `launch_<section>`: the step (Prefect task run) a
+    launching flow run shows, `launch-pretrain`, `launch-instruct`, ..."""
+
+    def launch(cfg: Config, *, tags: Mapping[str, Any] | None = None,
+               metrics_path: str | os.PathLike | None = None) -> dict:
+        return launch_stage(stage, cfg, tags=tags, metrics_path=metrics_path)
+
+    launch.__name__ = launch.__qualname__ = f"launch_{TRAINING_STAGES[stage].section}"
+    return launch
+
+
+launch_pretrain = launcher("pretrain")
 
 
 def launch_stage(stage: str, cfg: Config, *, tags: Mapping[str, Any] | None = None,
