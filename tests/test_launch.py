@@ -87,6 +87,11 @@ def test_launch_only_above_one_process_and_never_inside_a_worker(monkeypatch):
     (["pretrain.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
     (["pretrain.nnodes=2", "distributed.nnodes=3", "distributed.rdzv_endpoint=h"],
      "pretrain.nnodes (2) and distributed.nnodes (3) disagree: set distributed.nnodes only"),
+    # the fine-tuning stages' processes
+    (["preference.strategy=fsdp"], "preference.strategy: fsdp is not available for DPO"),
+    (["instruct.strategy=fsdp", "instruct.method=lora", "instruct.quantize=4bit"],
+     "instruct.quantize: 4bit (QLoRA) keeps the base in bitsandbytes' 4-bit tensors"),
+    (["classify.strategy=zero1"], "classify.strategy: expected one of 'ddp', 'fsdp'"),
 ])
 def test_multi_node_settings_are_validated(overrides, message):
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):

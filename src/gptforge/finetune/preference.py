@@ -380,7 +380,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     the first test prompts (before it changes)."""
     c = cfg.preference
     rt = runtime(c.device, c.precision, param=PARAM)
-    if c.batch_size % rt.world_size:
+    if c.batch_size % rt.world_size:  # the CLI checks it before launching (pipeline.stages.check_inputs)
         raise BadInput(f"{PARAM}.batch_size ({c.batch_size}) is the whole batch, shared by the {rt.world_size} "
                        "processes: make it a multiple of their number")
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the models

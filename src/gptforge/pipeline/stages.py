@@ -205,6 +205,12 @@ def check_inputs(name: str, cfg: Config) -> None:
         from gptforge.modeling.tokenizer import check_fits_uint16, load_tokenizer
 
         check_fits_uint16(load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
+    if name == "finetune_preference":
+        world = int(os.environ.get("WORLD_SIZE", cfg.world_size("preference")))
+        if cfg.preference.batch_size % world:
+            raise BadInput(f"preference.batch_size ({cfg.preference.batch_size}) is the whole batch, shared by the "
+                           f"{world} processes (preference.nproc_per_node x distributed.nnodes): make it a "
+                           "multiple of their number")
     if name == "pretrain":
         from gptforge.training.loop import grad_accum_steps
 
