@@ -291,9 +291,11 @@ def test_two_nodes_meet_at_the_rendezvous_and_only_rank_0_writes(tmp_path, shard
     for node, stderr in zip(nodes, stderrs):
         assert node.returncode == 0, stderr[-3000:]
         assert f"--nnodes 2 --rdzv_backend c10d --rdzv_endpoint {endpoint}" in stderr
-        assert "(fp32, 2 processes)" in stderr
     wrote = [(tmp_path / f"node{i}/metrics/pretrain.json").is_file() for i in range(2)]
     assert sorted(wrote) == [False, True]  # rank 0's node has the results, the other says so
+    # rank 0 logs its progress; the other node's worker says only what goes wrong
+    assert "(fp32, 2 processes)" in stderrs[wrote.index(True)]
+    assert "(fp32, 2 processes)" not in stderrs[wrote.index(False)]
     assert "was not written on this node" in stderrs[wrote.index(False)]
     assert (tmp_path / f"node{wrote.index(True)}/checkpoints/pretrain/final/model.safetensors").is_file()
 
