@@ -47,6 +47,20 @@ def add_commands(sub) -> None:
     config_args(p)
     p.set_defaults(func=cmd_stage, stage="synthesize")
 
+    stage = STAGES["index"]
+    p = sub.add_parser("index", help=stage.summary, description=f"DVC stage index@NAME: {stage.summary}. Reads "
+                       "data/synthetic/NAME/chunks.jsonl (stage synthesize@NAME); -S synthesize.only=NAME picks one "
+                       "entry of synthesize.documents (default: all). Reports recall@1/5/10 and MRR of the source "
+                       "chunk over the synthesized questions.")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="index")
+
+    stage = STAGES["evaluate_qa"]
+    p = sub.add_parser("evaluate-qa", help=stage.summary, description=f"DVC stage evaluate_qa@NAME: {stage.summary}. "
+                       "-S synthesize.only=NAME picks one entry of synthesize.documents (default: all).")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage="evaluate_qa")
+
     stage = STAGES["pretrain"]
     p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
                        "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun "

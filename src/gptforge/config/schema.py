@@ -419,6 +419,25 @@ class SynthesizeConfig(Section):
         return self
 
 
+class IndexConfig(Section):
+    # The retrieval index of each synthesize.documents entry (stage index@NAME, data/index/NAME/):
+    # BM25 always; with an embedding model (a local encoder folder, or a hub id in the local
+    # Hugging Face cache) dense embeddings too, and the two fused (reciprocal rank fusion).
+    embedding_model: Optional[str] = None
+    top_k: int = Field(4, gt=0, description="chunks put in front of a question (serve --rag, evaluate_qa)")
+    k1: float = Field(1.5, gt=0, description="BM25 term-frequency saturation")
+    b: float = Field(0.75, ge=0, le=1, description="BM25 length normalization")
+
+
+class EvaluateQAConfig(Section):
+    # Stage evaluate_qa@NAME: the held-out questions of a document set (the instruct test split when
+    # data.instruct.source is synthetic://NAME, else every kept pair) answered by each model of
+    # evaluate.models that exists, without and with the index's top_k chunks in the prompt.
+    limit: Optional[int] = Field(None, gt=0, description="questions answered (the first N); null: all")
+    max_new_tokens: int = Field(128, gt=0)
+    device: str = "auto"
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     experiment: str = "gptforge"
@@ -445,6 +464,8 @@ class Config(Section):
     benchmark: BenchmarkConfig = BenchmarkConfig()
     base: BaseModelsConfig = BaseModelsConfig()
     synthesize: SynthesizeConfig = SynthesizeConfig()
+    index: IndexConfig = IndexConfig()
+    evaluate_qa: EvaluateQAConfig = EvaluateQAConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     distributed: DistributedConfig = DistributedConfig()

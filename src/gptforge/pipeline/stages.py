@@ -60,6 +60,13 @@ STAGES: dict[str, Stage] = {
         Stage("synthesize", "gptforge.synthesize.stage:synthesize", ("tokenizer", "synthesize"),
               "documents -> checked question/answer pairs from an OpenAI-compatible endpoint (data/synthetic/NAME/)",
               headline=("kept", "pairs_returned", "requests")),
+        Stage("index", "gptforge.rag.stage:index", ("synthesize.documents", "index"),
+              "index a document set's chunks for retrieval: BM25, dense, hybrid (data/index/NAME/)",
+              headline=("recall_at_5", "mrr", "chunks")),
+        Stage("evaluate_qa", "gptforge.rag.evaluate_qa:evaluate_qa",
+              ("tokenizer", "instruct.template", "index", "evaluate", "evaluate_qa"),
+              "a document set's held-out questions answered by each model, without and with retrieval "
+              "(reports/evaluate_qa_NAME.md)"),
         Stage("pretrain", "gptforge.training.loop:pretrain", ("tokenizer", "model", "pretrain", "distributed"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
               headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
@@ -195,6 +202,10 @@ def check_inputs(name: str, cfg: Config) -> None:
         source = cfg.flat()[param]
         if "://" not in source and not Path(source).exists():
             raise BadInput(f"{param}: local source not found: {source}")
+    if name in ("index", "evaluate_qa"):
+        from gptforge.synthesize.stage import selected_documents
+
+        selected_documents(cfg.synthesize)
     if name == "synthesize":
         from gptforge.synthesize.stage import selected_documents
 
