@@ -58,3 +58,10 @@ def test_bench_lora_trains_both_recipes_on_the_same_real_tokens():
         assert run["timed_steps"] == 2 and run["tokens_per_sec"] > 0 and 0 <= run["padding_fraction"] < 1
         assert run["heldout_loss"] > 0 and run["peak_rss_mb"] > 0
     assert r["speedup"] == pytest.approx(ours["median"]["tokens_per_sec"] / stock["median"]["tokens_per_sec"], rel=0.01)
+
+
+@pytest.mark.slow  # ~5 s
+def test_bench_rag_times_the_index_build_and_queries():
+    r = run_script("bench_rag.py", "--chunks", "300", "--queries", "20", "--rounds", "2")
+    assert r["chunks"] == 300 and r["queries"] == 20 and r["rounds"] == 2
+    assert r["gptforge_build_s"] > 0 and r["gptforge"]["p50_ms"] > 0 and len(r["gptforge"]["p50_ms_rounds"]) == 2
