@@ -233,3 +233,14 @@ def test_cli_index_without_synthesized_chunks_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     assert error_lines(r.stderr) == r.stderr.strip().splitlines()[-1:]
     assert "data/synthetic/rivers/chunks.jsonl not found: run `gptforge synthesize" in r.stderr
+
+
+def test_prepare_base_fetches_an_encoder_that_the_index_embeds_with(tmp_path, encoder_folder):
+    from gptforge.data.base_models import fetch
+
+    got = fetch(str(encoder_folder), tmp_path / "checkpoints" / "base" / "enc", param="base.models.enc")
+    assert got["encoder"] == 1 and got["has_tokenizer"] == 1
+    texts = ["the nile is a river", "deserts are dry", "the sea is salt"]
+    idx = I.build([chunk(i, t) for i, t in enumerate(texts)], tmp_path / "i", name="t", chunks_sha256="x",
+                  embedding_model=str(tmp_path / "checkpoints" / "base" / "enc"))
+    assert idx.method == "hybrid" and idx.search("a river", 1)[0].chunk.text == texts[0]

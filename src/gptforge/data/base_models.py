@@ -7,7 +7,9 @@ folder. Each is loaded with transformers' Auto classes and written with `save_pr
 stage in dvc.yaml). The fine-tuning stages then start from that local folder
 (`classify.init_from: checkpoints/base/gpt2`), so their DVC dependency is a real path: a config
 that starts from hub weights does not pretrain, the weights are pinned by their DVC hash, and an
-air-gapped cluster `dvc pull`s them instead of reaching the hub. Imports transformers only.
+air-gapped cluster `dvc pull`s them instead of reaching the hub. A model that is not a causal LM
+(a BERT-style text encoder) is fetched as an encoder, for `index.embedding_model`. Imports
+transformers only.
 """
 
 from __future__ import annotations
@@ -34,8 +36,15 @@ def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
     local = Path(source).expanduser()
     if local.exists() and not (local / "config.json").is_file():
         raise BadInput(f"{param}: {local} is not a Hugging Face model folder (no config.json)")
+    where = str(local) if local.exists() else source
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else source)
+        kind = model_kind(where)
+        if kind == "encoder":  # a BERT-style text encoder: for dense retrieval (index.embedding_model)
+            from transformers import AutoModel
+
+            model = AutoModel.from_pretrained(where)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(where)
     except (OSError, ValueError) as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         if local.exists():
@@ -52,8 +61,20 @@ def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("base model %s -> %s (%.1fM parameters, %s)", source, dest, n_params / 1e6, model.config.model_type)
-    return {"parameters": n_params, "has_tokenizer": int(tokenizer is not None)}
+    log.info("base model %s -> %s (%.1fM parameters, %s%s)", source, dest, n_params / 1e6, model.config.model_type,
+             ", an encoder" if kind == "encoder" else "")
+    return {"parameters": n_params, "has_tokenizer": int(tokenizer is not None), "encoder": int(kind == "encoder")}
+
+
+def model_kind(where: str) -> str:
+    """`encoder` when the config's `architectures` name only models without a language-model head
+    (BertModel, XLMRobertaModel: what sentence-transformers folders hold), else `causal_lm`.
+    (transformers would load a BERT config as a causal LM too, with a new, untrained head.)"""
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(where), "architectures", None) or []
+    heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    return "encoder" if archs and not any(a.endswith(heads) for a in archs) else "causal_lm"
 
 
 def prepare_base(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), out_root: str | os.PathLike = OUT_ROOT,
