@@ -78,13 +78,13 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
     repo, names = deployed_repo, registry_names
     api = httpx.Client(base_url=prefect_api, timeout=30)
     deployments = api.post("/deployments/filter", json={}).json()
-    # The pipeline and every stage flow, on each pool (deployment name = pool name; synthesize
-    # too, which the quickstart's pipeline does not run: no documents); the nightly schedule is
-    # there, off.
+    # The pipeline and every stage flow, on each pool (deployment name = pool name; synthesize,
+    # index and evaluate_qa too, which the quickstart's pipeline does not run: no documents); the
+    # nightly schedule is there, off.
     for pool in ("local", "gpu"):
         deployed = [d["entrypoint"].rsplit(":", 1)[1] for d in deployments
                     if d["name"] == pool and d["work_pool_name"] == pool]
-        assert sorted(deployed) == sorted(STAGES + ["synthesize", "pipeline"])
+        assert sorted(deployed) == sorted(STAGES + ["synthesize", "index", "evaluate_qa", "pipeline"])
     gpu_pipeline = next(d for d in deployments if d["name"] == "gpu" and d["entrypoint"].endswith(":pipeline"))
     assert gpu_pipeline["job_variables"]["container_create_kwargs"]["device_requests"][0]["driver"] == "nvidia"
     assert [s["active"] for s in gpu_pipeline["schedules"]] == [False]

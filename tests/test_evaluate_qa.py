@@ -1,0 +1,314 @@
+"""The QA accuracy table (stage evaluate_qa, gptforge.rag.evaluate_qa): a document set's held-out
+questions answered by each model without and with retrieval, scored as the instruct stage scores.
+
+The document set is a short Markdown page about rivers, cut by synthesize's own chunker and
+indexed by the index library (BM25); each question's answer is a sentence of one chunk. The
+models are tiny and random: gptforge's GPT (2 layers, 32 wide, 128 positions, so the retrieved
+text must be cut to fit) and a Llama with a ChatML chat template (tests/hf_models.py, 256
+positions). What the models received is recorded at the decoding functions they are called
+through, and checked on its own: the RAG prompt holds the source chunk's text, the plain one
+does not. The scores are recomputed with answer_quality from the written answers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FakeRun, cli_env, run_cli
+from gptforge.config.load import load_config
+from gptforge.errors import BadInput
+from gptforge.finetune.answer_quality import reference_scores
+from gptforge.rag import evaluate_qa as E
+from gptforge.rag.index import build, file_sha256
+from gptforge.synthesize.chunks import chunk_documents, read_chunks, write_chunks
+from gptforge.synthesize.documents import Document
+
+TOKENIZER = "sample://gpt2_tokenizer"
+# a document set needs its endpoint named (the synthesize stage's); evaluate_qa never calls it
+ENDPOINT = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoint.model=m"]
+
+DOC = """# Rivers
+
+## Rhine
+
+The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg and Cologne before it
+reaches the North Sea in the Netherlands. Its length is about 1,230 kilometres, and barges carry
+coal, grain and containers along it.
+
+## Danube
+
+The Danube starts in the Black Forest of Germany and flows east through Vienna, Bratislava,
+Budapest and Belgrade. It empties into the Black Sea through a large delta in Romania, where
+pelicans and many other birds nest.
+
+## Glaciers
+
+Glaciers carve U-shaped valleys over thousands of years, leaving moraines of rock and gravel where
+the ice stopped. Meltwater from glaciers feeds many rivers in summer.
+
+## Salmon
+
+Salmon hatch in fresh water, migrate to the ocean to feed for several years, and return to their
+home river to spawn, often leaping up waterfalls on the way.
+
+## Beavers
+
+Beavers build dams from branches and mud, which turns streams into ponds that shelter their
+lodges from wolves and other predators during the winter.
+"""
+
+# (a phrase of the source chunk, question, reference answer)
+PAIRS = [("Rhine rises", "Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),
+         ("Danube starts", "Where does the Danube start?", "The Danube starts in the Black Forest of Germany."),
+         ("Glaciers carve", "What do glaciers carve over thousands of years?", "Glaciers carve U-shaped valleys."),
+         ("Salmon hatch", "Where do salmon return to spawn?", "Salmon return to their home river to spawn."),
+         ("Beavers build", "What do beavers build dams from?", "Beavers build dams from branches and mud.")]
+
+
+def make_set(root: Path, name: str = "rivers", *, index_of: str | None = None, index: bool = True) -> list[dict]:
+    """data/synthetic/NAME/{chunks,qa}.jsonl under `root`, and the index data/index/NAME/ (built
+    for the set `index_of` when given). Returns the pairs."""
+    from gptforge.modeling.tokenizer import load_tokenizer
+    from gptforge.samples import resolve
+
+    enc = load_tokenizer(resolve(TOKENIZER))
+    chunks = chunk_documents([Document(source="rivers.md", text=DOC, kind="markdown")],
+                             count_tokens=lambda t: len(enc.encode_ordinary(t)), chunk_tokens=70, overlap=0)
+    folder = root / "data" / "synthetic" / name
+    folder.mkdir(parents=True)
+    write_chunks(chunks, folder / "chunks.jsonl")
+    pairs = []
+    for phrase, question, answer in PAIRS:
+        (c,) = [c for c in chunks if phrase in c.text]
+        pairs.append({"instruction": question, "input": "", "output": answer, "source": c.source, "chunk": c.id,
+                      "span": [c.start, c.end]})
+    (folder / "qa.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+    if index:
+        build(chunks, root / "data" / "index" / name, name=index_of or name,
+              chunks_sha256=file_sha256(folder / "chunks.jsonl"))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    import torch
+
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+    from hf_models import make_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257))
+    return {"gpt": save_model(gpt, root / "gpt"), "llama": make_tiny_causal_lm(root / "llama", "llama")}
+
+
+def config(models: dict[str, Path], *extra: str):
+    listed = ", ".join(f"{name}: {folder}" for name, folder in models.items())
+    return load_config(None, ["synthesize.documents={rivers: docs}", *ENDPOINT, f"tokenizer.path={TOKENIZER}",
+                              f"evaluate.models={{{listed}}}", "evaluate_qa.max_new_tokens=8",
+                              "evaluate_qa.device=cpu", "index.top_k=2", "tracking.enabled=false", *extra])
+
+
+@pytest.fixture
+def prompts(monkeypatch) -> dict[str, list[list[int]]]:
+    """The prompt ids each kind of model was given, recorded where the instruct stage's decoding
+    hands them to the model: `decoding.generate` (our GPT) and `decoding.generate_hf`."""
+    from gptforge.finetune import hf_models, instruct
+
+    seen: dict[str, list[list[int]]] = {"gpt": [], "hf": []}
+
+    def recording(kind, fn):
+        def wrapper(model, *args, **kwargs):
+            ids = args[1] if kind == "hf" else args[0]  # generate_hf(model, tokenizer, ids, ...)
+            seen[kind].append(ids[0].tolist())
+            return fn(model, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(instruct, "generate", recording("gpt", instruct.generate))
+    monkeypatch.setattr(hf_models, "generate_hf", recording("hf", hf_models.generate_hf))
+    return seen
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def decode(ids: list[int]) -> str:
+    from gptforge.modeling.tokenizer import load_tokenizer
+    from gptforge.samples import resolve
+
+    return load_tokenizer(resolve(TOKENIZER)).decode(ids)
+
+
+def test_both_modes_per_model_rag_prompts_hold_the_source_chunk_and_scores_are_answer_quality(
+        tmp_path, monkeypatch, models, prompts):
+    monkeypatch.chdir(tmp_path)
+    pairs = make_set(tmp_path)
+    chunks = {c.id: c for c in read_chunks(tmp_path / "data/synthetic/rivers/chunks.jsonl")}
+    run = FakeRun()
+    # chat: the Llama's own template; our GPT has none and is prompted with alpaca
+    metrics = E.evaluate_qa(config(models, "instruct.template=chat"), run=run)
+
+    rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
+    assert [(r["model"], r["question"]) for r in rows] == [(m, p["instruction"]) for m in models for p in pairs]
+    for r in rows:
+        assert set(r) >= {"model", "question", "reference", "answer", "answer_rag", "sources"}
+        assert isinstance(r["answer"], str) and isinstance(r["answer_rag"], str)
+        assert [s["rank"] for s in r["sources"]] == [1, 2]
+
+    # what the models received: the question alone, then the question after the retrieved text
+    n = len(pairs)
+    assert len(prompts["gpt"]) == len(prompts["hf"]) == 2 * n
+    for kind, positions in (("gpt", 128), ("hf", 256)):
+        texts = [decode(ids) for ids in prompts[kind]]
+        for pair, plain, rag, ids in zip(pairs, texts[:n], texts[n:], prompts[kind][n:]):
+            source = chunks[pair["chunk"]].text
+            assert pair["instruction"] in plain and pair["instruction"] in rag
+            assert "Context:" not in plain and source[:30] not in plain
+            assert len(ids) + 8 <= positions  # prompt, chunks and max_new_tokens fit
+            if kind == "hf":
+                assert source in rag  # 256 positions: the source chunk whole
+            else:
+                assert source[:80] in rag  # 128 positions: its beginning (the rest is cut)
+        if kind == "hf":
+            assert texts[0].startswith("<|im_start|>user\n")  # the chat template
+        else:
+            assert texts[0].startswith("Below is an instruction that describes a task.")  # alpaca
+    gpt_sources = [s for r in rows if r["model"] == "gpt" for s in r["sources"]]
+    assert any(s["included"] == "cut" for s in gpt_sources)
+
+    written = json.loads((tmp_path / "metrics/evaluate_qa_rivers.json").read_text())
+    assert written == metrics and run.metrics == [metrics]
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        for mode, key in (("qa", "answer"), ("qa_rag", "answer_rag")):
+            expected = reference_scores([{"response": r[key], "reference": r["reference"]} for r in mine])
+            for metric in ("exact_match", "token_f1", "rouge_l"):
+                assert metrics[f"{model}.{mode}.{metric}"] == pytest.approx(expected[metric])
+            assert metrics[f"{model}.{mode}.n"] == n
+        assert metrics[f"{model}.too_long"] == 0
+    table = (tmp_path / "reports/evaluate_qa_rivers.md").read_text()
+    for model in models:
+        for mode in ("qa", "qa_rag"):
+            (line,) = [line for line in table.splitlines() if line.startswith(f"| {model} | {mode} |")]
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert cells[2:] == [f"{metrics[f'{model}.{mode}.{k}']:.3f}" for k in ("exact_match", "token_f1",
+                                                                                  "rouge_l")] + [str(n)]
+    assert "judge_score" not in table
+    assert {p.name for p in run.artifacts} == {"evaluate_qa_rivers.jsonl", "evaluate_qa_rivers.md",
+                                               "evaluate_qa_rivers.json"}
+
+
+def test_scores_follow_the_answers_of_a_reader_that_needs_the_context(tmp_path, monkeypatch, models):
+    """A stand-in for a model that reads: at the decoding boundary it answers with the first
+    sentence of the context's top chunk, and "I do not know." without context. The table then
+    separates the modes, and every score is answer_quality's over the written answers."""
+    import torch
+
+    from gptforge.finetune import hf_models
+
+    def reader(model, tokenizer, ids, max_new_tokens, **kwargs):
+        prompt = tokenizer.decode(ids[0].tolist())
+        found = re.search(r"\[1\] [^\n]*\n(.*?)(?:\n\n\[2\]|\n\nQuestion:)", prompt, re.S)
+        if found:
+            body = " ".join(line for line in found.group(1).splitlines() if line and not line.startswith("#"))
+            answer = body.split(". ")[0] + "."
+        else:
+            answer = "I do not know."
+        new = tokenizer.encode(answer, add_special_tokens=False)[:max_new_tokens - 1] + [tokenizer.eos_token_id]
+        return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
+
+    monkeypatch.setattr(hf_models, "generate_hf", reader)
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path)
+    metrics = E.evaluate_qa(config({"llama": models["llama"]}, "evaluate_qa.max_new_tokens=64"))
+    rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
+    assert {r["answer"] for r in rows} == {"I do not know."}
+    assert rows[0]["answer_rag"] == ("The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg "
+                                     "and Cologne before it reaches the North Sea in the Netherlands.")
+    for mode, key in (("qa", "answer"), ("qa_rag", "answer_rag")):
+        expected = reference_scores([{"response": r[key], "reference": r["reference"]} for r in rows])
+        for metric in ("exact_match", "token_f1", "rouge_l"):
+            assert metrics[f"llama.{mode}.{metric}"] == pytest.approx(expected[metric])
+    assert metrics["llama.qa.token_f1"] == 0.0 < 0.4 < metrics["llama.qa_rag.token_f1"]
+    table = (tmp_path / "reports/evaluate_qa_rivers.md").read_text()
+    assert f"| llama | qa_rag | 0.000 | {metrics['llama.qa_rag.token_f1']:.3f} | " in table
+
+
+def test_held_out_split_limit_too_long_prompt_and_judge(tmp_path, monkeypatch, models, prompts, fake_judge):
+    """data.instruct.source synthetic://rivers: the questions are the instruct test split's, the
+    first `limit` of them; a question longer than the model's positions is answered empty; the
+    judge scores both modes."""
+    monkeypatch.chdir(tmp_path)
+    pairs = make_set(tmp_path)
+    long_question = {"instruction": "Why? " + "Tell me about rivers and their long journeys. " * 20, "input": "",
+                     "output": "Because."}
+    held_out = [pairs[3], long_question, pairs[0]]
+    (tmp_path / "data/instruct").mkdir(parents=True)
+    (tmp_path / "data/instruct/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    cfg = config({"gpt": models["gpt"]}, "data.instruct.source=synthetic://rivers", "evaluate_qa.limit=2",
+                 f"instruct.judge.url={fake_judge.url}", "instruct.judge.model=judge")
+    metrics = E.evaluate_qa(cfg)
+    rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
+    assert [r["question"] for r in rows] == [pairs[3]["instruction"], long_question["instruction"]]
+    assert rows[1]["too_long"] is True and rows[1]["answer"] == rows[1]["answer_rag"] == ""
+    assert len(prompts["gpt"]) == 2  # the long one never reached the model
+    assert metrics["gpt.too_long"] == 1 and metrics["gpt.qa.n"] == metrics["gpt.qa_rag.n"] == 2
+    assert metrics["gpt.qa.judge_score"] == metrics["gpt.qa_rag.judge_score"] == 12.0  # FakeJudge: "Score: 12"
+    assert len(fake_judge.requests) == 4
+    assert "| judge_score |" in (tmp_path / "reports/evaluate_qa_rivers.md").read_text()
+
+
+@pytest.mark.parametrize("case", ["no index", "index of another set", "no qa", "no held-out split"])
+def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    extra = []
+    if case == "no index":
+        make_set(tmp_path, index=False)
+        expected = "data/index/rivers is not a gptforge index"
+    elif case == "index of another set":
+        make_set(tmp_path, index_of="lakes")
+        expected = "indexes the document set 'lakes', not 'rivers'"
+    elif case == "no qa":
+        make_set(tmp_path)
+        (tmp_path / "data/synthetic/rivers/qa.jsonl").unlink()
+        expected = "data/synthetic/rivers/qa.jsonl not found: run `gptforge synthesize -S synthesize.only=rivers`"
+    else:
+        make_set(tmp_path)
+        extra = ["data.instruct.source=synthetic://rivers"]
+        expected = "data/instruct/test.jsonl not found"
+    cfg = config({"nowhere": tmp_path / "no-model"}, *extra)  # no model exists: checked after the set
+    with pytest.raises(BadInput, match=re.escape(expected)) as e:
+        E.evaluate_qa(cfg)
+    assert "\n" not in str(e.value) and str(e.value).startswith("evaluate_qa rivers: ")
+    assert not (tmp_path / "reports").exists() and not (tmp_path / "metrics").exists()
+
+
+@pytest.mark.slow
+def test_cli_evaluate_qa_writes_the_table(tmp_path, models):
+    work = tmp_path / "work"
+    work.mkdir()
+    make_set(work)
+    shutil.copytree(models["gpt"], work / "checkpoints" / "pretrain" / "final")
+    (work / "params.yaml").write_text(yaml.safe_dump({
+        "tokenizer": {"path": TOKENIZER},
+        "synthesize": {"documents": {"rivers": "docs"}, "endpoint": {"url": "http://127.0.0.1:9/v1", "model": "m"}},
+        "evaluate": {"models": {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}},
+        "evaluate_qa": {"max_new_tokens": 8, "device": "cpu"},
+        "tracking": {"enabled": False}}))
+    out = run_cli(["evaluate-qa", "-S", "synthesize.only=rivers"], work, cli_env(GPTFORGE_PREFECT="0"), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = jsonl(work / "reports/evaluate_qa_rivers.jsonl")
+    assert [r["model"] for r in rows] == ["pretrain"] * len(PAIRS)  # instruct: no folder, skipped
+    metrics = json.loads((work / "metrics/evaluate_qa_rivers.json").read_text())
+    assert {f"pretrain.{mode}.{k}" for mode in ("qa", "qa_rag") for k in ("exact_match", "token_f1", "rouge_l", "n")} \
+        <= set(metrics)
+    table = (work / "reports/evaluate_qa_rivers.md").read_text()
+    assert "| pretrain | qa |" in table and "| pretrain | qa_rag |" in table
