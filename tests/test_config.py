@@ -98,7 +98,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     assert "unknown key 'data.zzzzqqq'" in msg
     assert "valid keys: download, pretrain, classify, instruct" in msg
     msg = bad({"qwxz": 1})
-    assert "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, evaluate, benchmark, base, synthesize, tracking, registry" in msg
+    assert "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, reward, rl, evaluate, benchmark, base, synthesize, index, evaluate_qa, tracking, registry, distributed" in msg
 
 
 def test_unknown_key_with_newline_stays_one_line():

@@ -72,8 +72,9 @@ def add_commands(sub) -> None:
     finetune = sub.add_parser("finetune", help="fine-tuning stages")
     finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
     finetune_sub.required = True
-    for what in ("classify", "instruct", "preference"):
-        stage = STAGES[f"finetune_{what}"]
+    for what, name in (("classify", "finetune_classify"), ("instruct", "finetune_instruct"),
+                       ("preference", "finetune_preference"), ("reward", "train_reward"), ("rl", "finetune_rl")):
+        stage = STAGES[name]
         p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}. "
                                     f"With {what}.nproc_per_node or distributed.nnodes above 1 it launches itself under "
                                     f"torchrun ({what}.strategy: ddp or fsdp), each process training on its part of "

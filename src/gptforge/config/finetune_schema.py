@@ -132,3 +132,67 @@ class PreferenceConfig(FinetuneCommon):
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"unknown loss {value!r}{hint}; trl's DPO losses are {', '.join(DPO_LOSSES)}")
         return value
+
+
+class RewardConfig(FinetuneCommon):
+    # Stage train_reward (`gptforge finetune reward`): trl's RewardTrainer on the preference pairs,
+    # a scalar head on the SFT model (our GPT through its Hugging Face form) or on reward.init_from
+    # (any Hugging Face causal LM or sequence-classification folder with its tokenizer).
+    init_from: str = "checkpoints/instruct/final"
+    template: Optional[Literal["alpaca", "phi3", "chat"]] = None  # null: instruct.template (the SFT's)
+    method: Literal["full", "lora"] = "full"
+    lr: float = Field(1e-4, gt=0)
+    epochs: int = Field(1, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_samples: Optional[int] = Field(None, gt=0, description="training pairs used (the split's first N); null: all")
+    center_rewards_coefficient: Optional[float] = Field(
+        None, ge=0, description="trl's auxiliary loss pulling rewards toward 0 (Eisenstein et al. 2023); null: off")
+
+
+# The reward functions the RL stage can weigh (rl.rewards: NAME -> weight): the reward model's
+# score, a length rule, a format rule, the judge endpoint (instruct.judge).
+RL_REWARDS = ("reward_model", "length", "format", "judge")
+
+
+class RLConfig(FinetuneCommon):
+    # Stage finetune_rl (`gptforge finetune rl`): online RL on the instruction prompts through trl
+    # (GRPO, or RLOO), rewards a weighted sum of rl.rewards, KL to the frozen starting model.
+    init_from: str = "checkpoints/instruct/final"  # or checkpoints/preference/final: RL after DPO
+    template: Optional[Literal["alpaca", "phi3", "chat"]] = None  # null: instruct.template (the SFT's)
+    algorithm: Literal["grpo", "rloo"] = "grpo"
+    method: Literal["full", "lora"] = "full"
+    num_generations: int = Field(4, gt=0, description="answers sampled per prompt (a group)")
+    beta: float = Field(0.04, ge=0, description="KL penalty to the starting model (trl's GRPO default 0 skips it)")
+    rewards: dict[str, float] = {"reward_model": 1.0}
+    reward_model: str = "checkpoints/reward/final"  # for the reward_model reward
+    length_target: int = Field(32, gt=0, description="the length reward: tokens an answer should have")
+    max_completion_length: int = Field(32, gt=0, description="new tokens per sampled answer")
+    temperature: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0)
+    epochs: int = Field(1, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_prompts: Optional[int] = Field(None, gt=0, description="training prompts used (the split's first N)")
+    n_responses: Optional[int] = Field(5, gt=0, description="held-out prompts answered by SFT, DPO and RL; null: all")
+    max_new_tokens: int = Field(64, gt=0)
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value:
+            raise ValueError(f"rl.rewards is empty: give at least one of {', '.join(RL_REWARDS)} a weight")
+        for name in value:
+            if name not in RL_REWARDS:
+                close = difflib.get_close_matches(name, RL_REWARDS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown reward {name!r}{hint}; the rewards are {', '.join(RL_REWARDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.algorithm in ("grpo", "rloo") and self.num_generations < 2:
+            raise ValueError(f"rl.num_generations must be at least 2 for {self.algorithm} (got {self.num_generations}): "
+                             "the advantage of an answer is measured against the others of its group")
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"rl.batch_size ({self.batch_size}) must be a multiple of rl.num_generations "
+                             f"({self.num_generations}): a batch holds whole groups of answers")
+        return self

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from gptforge import samples
-from gptforge.config.finetune_schema import ClassifyConfig, InstructConfig, PreferenceConfig
+from gptforge.config.finetune_schema import ClassifyConfig, InstructConfig, PreferenceConfig, RewardConfig, RLConfig
 from gptforge.config.section import Section
 from gptforge.synthesize.filters import DEFAULTS as FILTER_DEFAULTS
 
@@ -446,7 +446,8 @@ class TrackingConfig(Section):
 class RegistryConfig(Section):
     # The MLflow Model Registry name of each model the pipeline makes (stage `register`).
     names: dict[str, str] = {"pretrain": "gptforge-pretrain", "classify": "gptforge-classify",
-                             "instruct": "gptforge-instruct", "preference": "gptforge-preference"}
+                             "instruct": "gptforge-instruct", "preference": "gptforge-preference",
+                             "reward": "gptforge-reward", "rl": "gptforge-rl"}
     # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
     # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
     promote: dict[str, dict[str, str]] = {"classify": {"classify.test_accuracy": ">= 0.95"}}
@@ -460,6 +461,8 @@ class Config(Section):
     classify: ClassifyConfig = ClassifyConfig()
     instruct: InstructConfig = InstructConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    reward: RewardConfig = RewardConfig()
+    rl: RLConfig = RLConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
     base: BaseModelsConfig = BaseModelsConfig()

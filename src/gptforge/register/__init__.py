@@ -40,6 +40,8 @@ MODELS = {
     "classify": ("finetune_classify", "checkpoints/classify/final", "classify"),
     "instruct": ("finetune_instruct", "checkpoints/instruct/final", "instruct"),
     "preference": ("finetune_preference", "checkpoints/preference/final", "preference"),
+    "reward": ("train_reward", "checkpoints/reward/final", "reward"),
+    "rl": ("finetune_rl", "checkpoints/rl/final", "rl"),
 }
 CHAMPION, CHALLENGER = "champion", "challenger"
 PROMPT_EXAMPLE = "Once upon a time"

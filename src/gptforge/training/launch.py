@@ -55,6 +55,8 @@ TRAINING_STAGES = {
     "finetune_classify": TrainingStage("classify", ("finetune", "classify"), "metrics/classify.json"),
     "finetune_instruct": TrainingStage("instruct", ("finetune", "instruct"), "metrics/instruct.json"),
     "finetune_preference": TrainingStage("preference", ("finetune", "preference"), "metrics/preference.json"),
+    "train_reward": TrainingStage("reward", ("finetune", "reward"), "metrics/reward.json"),
+    "finetune_rl": TrainingStage("rl", ("finetune", "rl"), "metrics/rl.json"),
 }
 
 
