@@ -244,3 +244,19 @@ def test_prepare_base_fetches_an_encoder_that_the_index_embeds_with(tmp_path, en
     idx = I.build([chunk(i, t) for i, t in enumerate(texts)], tmp_path / "i", name="t", chunks_sha256="x",
                   embedding_model=str(tmp_path / "checkpoints" / "base" / "enc"))
     assert idx.method == "hybrid" and idx.search("a river", 1)[0].chunk.text == texts[0]
+
+
+def test_the_rag_prompt_keeps_whole_chunks_best_first_cuts_one_at_a_word_end_and_drops_the_rest():
+    from gptforge.rag.index import Hit
+    from gptforge.rag.prompt import augment, layout
+
+    texts = ["alpha beta gamma", "one two three four five six seven eight nine ten", "last chunk words"]
+    hits = [Hit(chunk(i, t, "f.md", ("H",)), 1.0 / (i + 1), i + 1) for i, t in enumerate(texts)]
+    budget = len(layout("q?", [("f.md > H", texts[0]), ("f.md > H", "one two three four")]).split())
+    fits = lambda text: len(text.split()) <= budget  # noqa: E731 - a word-count "tokenizer"
+    got = augment("q?", hits, fits)
+    assert got.text == layout("q?", [("f.md > H", texts[0]), ("f.md > H", "one two three four")])
+    assert [s["included"] for s in got.sources] == ["whole", "cut", "dropped"]
+    assert got.sources[1]["chars_included"] == len("one two three four")
+    assert not fits(layout("q?", [("f.md > H", texts[0]), ("f.md > H", "one two three four five")]))  # maximal
+    assert augment("q?", hits, lambda text: len(text.split()) <= 1).text == "q?"  # nothing fits: the question

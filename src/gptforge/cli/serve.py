@@ -38,6 +38,12 @@ def add_commands(sub) -> None:
                    help="on: each model's engine in a process of its own; off: in a thread of the API "
                    "process (default: %(default)s)")
     s.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    s.add_argument("--rag", default=None, metavar="INDEX",
+                   help="retrieval-augmented chat: put the top chunks of this index (data/index/NAME, from "
+                   "`gptforge index`) in front of the question of every chat request to the language models "
+                   "(`rag: false` in a request turns it off); answers carry a `sources` list (default: off)")
+    s.add_argument("--rag-top-k", type=int, default=None, metavar="K",
+                   help="chunks retrieved per question (default: index.top_k, 4)")
     config_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -57,7 +63,16 @@ def cmd_serve(args) -> int:
     if args.prefix_cache_mb < 0:
         raise BadInput(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     api_key = args.api_key if args.api_key is not None else (os.environ.get("GPTFORGE_API_KEY") or None)
+    if args.rag_top_k is not None and args.rag is None:
+        raise BadInput("--rag-top-k needs --rag INDEX")
+    if args.rag is not None and args.engine == "vllm":
+        raise BadInput("--rag works with --engine gptforge only (vLLM's server does its own prompts)")
     cfg = load_config(params_file(args), args.set)
+    retrieval = None
+    if args.rag is not None:  # read once, before any model is fetched or loaded
+        from gptforge.serve.rag import load_retrieval
+
+        retrieval = load_retrieval(args.rag, args.rag_top_k if args.rag_top_k is not None else cfg.index.top_k)
     if args.engine == "vllm":
         from gptforge.serve.sources import DEFAULT_SPECS
         from gptforge.serve.vllm import run_vllm, vllm_python
@@ -71,6 +86,8 @@ def cmd_serve(args) -> int:
 
     sock = listen(args.host, args.port)
     sources = resolve_all(args.models, cfg)
+    if retrieval is not None and all(src.kind == "classifier" for src in sources):
+        raise BadInput("--rag: no language model to serve (classifiers have no chat)")
     device = pick_device(args.device)
     models = []
     try:
@@ -83,4 +100,8 @@ def cmd_serve(args) -> int:
             if getattr(m, "engine", None) is not None:
                 m.engine.core.kill()
         raise
+    if retrieval is not None:
+        from gptforge.serve.rag import attach
+
+        attach(models, retrieval)
     return run_server(models, sock=sock, host=args.host, port=args.port, api_key=api_key)

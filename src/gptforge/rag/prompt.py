@@ -14,14 +14,15 @@ Layout (the user's turn; the chat template, when the model has one, wraps it as 
 
 Fitting: the caller says whether a candidate prompt fits (`fits(text)`: its tokens, after the
 chat template, plus `max_tokens` within the model's positions). Chunks go in best first; the
-first that does not fit whole is cut to the longest prefix that fits (whole words, by bisection
-on its length) and every lower-ranked chunk is dropped. So the retrieved text is cut
+first that does not fit whole is cut to the longest prefix of whole words that fits (by bisection
+over its word ends) and every lower-ranked chunk is dropped. So the retrieved text is cut
 lowest-ranked first, and each source says what became of it: `whole`, `cut` (with the
 characters kept) or `dropped`. When not even the bare question fits, no context is added.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -79,15 +80,15 @@ def augment(question: str, hits: Sequence, fits: Callable[[str], bool]) -> Sourc
 
 
 def _longest_prefix(text: str, fits: Callable[[str], bool]) -> int:
-    """The length of the longest prefix of `text`, ending at a word boundary, that `fits` (0: none)."""
-    lo, hi = 0, len(text)
-    while lo < hi:  # largest n with fits(text[:n]); fits is monotone in n
+    """The length of the longest prefix of `text` that ends at a word's end and `fits` (0: none).
+    Bisection over the word ends: a prefix of whole words never takes fewer tokens than a shorter
+    one, where a prefix cut mid-word can ("northeaste" may take more tokens than "northeastern")."""
+    ends = [m.start() for m in re.finditer(r"\s+", text) if m.start() > 0] + [len(text)]
+    lo, hi = 0, len(ends)  # how many of `ends` fit: the largest n with fits(text[:ends[n - 1]])
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(text[:mid]):
+        if fits(text[:ends[mid - 1]]):
             lo = mid
         else:
             hi = mid - 1
-    if lo < len(text):
-        space = text.rfind(" ", 0, lo + 1)
-        lo = space if space > 0 else lo
-    return lo
+    return ends[lo - 1] if lo else 0

@@ -9,6 +9,9 @@ Every failure is answered with OpenAI's error object `{"error": {"message", "typ
 out-of-range settings, a prompt longer than the context), 401 (a missing or wrong API key),
 404 (unknown model or route), 413 (a body over the limit), 429 (the model's queue is full),
 500 (the model failed: the engine goes on with the next requests).
+With `--rag` (`serve.rag`), a chat request's last user message gets the retrieved chunks in
+front of it (`rag: false` in the body turns that off) and the answer a top-level `sources` list
+(in a stream, on the first chunk only).
 A client that goes away (closes a stream, or drops a request still waiting for its answer)
 cancels its request: its slot is free at the next decode step.
 """
@@ -92,6 +95,7 @@ class CompletionBody(_Generation):
 class ChatBody(_Generation):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    rag: bool = True  # false: no retrieval for this request (a server started with --rag)
 
 
 class ClassifyBody(_Body):
@@ -184,13 +188,19 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         lm = _lm(lms, by_name, body.model)
-        try:
-            ids = lm.chat_ids([{"role": m.role, "content": m.text()} for m in body.messages])
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _generate(request, lm, body, ids, chat=True, default_max=None, metrics=metrics)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        extra = {}
+        try:
+            if body.rag and getattr(lm, "rag", None) is not None:
+                _check_max_tokens(lm, body)  # before any retrieval
+                augmented = await lm.rag.augment(lm, messages, body.max_tokens, metrics)
+                messages, extra = augmented.messages, {"sources": augmented.sources}
+            ids = lm.chat_ids(messages)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return await _generate(request, lm, body, ids, chat=True, default_max=None, metrics=metrics, extra=extra)
 
     @app.post("/v1/classify")
     async def classify(body: ClassifyBody):
@@ -253,16 +263,14 @@ def _vocab(lm: ServedLM) -> int:
 
 
 async def _generate(request: Request, lm: ServedLM, body: _Generation, ids: list[int], *, chat: bool,
-                    default_max: int | None, metrics: ServeMetrics):
+                    default_max: int | None, metrics: ServeMetrics, extra: dict | None = None):
     if not ids:
         raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
     if len(ids) >= lm.context:
         raise APIError(400, f"the prompt is {len(ids)} tokens; model {lm.name} has a context of {lm.context} "
                        "(prompt and answer together)", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    if body.max_tokens is not None and body.max_tokens > lm.context:
-        raise APIError(400, f"max_tokens: {body.max_tokens} is more than the context of model {lm.name} "
-                       f"({lm.context})", param="max_tokens")
+    _check_max_tokens(lm, body)
     room = lm.context - len(ids)
     max_tokens = min(body.max_tokens or default_max or room, room)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -279,7 +287,7 @@ async def _generate(request: Request, lm: ServedLM, body: _Generation, ids: list
                      "total_tokens": len(ids) + len(job.generated)}
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_stream(job, lm.name, rid, created, chat, include_usage, usage),
+        return StreamingResponse(_stream(job, lm.name, rid, created, chat, include_usage, usage, extra),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text = await _collect(request, job)
@@ -289,7 +297,13 @@ async def _generate(request: Request, lm: ServedLM, body: _Generation, ids: list
                "logprobs": None} if chat else
               {"index": 0, "text": text, "finish_reason": job.finish_reason, "logprobs": None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": lm.name, "choices": [choice], "usage": usage()}
+            "model": lm.name, "choices": [choice], "usage": usage(), **(extra or {})}
+
+
+def _check_max_tokens(lm: ServedLM, body: _Generation) -> None:
+    if body.max_tokens is not None and body.max_tokens > lm.context:
+        raise APIError(400, f"max_tokens: {body.max_tokens} is more than the context of model {lm.name} "
+                       f"({lm.context})", param="max_tokens")
 
 
 async def _collect(request: Request, job) -> str:
@@ -320,14 +334,17 @@ async def _collect(request: Request, job) -> str:
             job.cancel()
 
 
-async def _stream(job, model: str, rid: str, created: int, chat: bool, include_usage: bool, usage):
-    """Server-sent events of one answer, in OpenAI's chunk format; closing the connection
-    (Starlette cancels this generator) cancels the request."""
+async def _stream(job, model: str, rid: str, created: int, chat: bool, include_usage: bool, usage,
+                  extra: dict | None = None):
+    """Server-sent events of one answer, in OpenAI's chunk format, `extra` (the sources) on the
+    first chunk only; closing the connection (Starlette cancels this generator) cancels the request."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    first = [extra or {}]
 
     def chunk(choices: list) -> str:
+        more = first.pop() if first else {}
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                      "choices": choices}, separators=(",", ":")) + "\n\n"
+                                      "choices": choices, **more}, separators=(",", ":")) + "\n\n"
 
     def render(event: Event) -> tuple[str, bool]:
         """The SSE text of one event, and whether it was the last."""

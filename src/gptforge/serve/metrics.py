@@ -12,6 +12,12 @@ computed), `gptforge_prefix_cache_query_tokens_total{model}` and
 `gptforge_prefix_cache_hit_tokens_total{model}` (prompt tokens looked up, and found cached: their
 ratio is the hit rate), `gptforge_prefix_cache_hit_rate{model}` and
 `gptforge_prefix_cache_bytes{model}`.
+
+With `--rag` (`serve.rag`): `gptforge_rag_requests_total{model}` (chat requests augmented),
+histograms `gptforge_rag_retrieval_seconds{model}` (the index search) and
+`gptforge_rag_fit_seconds{model}` (fitting the chunks into the context: rendering and tokenizing
+candidate prompts), and `gptforge_rag_chunks_total{model,included}` (retrieved chunks by what
+became of them: `whole`, `cut`, `dropped`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
 
+_RETRIEVAL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -46,6 +53,14 @@ class ServeMetrics:
         self.prefix_hit_rate = Gauge("gptforge_prefix_cache_hit_rate", "hit tokens / query tokens so far", ["model"],
                                      registry=r)
         self.prefix_bytes = Gauge("gptforge_prefix_cache_bytes", "bytes the prefix cache holds", ["model"], registry=r)
+        self.rag_requests = Counter("gptforge_rag_requests", "chat requests augmented with retrieved chunks",
+                                    ["model"], registry=r)
+        self.rag_retrieval = Histogram("gptforge_rag_retrieval_seconds", "index search per augmented request",
+                                       ["model"], buckets=_RETRIEVAL_BUCKETS, registry=r)
+        self.rag_fit = Histogram("gptforge_rag_fit_seconds", "fitting the chunks into the context", ["model"],
+                                 buckets=_RETRIEVAL_BUCKETS, registry=r)
+        self.rag_chunks = Counter("gptforge_rag_chunks", "retrieved chunks by what became of them",
+                                  ["model", "included"], registry=r)
         self._seen: dict[str, tuple[int, int, int]] = {}  # the engine's running totals at the last render
 
     def observer(self, model: str):
@@ -62,6 +77,14 @@ class ServeMetrics:
             else:
                 itl.observe(times[-1] - times[-2])
         return observe
+
+    def observe_rag(self, model: str, search_s: float, fit_s: float, sources: list[dict]) -> None:
+        """One augmented chat request (serve.rag): its times and its chunks' fates."""
+        self.rag_requests.labels(model).inc()
+        self.rag_retrieval.labels(model).observe(search_s)
+        self.rag_fit.labels(model).observe(fit_s)
+        for source in sources:
+            self.rag_chunks.labels(model, source["included"]).inc()
 
     def render(self, engines: dict) -> bytes:
         for name, engine in engines.items():

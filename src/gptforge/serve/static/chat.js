@@ -4,7 +4,8 @@
 // stream: true; the answer arrives as server-sent events (`data: {chunk}` lines, then
 // `data: [DONE]`), read with fetch + ReadableStream, and the text so far is rendered as Markdown
 // as it grows (renderMarkdown). The last chunk (stream_options.include_usage) carries the token
-// counts.
+// counts. With `gptforge serve --rag`, the first chunk carries `sources`, the chunks retrieved
+// for the question: they are listed under the answer as citations (showSources), as text.
 // Tokens/s = (completion tokens - 1) / (time of the last delta - time of the first): the decode
 // rate after the first token, whose wait is shown apart as the time to first token. When every
 // delta came at once (no measurable interval) it is completion tokens / time from send to the
@@ -156,11 +157,36 @@ function addMessage(role, text) {
   return content;
 }
 
+// A note after the answer's text ("[stopped]"), before its citations if it has them.
 function addNote(answer, text) {
   const note = document.createElement("span");
   note.className = "note";
   note.textContent = text;
-  answer.parentNode.appendChild(note);
+  answer.parentNode.insertBefore(note, answer.parentNode.querySelector(".sources"));
+}
+
+// The chunks retrieved for an answer (`sources` of serve --rag, best first) as citations at
+// the end of its message: "[rank] file > heading > heading", and what the context held of it.
+function showSources(answer, sources) {
+  const list = document.createElement("ol");
+  list.className = "sources";
+  list.setAttribute("aria-label", "Sources");
+  for (const s of sources) {
+    if (!s || typeof s !== "object") continue;
+    const where = [s.file, ...(Array.isArray(s.headings) ? s.headings : [])].join(" > ");
+    let state = "";
+    if (s.included === "cut") {
+      const whole = Array.isArray(s.span) ? ` of ${s.span[1] - s.span[0]}` : "";
+      state = ` (cut to ${s.chars_included}${whole} characters)`;
+    } else if (s.included === "dropped") {
+      state = " (left out: no room in the context)";
+    }
+    const item = document.createElement("li");
+    item.textContent = `[${s.rank}] ${where}${state}`;
+    if (Array.isArray(s.span)) item.title = `characters ${s.span[0]}-${s.span[1]}, score ${s.score}`;
+    list.appendChild(item);
+  }
+  answer.parentNode.appendChild(list);
 }
 
 function setStreaming(on) {
@@ -254,6 +280,7 @@ async function send() {
     const onEvent = (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message || "the server reported an error");
       if (chunk.usage) t.usage = chunk.usage;
+      if (Array.isArray(chunk.sources) && chunk.sources.length) showSources(answer, chunk.sources);
       const choice = chunk.choices && chunk.choices[0];
       if (choice && choice.finish_reason === "length") t.cut = true;
       const delta = choice && choice.delta;
