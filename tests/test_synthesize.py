@@ -434,6 +434,15 @@ def test_dvc_repro_synthesizes_then_prepares_and_fine_tunes_on_the_kept_pairs(re
         assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
         assert len(server.requests) == requests  # every reply came from the cache
         assert _jsonl(repo_copy / "data/synthetic/manual/qa.jsonl") == kept
+
+        # the retrieval index of the same chunks (stage index@manual), scored on the kept questions
+        # and on the held-out split alone (instruct reads these pairs)
+        indexed = dvc(repo_copy, "repro", "index@manual", env=env)
+        assert indexed.returncode == 0, indexed.stdout[-3000:] + indexed.stderr[-3000:]
+        quality = json.loads((repo_copy / "metrics/index_manual.json").read_text())
+        assert quality["questions"] == len(kept) and quality["heldout_questions"] == len(splits["test"])
+        assert 0 < quality["recall_at_1"] <= quality["recall_at_5"] <= quality["recall_at_10"] <= 1
+        assert (repo_copy / "data/index/manual/index.json").is_file()
     finally:
         server.close()
 
