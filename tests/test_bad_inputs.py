@@ -299,7 +299,7 @@ CASES = [
     Case("cli", "negative --temperature", ["generate", "x", "--checkpoint", "ckpt", "--temperature", "-1"],
          "--temperature must be >= 0 (0 = greedy), got -1.0"),
     Case("cli", "pipeline with an unknown stage", ["pipeline", "prepare_classify", "nosuchstage"],
-         "unknown stage 'nosuchstage'; stages in dvc.yaml: prepare_base, synthesize, prepare_pretrain"),
+         "unknown stage 'nosuchstage'; stages in dvc.yaml: prepare_base, synthesize, index, evaluate_qa, prepare_pretrain"),
     Case("cli", "--params naming a folder", ["config", "show", "--params", "params_dir"],
          "params file params_dir is a folder, not a YAML file"),
     Case("cli", "pipeline --params naming a folder", ["pipeline", "--params", "params_dir"],

@@ -57,7 +57,8 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
     out = run_cli(["pipeline", "prepare_classify", "nosuchstage"], repo_copy, cli_env(), timeout=120)
     assert out.returncode == 2, out.stderr
     assert error_lines(out.stderr) == ["gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
-                                       "prepare_base, synthesize, prepare_pretrain, prepare_classify, prepare_instruct, "
+                                       "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
+                                       "prepare_instruct, "
                                        "prepare_preference, pretrain, finetune_classify, finetune_instruct, "
                                        "finetune_preference, evaluate, register, benchmark"]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
