@@ -275,48 +275,14 @@ METRIC_NAMES = {"loss": "loss", "accuracy": "accuracy", "margin": "margin", "mea
 
 
 def records_callback(run, total_steps: int):
-    """A TrainerCallback that sends trl's logs to the MLflow run (train_loss, train_accuracy,
-    train_margin, train_mean_reward; val_* at evaluations), keeps them for the plots, and shows a
-    progress bar with the loss and the accuracy. It cancels the Trainer's evaluation at the last
-    step, which `train` makes itself over every pair."""
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
+    """The DPO stage's TrainerCallback (`preference.records_callback`) with trl's reward logs:
+    train_loss, train_accuracy, train_margin, train_mean_reward (val_* at evaluations), a bar with
+    the loss and the accuracy, and no Trainer evaluation at the last step: `train` scores every
+    validation pair itself."""
+    from gptforge.finetune.preference import records_callback as trl_records
 
-    class Records(TrainerCallback):
-        def __init__(self) -> None:
-            self.train: list[dict] = []
-            self.val: list[dict] = []
-            self.bar = None
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:  # one bar under torchrun
-                self.bar = tqdm(total=state.max_steps or total_steps, desc="reward", unit="step", leave=False)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.update(state.global_step - self.bar.n)
-            if state.global_step >= state.max_steps:  # the stage scores every val pair itself after training
-                control.should_evaluate = False
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = logs or {}
-            prefix = "val_" if "eval_loss" in logs else "train_" if "loss" in logs else None
-            if prefix is None:  # the end-of-training summary (train_runtime, ...)
-                return
-            key = (lambda k: f"eval_{k}") if prefix == "val_" else (lambda k: k)
-            row = {f"{prefix}{ours}": float(logs[key(theirs)]) for theirs, ours in METRIC_NAMES.items()
-                   if key(theirs) in logs}
-            run.log_metrics(row, step=state.global_step)
-            (self.val if prefix == "val_" else self.train).append({"step": state.global_step, **row})
-            if self.bar is not None and prefix == "train_":
-                self.bar.set_postfix(loss=f"{row.get('train_loss', 0):.4f}", acc=f"{row.get('train_accuracy', 0):.2f}")
-
-    return Records()
+    return trl_records(run, total_steps, names=METRIC_NAMES, desc="reward", shown=("acc", "train_accuracy"),
+                       last_eval=False)
 
 
 # ---------------------------------------------------------------------------------------------
