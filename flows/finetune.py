@@ -5,3 +5,5 @@ from flows.stages import stage_flow
 finetune_classify = stage_flow("finetune_classify")
 finetune_instruct = stage_flow("finetune_instruct")
 finetune_preference = stage_flow("finetune_preference")
+train_reward = stage_flow("train_reward")
+finetune_rl = stage_flow("finetune_rl")

@@ -507,6 +507,10 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         # DPO on a few of the embedded preference pairs (the data stage reads the whole sample)
         "preference.max_samples": 8, "preference.batch_size": 4, "preference.n_responses": 2,
         "preference.max_new_tokens": 8, "preference.eval_interval": 1000, "data.preference.splits": [0.97, 0.01, 0.02],
+        # a reward model on the same few pairs, and two GRPO steps of 2 prompts x 2 short answers
+        "reward.max_samples": 8, "reward.batch_size": 4, "reward.eval_interval": 1000,
+        "rl.max_prompts": 4, "rl.batch_size": 4, "rl.num_generations": 2, "rl.max_completion_length": 8,
+        "rl.max_new_tokens": 8, "rl.n_responses": 2,
         "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
         "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
         "benchmark.profile_steps": 1,

@@ -37,14 +37,16 @@ from test_dvc import check_registry, dvc, ran_stages
 pytestmark = pytest.mark.slow
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "pretrain",
-          "finetune_classify", "finetune_instruct", "finetune_preference", "evaluate", "register", "benchmark"]
+          "finetune_classify", "finetune_instruct", "finetune_preference", "train_reward", "finetune_rl", "evaluate",
+          "register", "benchmark"]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 
 
 @pytest.fixture
 def registry_names() -> dict[str, str]:
-    return {model: f"e2e-{model}-{uuid.uuid4().hex[:8]}" for model in ("pretrain", "classify", "instruct", "preference")}
+    return {model: f"e2e-{model}-{uuid.uuid4().hex[:8]}" for model in ("pretrain", "classify", "instruct", "preference",
+                                                                        "reward", "rl")}
 
 
 @pytest.fixture
@@ -157,7 +159,7 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
         again = run_cli(["register"], repo, env, timeout=300)  # forced: same weights, so no new version
         assert again.returncode == 0, again.stderr[-2000:]
         assert {m: len(client.search_model_versions(f"name = '{n}'")) for m, n in names.items()} == {
-            "pretrain": 1, "classify": 1, "instruct": 1, "preference": 1}
+            "pretrain": 1, "classify": 1, "instruct": 1, "preference": 1, "reward": 1, "rl": 1}
         check_stale_stages_rerun(repo, client, names, env)
 
         # The two UIs, as a user sees them.
@@ -190,7 +192,7 @@ def check_stage_outputs(repo: Path) -> None:
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     evaluated = json.loads((repo / "metrics/evaluate.json").read_text())
-    assert {"pretrain.hellaswag.acc_norm", "instruct.hellaswag.acc_norm", "preference.hellaswag.acc_norm"} <= set(evaluated)
+    assert {f"{m}.hellaswag.acc_norm" for m in ("pretrain", "instruct", "preference", "rl")} <= set(evaluated)
     # The preference stage on the embedded pairs (ch. 7's 1,100, 6 identical ones dropped by the data stage).
     prepared = json.loads((repo / "metrics/prepare_preference.json").read_text())
     assert prepared["records"] == 1100 and prepared["identical"] == 6
@@ -198,6 +200,14 @@ def check_stage_outputs(repo: Path) -> None:
     assert preference["train_pairs"] == 8 and preference["val_reward_accuracy_before"] == 0
     assert len((repo / "reports/preference_responses.jsonl").read_text().splitlines()) == 2
     assert load_model_folder(repo / "checkpoints/preference/final").config.n_embd == 32
+    # The reward model on the same 8 pairs, and two GRPO steps from the SFT model against it.
+    reward = json.loads((repo / "metrics/reward.json").read_text())
+    assert reward["train_pairs"] == 8 and reward["steps"] == 2 and "val_accuracy_before" in reward
+    assert (repo / "checkpoints/reward/final/config.json").is_file()
+    rl = json.loads((repo / "metrics/rl.json").read_text())
+    assert rl["steps"] == 2 and {"heldout_reward", "heldout_reward_before", "heldout_reward_model"} <= set(rl)
+    assert len((repo / "reports/rl_responses.jsonl").read_text().splitlines()) == 2
+    assert load_model_folder(repo / "checkpoints/rl/final").config.n_embd == 32
     assert "| baseline |" in (repo / "reports/benchmark.md").read_text()
     assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo / "metrics/classify.json").read_text()))
     assert len((repo / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2

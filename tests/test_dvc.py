@@ -36,7 +36,7 @@ def check_registry(repo: Path, client, names: dict, env: dict) -> None:
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     for model, stage in (("pretrain", "pretrain"), ("classify", "finetune_classify"), ("instruct", "finetune_instruct"),
-                         ("preference", "finetune_preference")):
+                         ("preference", "finetune_preference"), ("reward", "train_reward"), ("rl", "finetune_rl")):
         (version,) = client.search_model_versions(f"name = '{names[model]}'")
         tags = version.tags
         assert tags["git.commit"] == commit and tags["dvc.stage"] == stage

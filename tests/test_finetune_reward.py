@@ -203,3 +203,35 @@ def test_cli_trains_and_writes_the_stage_outputs(sft_gpt, tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "has no tokenizer" in last_error_line(out.stderr)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_register_logs_the_reward_model_as_a_pipeline_that_returns_its_raw_score(tmp_path, monkeypatch, mlflow_uri):
+    """The register stage's MLflow model of the reward model: text in, the score head's logit out
+    (no sigmoid or softmax over the one label), as the RL stage reads it."""
+    import mlflow
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from gptforge.register import log_model
+    from gptforge.runtime import mlflow_values, tracking
+    from hf_models import make_tokenizer
+
+    torch.manual_seed(3)
+    folder = tmp_path / "reward"
+    model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64,
+                                                     vocab_size=50257, num_labels=1, pad_token_id=50256)).eval()
+    model.save_pretrained(str(folder))
+    tokenizer = make_tokenizer(folder, chat_template=None)
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
+    with tracking.start_run(enabled=True, experiment="t", stage="register") as run:
+        uri = log_model("reward", folder, config(folder), run)
+    texts = ["A calm answer.", "Go away, I will not help."]
+    predicted = mlflow.pyfunc.load_model(uri).predict(texts)
+    with torch.no_grad():
+        logits = [float(model(**tokenizer(t, return_tensors="pt")).logits[0, 0]) for t in texts]
+    assert list(predicted["score"]) == pytest.approx(logits, abs=1e-5)
+    assert abs(logits[0] - logits[1]) > 1e-4  # the texts score differently

@@ -58,9 +58,9 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
     assert out.returncode == 2, out.stderr
     assert error_lines(out.stderr) == ["gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
                                        "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
-                                       "prepare_instruct, "
-                                       "prepare_preference, pretrain, finetune_classify, finetune_instruct, "
-                                       "finetune_preference, evaluate, register, benchmark"]
+                                       "prepare_instruct, prepare_preference, pretrain, finetune_classify, "
+                                       "finetune_instruct, finetune_preference, train_reward, finetune_rl, evaluate, "
+                                       "register, benchmark"]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
 
 
@@ -196,3 +196,23 @@ def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_
     waiting = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0]
                      for p in (repo_copy / ".gptforge" / "records").glob("*.jsonl"))
     assert waiting == ["pipeline", "prepare_classify"], waiting  # kept until the server answers
+
+
+def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_after(tmp_path):
+    from gptforge.pipeline.run import closing_summary
+
+    (tmp_path / "metrics").mkdir()
+    for name, values in {"preference": {"val_reward_accuracy": 0.655},
+                         "reward": {"val_accuracy": 0.7037, "val_accuracy_before": 0.5},
+                         "rl": {"heldout_reward": 1.6107, "heldout_reward_before": 0.078},
+                         "register": {"rl.version": 2, "rl.champion": 1, "reward.version": 1, "reward.champion": 0}
+                         }.items():
+        (tmp_path / "metrics" / f"{name}.json").write_text(json.dumps(values))
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "rl_responses.jsonl").write_text("{}\n")
+    lines = closing_summary(PipelineReport(stages=[]), tmp_path)
+    assert "  DPO reward accuracy (val)    0.655" in lines
+    assert "  reward model accuracy (val)  0.500 -> 0.704" in lines
+    assert "  RL held-out reward           0.078 -> 1.611" in lines
+    assert "  registered models            reward v1 challenger, rl v2 champion" in lines
+    assert any(line.startswith("Reports: reports/rl_responses.jsonl") for line in lines)

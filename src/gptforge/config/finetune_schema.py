@@ -145,6 +145,7 @@ class RewardConfig(FinetuneCommon):
     epochs: int = Field(1, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_samples: Optional[int] = Field(None, gt=0, description="training pairs used (the split's first N); null: all")
+    group_by_length: bool = True  # batches of pairs of similar lengths: less padding scored
     center_rewards_coefficient: Optional[float] = Field(
         None, ge=0, description="trl's auxiliary loss pulling rewards toward 0 (Eisenstein et al. 2023); null: off")
 
@@ -171,7 +172,7 @@ class RLConfig(FinetuneCommon):
     lr: float = Field(1e-5, gt=0)
     epochs: int = Field(1, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    max_prompts: Optional[int] = Field(None, gt=0, description="training prompts used (the split's first N)")
+    max_prompts: Optional[int] = Field(256, gt=0, description="training prompts used (the split's first N); null: all")
     n_responses: Optional[int] = Field(5, gt=0, description="held-out prompts answered by SFT, DPO and RL; null: all")
     max_new_tokens: int = Field(64, gt=0)
 

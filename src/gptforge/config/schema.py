@@ -312,7 +312,7 @@ class EvaluateConfig(Section):
     device: str = "auto"
     # Models evaluated, each when its folder exists: name -> gptforge checkpoint or Hugging Face causal-LM folder.
     models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final",
-                              "preference": "checkpoints/preference/final"}
+                              "preference": "checkpoints/preference/final", "rl": "checkpoints/rl/final"}
     hellaswag: EvalSource = EvalSource()
     mmlu: EvalSource = EvalSource()
 

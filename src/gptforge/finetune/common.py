@@ -34,6 +34,14 @@ log = logging.getLogger("gptforge")
 # Where and how we run
 
 
+def check_whole_batch(param: str, batch_size: int, world_size: int) -> None:
+    """A trl stage's batch_size is the whole batch, split evenly over the processes: one line
+    when it cannot be (the CLI checks it before launching: pipeline.stages.check_inputs)."""
+    if batch_size % world_size:
+        raise BadInput(f"{param}.batch_size ({batch_size}) is the whole batch, shared by the {world_size} "
+                       "processes: make it a multiple of their number")
+
+
 def runtime(device: str, precision: str, *, param: str) -> Runtime:
     """The device and autocast precision of a single-process fine-tuning run.
 

@@ -52,8 +52,8 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (apply_lora, check_max_length, load_base, load_hf_base, merge_lora,
-                                      model_positions, plot_curves, runtime, trainable_params)
+from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
+                                      merge_lora, model_positions, plot_curves, runtime, trainable_params)
 from gptforge.finetune.hf_models import greedy_answers, save_hf_model
 from gptforge.finetune.templates import Example, encode
 from gptforge.io import atomic_dir, atomic_file
@@ -386,9 +386,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     the first test prompts (before it changes)."""
     c = cfg.preference
     rt = runtime(c.device, c.precision, param=PARAM)
-    if c.batch_size % rt.world_size:  # the CLI checks it before launching (pipeline.stages.check_inputs)
-        raise BadInput(f"{PARAM}.batch_size ({c.batch_size}) is the whole batch, shared by the {rt.world_size} "
-                       "processes: make it a multiple of their number")
+    check_whole_batch(PARAM, c.batch_size, rt.world_size)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the models
     template = c.template or cfg.instruct.template
     models = load_models(cfg, rt)

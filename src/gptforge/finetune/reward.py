@@ -41,8 +41,8 @@ import torch.nn as nn
 
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (apply_lora, check_max_length, load_base, merge_lora, plot_curves, runtime,
-                                      trainable_params)
+from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, merge_lora,
+                                      plot_curves, runtime, trainable_params)
 from gptforge.finetune.preference import Pairs, encode_pairs, read_split, write_csv
 from gptforge.io import atomic_dir
 from gptforge.modeling.hf_causal import CONFIG_FILE, hf_config_dict, hf_source
@@ -258,7 +258,7 @@ def make_trainer(rm: RewardModel, rows: dict[str, list[dict]], cfg: Config, rt: 
         # pairs of similar lengths together: less padding (a quarter of the quickstart's tokens).
         # The sampler reads the `length` column, which trl's collator ignores: kept, since the
         # Trainer drops unused columns before it builds the sampler.
-        train_sampling_strategy="group_by_length" if getattr(c, "group_by_length", True) else "random",
+        train_sampling_strategy="group_by_length" if c.group_by_length else "random",
         length_column_name="length", remove_unused_columns=False,
         activation_checkpointing=c.gradient_checkpointing,  # trl's config would default it on
         bf16=rt.precision == "bf16", fp16=rt.precision == "fp16", use_cpu=rt.device.type == "cpu",
@@ -311,9 +311,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     """The pairs (read before any model loads), the reward model, the encoded and cut pairs."""
     c = cfg.reward
     rt = runtime(c.device, c.precision, param=PARAM)
-    if c.batch_size % rt.world_size:
-        raise BadInput(f"{PARAM}.batch_size ({c.batch_size}) is the whole batch, shared by the {rt.world_size} "
-                       "processes: make it a multiple of their number")
+    check_whole_batch(PARAM, c.batch_size, rt.world_size)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}
     template = c.template or cfg.instruct.template
     rm = load_reward_model(cfg, rt)

@@ -55,8 +55,8 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
-from gptforge.finetune.common import (apply_lora, check_max_length, load_base, load_hf_base, merge_lora,
-                                      model_positions, runtime, trainable_params)
+from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
+                                      merge_lora, model_positions, runtime, trainable_params)
 from gptforge.finetune.hf_models import save_hf_model
 from gptforge.finetune.instruct import read_split
 from gptforge.finetune.preference import model_family, records_callback as trl_records, write_csv
@@ -357,9 +357,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     the starting model's held-out answers and rewards."""
     c = cfg.rl
     rt = runtime(c.device, c.precision, param=PARAM)
-    if c.batch_size % rt.world_size:
-        raise BadInput(f"{PARAM}.batch_size ({c.batch_size}) is the whole batch of answers, shared by the "
-                       f"{rt.world_size} processes: make it a multiple of their number")
+    check_whole_batch(PARAM, c.batch_size, rt.world_size)
     R.check(c, cfg.instruct.judge)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in ("train", "test")}
     model_family(c.init_from, param=f"{PARAM}.init_from")  # a missing folder: one line, before loading

@@ -317,15 +317,23 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
 PRETRAIN_OUT = "checkpoints/pretrain"
 BASE_OUT = "checkpoints/base"
 INSTRUCT_OUT = "checkpoints/instruct"
+PREFERENCE_OUT = "checkpoints/preference"
+REWARD_OUT = "checkpoints/reward"
 PRETRAIN_STAGES = ("prepare_pretrain", "pretrain")
 
 
 def start_folders(cfg: Config) -> dict[str, str]:
     """The folders the fine-tuning and evaluation stages start from, by param: dvc.yaml names
-    `classify.init_from`, `instruct.init_from` and `preference.init_from` as dependencies."""
+    each `*.init_from` and `rl.reward_model` as dependencies."""
     return {"classify.init_from": cfg.classify.init_from, "instruct.init_from": cfg.instruct.init_from,
-            "preference.init_from": cfg.preference.init_from,
+            "preference.init_from": cfg.preference.init_from, "reward.init_from": cfg.reward.init_from,
+            "rl.init_from": cfg.rl.init_from, "rl.reward_model": cfg.rl.reward_model,
             **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()}}
+
+
+# The folders a stage of the chain makes before the stage that reads them (param -> folders).
+MADE_BEFORE = {"preference.init_from": (INSTRUCT_OUT,), "reward.init_from": (INSTRUCT_OUT,),
+               "rl.init_from": (INSTRUCT_OUT, PREFERENCE_OUT), "rl.reward_model": (REWARD_OUT,)}
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -334,13 +342,15 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
-    """dvc.yaml makes `classify.init_from`, `instruct.init_from` and `preference.init_from`
-    dependencies, so each must be a folder: made by a stage (checkpoints/pretrain/...,
-    checkpoints/instruct/... for the preference stage, checkpoints/base/NAME for a NAME in
-    base.models) or already there. A hub name is refused with the way to fetch it."""
-    for param in ("classify.init_from", "instruct.init_from", "preference.init_from"):
-        value = start_folders(cfg)[param]
-        made_before = param == "preference.init_from" and _inside(value, INSTRUCT_OUT)
+    """dvc.yaml makes each `*.init_from` and `rl.reward_model` a dependency, so each must be a
+    folder: made by a stage (checkpoints/pretrain/..., one of MADE_BEFORE's for the stages after
+    the SFT, checkpoints/base/NAME for a NAME in base.models) or already there. A hub name is
+    refused with the way to fetch it."""
+    folders = start_folders(cfg)
+    for param in ("classify.init_from", "instruct.init_from", "preference.init_from", "reward.init_from",
+                  "rl.init_from", "rl.reward_model"):
+        value = folders[param]
+        made_before = any(_inside(value, out) for out in MADE_BEFORE.get(param, ()))
         if made_before or _inside(value, PRETRAIN_OUT) or (root / value).exists():
             continue
         if _inside(value, BASE_OUT):
@@ -499,9 +509,13 @@ HEADLINES = (
     ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s"),
     ("DPO reward accuracy (val)", "metrics/preference.json", "val_reward_accuracy", "{:.3f}"),
     ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}"),
+    ("reward model accuracy (val)", "metrics/reward.json", "val_accuracy", "{:.3f}"),
+    ("RL held-out reward", "metrics/rl.json", "heldout_reward", "{:.3f}"),
 )
+# key -> the key of the same figure before training: shown as "before -> after"
+BEFORE = {"val_accuracy": "val_accuracy_before", "heldout_reward": "heldout_reward_before"}
 REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
-           "reports/preference_responses.jsonl", "plots/")
+           "reports/preference_responses.jsonl", "reports/rl_responses.jsonl", "plots/")
 
 
 def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None,
@@ -520,7 +534,9 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
     for label, path, key, fmt in HEADLINES:
         value = metric(path, key)
         if value is not None:
-            lines.append(f"  {label:<28} {fmt.format(value)}")
+            before = metric(path, BEFORE[key]) if key in BEFORE else None
+            shown = fmt.format(value) if before is None else f"{fmt.format(before)} -> {fmt.format(value)}"
+            lines.append(f"  {label:<28} {shown}")
     with contextlib.suppress(Exception):
         evaluated = read_json(root / "metrics/evaluate.json", missing="")
         for key, value in evaluated.items():
@@ -531,7 +547,8 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
         registered = read_json(root / "metrics/register.json", missing="")
         versions = [f"{m} v{int(registered[f'{m}.version'])}" + (" champion" if registered.get(f"{m}.champion") else
                                                                  " challenger")
-                    for m in ("pretrain", "classify", "instruct", "preference") if f"{m}.version" in registered]
+                    for m in ("pretrain", "classify", "instruct", "preference", "reward", "rl")
+                    if f"{m}.version" in registered]
         if versions:
             lines.append(f"  {'registered models':<28} {', '.join(versions)}")
     found = [r for r in REPORTS if (root / r).exists()]

@@ -200,6 +200,10 @@ SOURCE_PARAMS = {
 }
 
 
+# The trl stages whose batch_size is the whole batch, split evenly over the processes.
+WHOLE_BATCH_SECTIONS = {"finetune_preference": "preference", "train_reward": "reward", "finetune_rl": "rl"}
+
+
 def check_inputs(name: str, cfg: Config) -> None:
     """Fail fast, with one line, on inputs that can be checked without doing the work."""
     from pathlib import Path
@@ -225,12 +229,13 @@ def check_inputs(name: str, cfg: Config) -> None:
         from gptforge.modeling.tokenizer import check_fits_uint16, load_tokenizer
 
         check_fits_uint16(load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path)
-    if name == "finetune_preference":
-        world = int(os.environ.get("WORLD_SIZE", cfg.world_size("preference")))
-        if cfg.preference.batch_size % world:
-            raise BadInput(f"preference.batch_size ({cfg.preference.batch_size}) is the whole batch, shared by the "
-                           f"{world} processes (preference.nproc_per_node x distributed.nnodes): make it a "
-                           "multiple of their number")
+    section = WHOLE_BATCH_SECTIONS.get(name)
+    if section:
+        world = int(os.environ.get("WORLD_SIZE", cfg.world_size(section)))
+        batch = getattr(cfg, section).batch_size
+        if batch % world:
+            raise BadInput(f"{section}.batch_size ({batch}) is the whole batch, shared by the {world} processes "
+                           f"({section}.nproc_per_node x distributed.nnodes): make it a multiple of their number")
     if name == "pretrain":
         from gptforge.training.loop import grad_accum_steps
 

@@ -1,11 +1,13 @@
 """Stage `register`: every model the pipeline made, versioned in the MLflow Model Registry.
 
 For each model of `registry.names` whose folder exists (the pretrained LM, the spam classifier,
-the instruction model, the preference-tuned model) the stage logs it as an MLflow model in the stage's run and registers it
-as a new version of its registered model, unless a version with the same weights already exists
-(the weights' hash is a version tag: re-running with nothing changed adds no version). Language
-models go through MLflow's transformers flavor (a gptforge checkpoint is exported to a Hugging
-Face folder first), the classifier as a pyfunc that takes texts (`pyfunc.py`). Every version
+the instruction model, the preference-tuned model, the reward model, the RL model) the stage
+logs it as an MLflow model in the stage's run and registers it as a new version of its
+registered model, unless a version with the same weights already exists (the weights' hash is a
+version tag: re-running with nothing changed adds no version). Language models go through
+MLflow's transformers flavor (a gptforge checkpoint is exported to a Hugging Face folder first),
+the reward model through the same flavor as a text-classification pipeline whose score is the
+raw logit, the classifier as a pyfunc that takes texts (`pyfunc.py`). Every version
 carries its lineage as tags (git commit, the dvc.lock hashes of the stage that made it and of its
 data, the Prefect flow run and MLflow run that trained it, its evaluation metrics:
 `lineage.py`) and a description saying how to reproduce it. The promotion gate
@@ -90,7 +92,10 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
         backbone_is_hf = hf_source(str(folder)) is not None
         info = log_classifier(folder, tokenizer_path=None if backbone_is_hf else cfg.tokenizer.path, name=model)
         return info.model_uri
-    if hf_source(str(folder)) is not None:
+    if model == "reward":  # a sequence classifier: its one logit is the reward
+        uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE, task="text-classification",
+                               model_config={"function_to_apply": "none"})
+    elif hf_source(str(folder)) is not None:
         uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE)
     else:  # a gptforge checkpoint: the transformers flavor takes its Hugging Face export
         from gptforge.modeling.export import export_hf

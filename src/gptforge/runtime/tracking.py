@@ -207,7 +207,9 @@ class MlflowRun(NullRun):
         """Log a Hugging Face causal-LM folder (save_pretrained's files and its tokenizer) as an
         MLflow model `name` of this run, with MLflow's transformers flavor, task text-generation:
         `mlflow.transformers.load_model(uri)` gives a text-generation pipeline back, and
-        `mlflow.pyfunc.load_model(uri)` a model that serves it. Returns the model's URI, or None
+        `mlflow.pyfunc.load_model(uri)` a model that serves it. With `task="text-classification"`
+        the folder is a sequence classifier (the reward model: pass `model_config=
+        {"function_to_apply": "none"}` for its raw score). Returns the model's URI, or None
         when the flavor cannot log it: a warning says why and the run goes on (a stage's result
         does not hang on its copy in MLflow).
 
@@ -226,13 +228,20 @@ class MlflowRun(NullRun):
 
             from gptforge.modeling.hf_causal import load_causal_lm
 
-            model, tokenizer = load_causal_lm(str(folder), param="model")
+            task = flavor_kwargs.pop("task", "text-generation")
+            if task == "text-generation":
+                model, tokenizer = load_causal_lm(str(folder), param="model")
+            else:
+                from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+                model = AutoModelForSequenceClassification.from_pretrained(str(folder))
+                tokenizer = AutoTokenizer.from_pretrained(str(folder))
             readme = folder / "README.md"
             card = (huggingface_hub.ModelCard.load(readme) if readme.is_file() else
                     huggingface_hub.ModelCard(f"# {folder.name}\n\nA Hugging Face causal LM logged by gptforge "
                                               f"{gptforge.__version__} from {folder}.\n"))
             info = self._mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task="text-generation",
+                transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
                 pip_requirements=pinned_requirements("transformers", "torch", "accelerate"), model_card=card, **flavor_kwargs)
         except Exception as e:  # noqa: BLE001 - any failure of the flavor: warn, never fail the stage
             reason = " ".join(f"{type(e).__name__}: {e}".split())
