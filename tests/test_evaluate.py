@@ -9,6 +9,7 @@ tests/test_hellaswag.py.
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import socket
@@ -321,13 +322,29 @@ def run_evaluate(tmp_path, small_tokenizer, checkpoint, fmt: str, fewshot: int |
     """The stage on the fixture data (MMLU in `fmt`), with its per-run checks; cwd is tmp_path."""
     hs_file = write_jsonl(tmp_path / "data" / "hellaswag_val.jsonl", HELLASWAG)
     mmlu = write_mmlu(tmp_path / "data" / f"mmlu_{fmt}", fmt)
-    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint, "instruct": tmp_path / "absent"},
+    # `again`, the same checkpoint evaluated second, gets lm-eval's task objects after `pretrain`
+    # used them (they are loaded once a stage): its results must be the first model's, few-shot
+    # examples included.
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint, "again": checkpoint,
+                                            "instruct": tmp_path / "absent"},
                    hellaswag=hs_file, mmlu=mmlu, num_fewshot=fewshot)
     run = FakeRun()
     metrics = ev.evaluate(cfg, run=run)
-    assert json.loads(Path("metrics/evaluate.json").read_text()) == pytest.approx(metrics)
+    timings = ("examples_per_sec", "seconds", "model_seconds")
+    first = {k.removeprefix("pretrain."): v for k, v in metrics.items()
+             if k.startswith("pretrain.") and not k.endswith(timings)}
+    assert first == {k.removeprefix("again."): v for k, v in metrics.items()
+                     if k.startswith("again.") and not k.endswith(timings)}
+    for f in Path("reports/evaluate/pretrain").glob("samples_*.jsonl"):
+        def arguments(path: Path) -> list:
+            return [json.loads(line)["arguments"] for line in path.read_text(encoding="utf-8").splitlines()]
+        assert arguments(f) == arguments(Path("reports/evaluate/again") / f.name)
+    metrics = {k: v for k, v in metrics.items() if not k.startswith("again.")}
+    written = {k: v for k, v in json.loads(Path("metrics/evaluate.json").read_text()).items()
+               if not k.startswith("again.")}
+    assert written == pytest.approx(metrics)
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
-    assert run.metrics == [metrics]
+    assert [{k: v for k, v in m.items() if not k.startswith("again.")} for m in run.metrics] == [metrics]
     assert {p.as_posix() for p in run.artifacts} == {"metrics/evaluate.json", "reports/evaluate.md",
                                                      "reports/evaluate"}
     assert not [k for k in metrics if k.startswith("instruct.")]  # its folder does not exist: skipped
@@ -570,3 +587,34 @@ def test_one_mlflow_run_per_model(tmp_path, monkeypatch, no_network, mlflow_uri,
             "lm_eval/results.json", "lm_eval/samples_hellaswag.jsonl"}
     assert runs["evaluate"].data.metrics["pretrain.hellaswag.acc"] == pytest.approx(metrics["pretrain.hellaswag.acc"])
     assert os.environ.get(mlflow_values.PARENT_ENV) is None  # restored
+
+
+def test_cached_templates_render_as_lm_eval_does():
+    """template_cache.apply_template against lm-eval's own, on the shipped HellaSwag and MMLU
+    templates and on lm-eval's filters (regex_replace)."""
+    from gptforge.evaluate import template_cache
+
+    template_cache.install()
+    template_cache.install()  # idempotent: the original is kept
+    original = template_cache.original()
+    assert original is not template_cache.apply_template
+    docs = [{"query": "Q: a {b} c", "choices": ["w", "x", "y", "z"], "question": " Why? ", "gold": 1, "label": 2,
+             "ctx": "It rains.  ", "answer": 2}, {"query": "", "choices": ["", "1", "2", "3"], "question": "",
+                                                   "gold": 0, "label": 0, "ctx": "", "answer": 0}]
+    templates = ["{{query}}", "{{choices}}", "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nAnswer:",
+                 "{{ctx | regex_replace('  ', ' ')}}", "{{gold}}"]
+    folder = Path(ev.__file__).parent.parent / "lm_eval_tasks"
+    shipped = [json.loads(f'"{t}"') for path in folder.glob("*.yaml")
+               for t in re.findall(r'^doc_to_\w+: "(.*\{\{.*)"$', path.read_text(), re.M)]
+    assert len(shipped) >= 3  # HellaSwag's text and target, MMLU's question
+    templates += shipped
+    for template in templates:
+        for doc in docs:
+            try:
+                expected = original(template, doc)
+            except Exception as e:  # noqa: BLE001 - a template needing other fields: the same error
+                with pytest.raises(type(e)):
+                    template_cache.apply_template(template, doc)
+                continue
+            assert template_cache.apply_template(template, doc) == expected
+            assert template_cache.apply_template(template, doc) == expected  # from the cache

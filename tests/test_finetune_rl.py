@@ -292,3 +292,38 @@ def test_cli_runs_the_stage(world, tmp_path):
     assert metrics["steps"] == 2 and "heldout_reward" in metrics and "heldout_reward_before" in metrics
     assert (tmp_path / "reports" / "rl_responses.jsonl").is_file() and (tmp_path / "plots" / "rl.csv").is_file()
     load_model(tmp_path / "checkpoints" / "rl" / "final")
+
+
+@pytest.mark.slow
+def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_the_heldout_reward(repo_copy):
+    """The two stages as `dvc repro` runs them, on fixtures (the quickstart's chain is minutes
+    here; `make run` shows the same two conditions on it): the reward model ranks held-out pairs
+    better than before training and above chance, and GRPO against it raises the held-out
+    reward of the starting model's greedy answers."""
+    import test_finetune_preference as pref
+    from conftest import set_params
+    from test_dvc import dvc, ran_stages
+
+    repo = repo_copy
+    sft = tiny_gpt(repo / "checkpoints" / "instruct" / "final")
+    tiny_gpt(repo / "checkpoints" / "preference" / "final", seed=1)  # the DPO column of the responses
+    pref.write_splits(repo / "data" / "preference")  # polite chosen, rude rejected answers
+    write_splits(repo / "data" / "instruct")
+    set_params(repo, **{
+        "tokenizer.path": TOKENIZER, "tracking.enabled": False, "instruct.template": "phi3",
+        "reward.init_from": str(sft), "reward.batch_size": 4, "reward.lr": 1e-3, "reward.epochs": 2,
+        "reward.eval_interval": 1000,
+        "rl.init_from": str(sft), "rl.num_generations": 4, "rl.batch_size": 8, "rl.max_prompts": 16,
+        "rl.max_completion_length": 8, "rl.max_new_tokens": 8, "rl.lr": 1e-3, "rl.n_responses": 2})
+    env = cli_env(GPTFORGE_PREFECT="0")
+    for stage in ("train_reward", "finetune_rl"):  # --single-item: the fixtures stand in for the stages before
+        out = dvc(repo, "repro", "--single-item", stage, env=env, timeout=600)
+        assert out.returncode == 0 and ran_stages(out.stdout) == [stage], out.stdout[-3000:] + out.stderr[-3000:]
+
+    reward = json.loads((repo / "metrics" / "reward.json").read_text())
+    assert reward["val_accuracy"] > max(0.6, reward["val_accuracy_before"]), reward
+    rl = json.loads((repo / "metrics" / "rl.json").read_text())
+    assert rl["heldout_reward"] > rl["heldout_reward_before"], rl
+    assert rl["steps"] == 8 and (repo / "plots" / "rl.png").is_file()
+    shown = dvc(repo, "metrics", "show", "--json", env=env)
+    assert "heldout_reward_before" in shown.stdout and "val_accuracy_before" in shown.stdout

@@ -98,15 +98,20 @@ def _child_of(run: NullRun):
             os.environ[mlflow_values.PARENT_ENV] = old
 
 
-def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: torch.device,
+def evaluate_model(name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, enc, device: torch.device,
                    results_dir: Path) -> dict:
     """One model on every task: lm-eval results saved under results_dir/<name>/.
 
     `folder`: a gptforge checkpoint or a Hugging Face GPT-2 folder (checkpoints/base/NAME,
     converted), scored as our `GPT` with `enc` (`GptforgeLM`); or another Hugging Face causal-LM
     folder (`hf_causal.hf_source`), scored by lm-eval's `HFLM` with the folder's own tokenizer
-    (`enc` unused)."""
+    (`enc` unused). `tasks`: lm-eval's task objects (`load_task_objects`), loaded once for all
+    the models; each model gets a copy, since a task keeps the requests of the run it served."""
+    import copy
+
     from lm_eval import simple_evaluate
+
+    from gptforge.evaluate import template_cache
 
     from gptforge.modeling.hf_causal import hf_source
 
@@ -129,9 +134,9 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, cfg, enc, device: to
         # a gptforge checkpoint, or a Hugging Face GPT-2 folder (checkpoints/base/NAME) converted
         model = load_pretrained(str(folder), param=param)[0].to(device).eval()
         lm = GptforgeLM(model, enc, batch_size=ev.batch_size, device=device, name=name)
-    tasks = load_task_objects(plan)
+    template_cache.install()
     start = time.perf_counter()
-    results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=ev.num_fewshot, limit=ev.limit,
+    results = simple_evaluate(model=lm, tasks=copy.deepcopy(tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
                               batch_size=ev.batch_size, device=str(device), task_manager=plan.manager,
                               log_samples=True)
     seconds = time.perf_counter() - start
@@ -158,6 +163,7 @@ def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
     per_model: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="gptforge-lm-eval-") as tmp:
         plan = steps(plan_tasks, cfg, Path(tmp))
+        tasks = steps(load_task_objects, plan)  # once (seconds: lm-eval reads every subject's data)
         enc = load_tokenizer(cfg.tokenizer.path)
         for name, folder in models.items():
             with _child_of(run), tracking.start_run(
@@ -165,7 +171,7 @@ def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
                     params={**cfg.flat("evaluate"), "model": name, "checkpoint": str(folder),
                             "tokenizer.path": cfg.tokenizer.path},
                     tags={"gptforge.model": name}) as model_run:
-                info = steps(evaluate_model, name, folder, plan, cfg, enc, device, results_dir)
+                info = steps(evaluate_model, name, folder, plan, tasks, cfg, enc, device, results_dir)
                 mine = {**info["flat"], "examples_per_sec": info["examples_per_sec"], "seconds": info["seconds"],
                         "model_seconds": info["model_seconds"]}
                 model_run.log_metrics(mine)
