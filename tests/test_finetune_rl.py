@@ -323,6 +323,8 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
     reward = json.loads((repo / "metrics" / "reward.json").read_text())
     assert reward["val_accuracy"] > max(0.6, reward["val_accuracy_before"]), reward
     rl = json.loads((repo / "metrics" / "rl.json").read_text())
+    print(f"reward model {reward['val_accuracy_before']:.3f} -> {reward['val_accuracy']:.3f}; held-out reward "
+          f"{rl['heldout_reward_before']:.4f} -> {rl['heldout_reward']:.4f}")
     assert rl["heldout_reward"] > rl["heldout_reward_before"], rl
     assert rl["steps"] == 8 and (repo / "plots" / "rl.png").is_file()
     shown = dvc(repo, "metrics", "show", "--json", env=env)
