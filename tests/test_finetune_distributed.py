@@ -187,3 +187,41 @@ def test_preference_under_ddp_on_two_processes_has_the_one_process_metrics(tmp_p
     assert ddp["val_reward_margin"] == pytest.approx(one["val_reward_margin"], rel=0.02)
     assert ddp["val_loss"] < one["val_loss_before"] - 0.2
     assert len((tmp_path / "ddp" / "reports" / "preference_responses.jsonl").read_text().splitlines()) == 2
+
+
+def test_reward_and_rl_under_ddp_on_two_processes(tmp_path):
+    """train_reward and finetune_rl under torchrun: the reward model takes the one-process run's
+    steps and ranks the validation pairs as well; GRPO runs its steps with each process sampling
+    half of every batch, and its held-out reward before training (process 0, greedy) is the
+    one-process run's exactly."""
+    import shutil
+
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+    from test_finetune_preference import write_splits as write_pairs
+    from test_finetune_rl import write_splits as write_prompts
+
+    torch.manual_seed(0)
+    save_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
+               tmp_path / "sft")
+    common = ["tokenizer.path=sample://gpt2_tokenizer", "tracking.enabled=false", "instruct.template=phi3"]
+    reward_args = common + ["reward.init_from=../sft", "reward.batch_size=4", "reward.lr=1e-3",
+                            "reward.eval_interval=1000", "reward.device=cpu"]
+    rl_args = common + ["rl.init_from=../sft", "rl.reward_model=../reward", "rl.num_generations=2",
+                        "rl.batch_size=4", "rl.max_prompts=4", "rl.max_completion_length=8", "rl.max_new_tokens=8",
+                        "rl.n_responses=2", "rl.lr=1e-3", "rl.device=cpu"]
+    reward, rl = {}, {}
+    for name, n in (("one", 1), ("ddp", 2)):
+        write_pairs(tmp_path / name / "data" / "preference")
+        write_prompts(tmp_path / name / "data" / "instruct")
+        reward[name] = _finetune("reward", tmp_path / name, reward_args + [f"reward.nproc_per_node={n}"])
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "reward" / "final", tmp_path / "reward")
+    for name, n in (("one", 1), ("ddp", 2)):
+        rl[name] = _finetune("rl", tmp_path / name, rl_args + [f"rl.nproc_per_node={n}"])
+
+    assert reward["ddp"]["steps"] == reward["one"]["steps"] == 6
+    assert reward["ddp"]["val_accuracy"] == reward["one"]["val_accuracy"] > reward["one"]["val_accuracy_before"]
+    assert rl["ddp"]["steps"] == rl["one"]["steps"] == 2
+    assert rl["ddp"]["heldout_reward_before"] == rl["one"]["heldout_reward_before"]
+    assert rl["ddp"]["heldout_reward"] != rl["ddp"]["heldout_reward_before"]  # the policy moved
+    assert len((tmp_path / "ddp" / "reports" / "rl_responses.jsonl").read_text().splitlines()) == 2

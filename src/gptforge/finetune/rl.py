@@ -161,8 +161,7 @@ def load_models(cfg: Config, rt: Runtime, workdir: str) -> Models:
     if reference and source is not None and Path(source).is_dir():
         policy.config._name_or_path = str(source)
     elif reference:  # our GPT has no Hugging Face folder; a hub id: the weights as loaded, not a second fetch
-        folder = Path(workdir) / "reference"
-        policy.save_pretrained(str(folder))
+        folder = write_reference(policy, Path(workdir) / "reference")
         policy.config._name_or_path = str(folder)
     if tokenizer.pad_token is None:  # trl's rule too: pad with eos (padding is masked out)
         tokenizer.pad_token = tokenizer.eos_token
@@ -172,6 +171,20 @@ def load_models(cfg: Config, rt: Runtime, workdir: str) -> Models:
         torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
         policy = apply_lora(policy, c.lora, task_type="CAUSAL_LM")
     return Models(policy, enc, tokenizer, gpt, stops)
+
+
+def write_reference(policy: nn.Module, folder: Path) -> Path:
+    """The starting model as the Hugging Face folder trl loads the frozen reference from, written
+    by this process into its own temporary folder: transformers' save_pretrained writes on
+    process 0 only once torch.distributed is up, which under torchrun left the other processes'
+    folders empty. The config and the weights (safetensors drops the tied head, which loading
+    ties again) are all from_pretrained needs."""
+    from safetensors.torch import save_model as save_safetensors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    policy.config.save_pretrained(str(folder))
+    save_safetensors(policy, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 def load_other(folder: Path, cfg: Config, models: Models, rt: Runtime) -> nn.Module | None:
