@@ -189,6 +189,7 @@ def test_preference_under_ddp_on_two_processes_has_the_one_process_metrics(tmp_p
     assert len((tmp_path / "ddp" / "reports" / "preference_responses.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_reward_and_rl_under_ddp_on_two_processes(tmp_path):
     """train_reward and finetune_rl under torchrun: the reward model takes the one-process run's
     steps and ranks the validation pairs as well; GRPO runs its steps with each process sampling
