@@ -395,10 +395,17 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], ylabel: str, path:
     ax.grid(alpha=0.3)
     if any(series.values()):
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_png(fig, path)
+
+
+def save_png(fig, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG, whole or not at all, and close it."""
+    import matplotlib.pyplot as plt
+
     from gptforge.io import atomic_file
 
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)

@@ -56,7 +56,7 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
 from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
-                                      merge_lora, model_positions, runtime, trainable_params)
+                                      merge_lora, model_positions, runtime, save_png, trainable_params)
 from gptforge.finetune.hf_models import save_hf_model
 from gptforge.finetune.instruct import read_split
 from gptforge.finetune.preference import model_family, records_callback as trl_records, write_csv
@@ -549,12 +549,7 @@ def plot_rl(history: Sequence[dict], path: Path) -> Path | None:
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def finetune_rl(
