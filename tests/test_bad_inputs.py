@@ -232,6 +232,8 @@ CASES = [
          "rl.num_generations must be at least 2 for grpo (got 1)"),
     Case("params", "RL batch not whole groups", ["finetune", "rl", "-S", "rl.batch_size=6"],
          "rl.batch_size (6) must be a multiple of rl.num_generations (4)"),
+    Case("params", "GRPO under fsdp", ["finetune", "rl", "-S", "rl.strategy=fsdp"],
+         "rl.strategy: fsdp is not available for GRPO: trl's trainer runs the processes through accelerate's DDP"),
     Case("params", "reward model batch not shared evenly by its processes",
          ["finetune", "reward", "-S", "reward.nproc_per_node=2", "-S", "reward.batch_size=5"],
          "reward.batch_size (5) is the whole batch, shared by the 2 processes"),

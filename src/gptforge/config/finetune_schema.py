@@ -51,6 +51,14 @@ class FinetuneCommon(Section):
         "ddp", description="ddp: a whole copy per process | fsdp: weights, grads and AdamW states split (FSDP2)")
 
 
+def ddp_only(section: FinetuneCommon, name: str, what: str) -> FinetuneCommon:
+    """The trl stages run their processes through accelerate's DDP here: fsdp is refused, not ignored."""
+    if section.strategy == "fsdp":
+        raise ValueError(f"{name}.strategy: fsdp is not available for {what}: trl's trainer runs the processes "
+                         "through accelerate's DDP here (a whole copy each); use ddp")
+    return section
+
+
 class ClassifyConfig(FinetuneCommon):
     # head: the new head only; last_block: + last transformer block and final LayerNorm
     # (LLMs-from-scratch ch. 6); all: every weight; lora: LoRA adapters + the head.
@@ -119,10 +127,7 @@ class PreferenceConfig(FinetuneCommon):
 
     @model_validator(mode="after")
     def _strategy(self):
-        if self.strategy == "fsdp":
-            raise ValueError("preference.strategy: fsdp is not available for DPO: trl's trainer runs the processes "
-                             "through accelerate's DDP here (a whole copy each); use ddp")
-        return self
+        return ddp_only(self, "preference", "DPO")
 
     @field_validator("loss_type")
     @classmethod
@@ -148,6 +153,10 @@ class RewardConfig(FinetuneCommon):
     group_by_length: bool = True  # batches of pairs of similar lengths: less padding scored
     center_rewards_coefficient: Optional[float] = Field(
         None, ge=0, description="trl's auxiliary loss pulling rewards toward 0 (Eisenstein et al. 2023); null: off")
+
+    @model_validator(mode="after")
+    def _strategy(self):
+        return ddp_only(self, "reward", "the reward model")
 
 
 # The reward functions the RL stage can weigh (rl.rewards: NAME -> weight): the reward model's
@@ -190,6 +199,7 @@ class RLConfig(FinetuneCommon):
 
     @model_validator(mode="after")
     def _check(self):
+        ddp_only(self, "rl", self.algorithm.upper())
         if self.algorithm in ("grpo", "rloo") and self.num_generations < 2:
             raise ValueError(f"rl.num_generations must be at least 2 for {self.algorithm} (got {self.num_generations}): "
                              "the advantage of an answer is measured against the others of its group")
