@@ -266,11 +266,13 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tokens/s" in gen.stderr.strip().splitlines()[-1]
 
-    # evaluate's other DVC deps (the classifier's and the preference stage's metrics, the
-    # preference model's folder) stand in: this test is about the instruct model
+    # evaluate's other DVC deps (the classifier's, the preference and RL stages' metrics, the
+    # preference and RL models' folders) stand in: this test is about the instruct model
     (repo_copy / "metrics/classify.json").write_text(json.dumps({"test_accuracy": 0.5}))
     (repo_copy / "metrics/preference.json").write_text(json.dumps({"val_reward_accuracy": 0.5}))
+    (repo_copy / "metrics/rl.json").write_text(json.dumps({"heldout_reward": 0.5}))
     (repo_copy / "checkpoints/preference").mkdir(parents=True)
+    (repo_copy / "checkpoints/rl").mkdir(parents=True)
     ev = dvc(repo_copy, "repro", "--single-item", "evaluate", env=env)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
