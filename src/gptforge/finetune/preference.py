@@ -52,13 +52,14 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
+from gptforge.finetune import trl_policy
 from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
-                                      merge_lora, model_positions, plot_curves, runtime, trainable_params)
-from gptforge.finetune.hf_models import greedy_answers, save_hf_model
+                                      model_positions, plot_curves, runtime, trainable_params)
+from gptforge.finetune.hf_models import greedy_answers
 from gptforge.finetune.templates import Example, encode
-from gptforge.io import atomic_dir, atomic_file
+from gptforge.io import atomic_file
 from gptforge.modeling.hf_causal import HFTokenizer, hf_config_dict, hf_source
-from gptforge.modeling.weights import CONFIG_FILE, save_model
+from gptforge.modeling.weights import CONFIG_FILE
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training.loop import Runtime
@@ -468,35 +469,19 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     if not s.rt.master:  # under torchrun trl's trainer has kept every process's copy equal
         shutil.rmtree(s.workdir, ignore_errors=True)
         return {}
-    policy = s.trainer.model
-    n_train, n_total = trainable_params(policy)
-    adapter = None
-    if c.method == "lora":
-        adapter = out_dir / "adapter"
-        with atomic_dir(adapter) as tmp:
-            policy.save_pretrained(str(tmp))
-    model = merge_lora(policy).eval()
-    gpt_out = None
-    if s.models.gpt is not None:  # back to our GPT, with the attention backend it was saved with
-        from gptforge.modeling.hf_convert import from_hf
-
-        gpt_out = from_hf(model, attention=s.models.gpt.config.attention)
+    n_train, n_total = trainable_params(s.trainer.model)
+    trained = trl_policy.merged(s.trainer.model, method=c.method, out_dir=out_dir, started_as=s.models.gpt)
 
     prompts = s.pairs["test"].prompts()[:len(s.sft_answers)]
-    dpo_answers = answers(model, prompts, models=s.models, gpt_model=gpt_out, max_new_tokens=c.max_new_tokens,
-                          rt=s.rt)
+    dpo_answers = answers(trained.model, prompts, models=s.models, gpt_model=trained.gpt,
+                          max_new_tokens=c.max_new_tokens, rt=s.rt)
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
         for index, sft, dpo in zip(s.pairs["test"].kept, s.sft_answers, dpo_answers):
             rec = s.records["test"][index]
             f.write(json.dumps({**{k: rec[k] for k in FIELDS}, "sft_response": sft, "dpo_response": dpo},
                                ensure_ascii=False) + "\n")
 
-    final = out_dir / "final"
-    with atomic_dir(final) as tmp:
-        if gpt_out is not None:
-            save_model(gpt_out, tmp)
-        else:
-            save_hf_model(model, s.models.tokenizer, tmp)
+    final = trl_policy.save(trained, s.models.tokenizer, out_dir / "final")
 
     history = s.callback.train
     val_history = s.callback.val
@@ -522,12 +507,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     for path in (plots_dir / "preference.csv", plots_dir / "preference_val.csv", png):
         if path is not None:
             run.log_artifact(path)
-    if gpt_out is not None:
-        run.log_artifact(final, "checkpoint")
-    else:
-        run.log_hf_model(final, "model")
-    if adapter is not None:
-        run.log_artifact(adapter, "adapter")
+    trl_policy.log(run, trained, final)
     shutil.rmtree(s.workdir, ignore_errors=True)
     log.info("preference done: %d steps over %d pairs in %.1f s; validation reward accuracy %.3f, margin %.4f",
              steps, train_pairs, s.train_seconds, metrics["val_reward_accuracy"], metrics["val_reward_margin"])

@@ -55,15 +55,14 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
+from gptforge.finetune import trl_policy
 from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
-                                      merge_lora, model_positions, runtime, save_png, trainable_params)
-from gptforge.finetune.hf_models import save_hf_model
+                                      model_positions, runtime, save_png, trainable_params)
 from gptforge.finetune.instruct import read_split
 from gptforge.finetune.preference import model_family, records_callback as trl_records, write_csv
 from gptforge.finetune.templates import chat_template_tokenizer, encode, render, user_content
-from gptforge.io import atomic_dir, atomic_file
+from gptforge.io import atomic_file
 from gptforge.modeling.hf_causal import HFTokenizer, hf_source, stop_ids
-from gptforge.modeling.weights import save_model
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training.loop import Runtime
@@ -453,14 +452,9 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     if not s.rt.master:  # under torchrun trl's trainer has kept every process's copy equal
         shutil.rmtree(s.workdir, ignore_errors=True)
         return {}
-    policy = s.trainer.model
-    n_train, n_total = trainable_params(policy)
-    adapter = None
-    if c.method == "lora":
-        adapter = out_dir / "adapter"
-        with atomic_dir(adapter) as tmp:
-            policy.save_pretrained(str(tmp))
-    model = merge_lora(policy).eval()
+    n_train, n_total = trainable_params(s.trainer.model)
+    trained = trl_policy.merged(s.trainer.model, method=c.method, out_dir=out_dir, started_as=s.models.gpt)
+    model = trained.model
     after_ids = heldout(model, s, cfg)
     after = R.summary(s.rewards, make_answers(s.prompts["test"], after_ids, s.models))
     rl_display = display_answers(model, s, cfg, after_ids)
@@ -486,17 +480,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             row["rl_response"] = decode(rl_display[j], s.models).strip()
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    gpt_out = None
-    if s.models.gpt is not None:  # back to our GPT, with the attention backend it was saved with
-        from gptforge.modeling.hf_convert import from_hf
-
-        gpt_out = from_hf(model, attention=s.models.gpt.config.attention)
-    final = out_dir / "final"
-    with atomic_dir(final) as tmp:
-        if gpt_out is not None:
-            save_model(gpt_out, tmp)
-        else:
-            save_hf_model(model, s.models.tokenizer, tmp)
+    final = trl_policy.save(trained, s.models.tokenizer, out_dir / "final")
 
     history = s.callback.train
     write_csv(plots_dir / "rl.csv", history, ["step", *CURVES])
@@ -514,12 +498,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     for path in (plots_dir / "rl.csv", png):
         if path is not None:
             run.log_artifact(path)
-    if gpt_out is not None:
-        run.log_artifact(final, "checkpoint")
-    else:
-        run.log_hf_model(final, "model")
-    if adapter is not None:
-        run.log_artifact(adapter, "adapter")
+    trl_policy.log(run, trained, final)
     shutil.rmtree(s.workdir, ignore_errors=True)
     log.info("rl done: %d steps over %d prompts in %.1f s; held-out reward %.4f -> %.4f", steps,
              metrics["train_prompts"], s.train_seconds, metrics.get("heldout_reward_before", float("nan")),
