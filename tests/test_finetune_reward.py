@@ -23,17 +23,8 @@ from conftest import FakeRun, cli_env, last_error_line, run_cli
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import reward as R
-from gptforge.modeling.gpt import GPT, GPTConfig
-from gptforge.modeling.weights import save_model
 from hf_models import make_tiny_causal_lm
-from test_finetune_preference import TOKENIZER, write_splits
-
-
-@pytest.fixture(scope="module")
-def sft_gpt(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257))
-    return save_model(model, tmp_path_factory.mktemp("sft") / "final")
+from test_finetune_preference import TOKENIZER, sft_gpt, write_splits  # noqa: F401 - sft_gpt: a fixture
 
 
 def config(init_from, *extra: str):

@@ -127,6 +127,23 @@ def encode_pairs(records: Sequence[dict], template: str, enc, max_length: int) -
     return out
 
 
+
+def encode_splits(records: dict[str, Sequence[dict]], template: str, enc, max_length: int, *, stage: str,
+                  param: str) -> dict[str, Pairs]:
+    """`encode_pairs` for every split: BadInput when a split keeps no pair at `param`.max_length,
+    a warning (naming `stage`) for the pairs dropped. Shared by the DPO and reward-model stages."""
+    pairs = {name: encode_pairs(recs, template, enc, max_length) for name, recs in records.items()}
+    for name, p in pairs.items():
+        if not p.rows:
+            raise BadInput(f"preference data: none of the {len(records[name])} {name} pairs is usable at "
+                           f"{param}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
+                           "pairs are identical once cut to it)")
+    skipped, identical = (sum(getattr(p, k) for p in pairs.values()) for k in ("skipped_too_long", "identical"))
+    if skipped or identical:
+        log.warning("%s: skipped %d pair(s) whose prompt fills max_length %d and dropped %d whose chosen and "
+                    "rejected are identical once cut to it", stage, skipped, max_length, identical)
+    return pairs
+
 # ---------------------------------------------------------------------------------------------
 # Models
 
@@ -397,19 +414,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
         chat_template_tokenizer(models.enc)  # raises: tiktoken has no chat template
     max_length = check_max_length(c.max_length, models.policy, f"{PARAM}.max_length")
 
-    pairs = {name: encode_pairs(recs, template, models.enc, max_length) for name, recs in records.items()}
-    for name, p in pairs.items():
-        if not p.rows:
-            raise BadInput(f"preference data: none of the {len(records[name])} {name} pairs is usable at "
-                           f"{PARAM}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
-                           "pairs are identical once cut to it)")
-    dropped = {k: sum(getattr(p, k) for p in pairs.values()) for k in ("skipped_too_long", "identical")}
-    if dropped["skipped_too_long"]:
-        log.warning("preference: skipped %d pair(s) whose prompt fills max_length %d", dropped["skipped_too_long"],
-                    max_length)
-    if dropped["identical"]:
-        log.warning("preference: dropped %d pair(s) whose chosen and rejected are identical once cut to max_length "
-                    "%d", dropped["identical"], max_length)
+    pairs = encode_splits(records, template, models.enc, max_length, stage="preference", param=PARAM)
 
     n = len(pairs["test"].rows) if c.n_responses is None else min(c.n_responses, len(pairs["test"].rows))
     if not rt.master:  # under torchrun process 0 answers (before and after) and writes

@@ -43,7 +43,7 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, merge_lora,
                                       plot_curves, runtime, trainable_params)
-from gptforge.finetune.preference import Pairs, encode_pairs, read_split, write_csv
+from gptforge.finetune.preference import Pairs, encode_splits, read_split, write_csv
 from gptforge.io import atomic_dir
 from gptforge.modeling.hf_causal import CONFIG_FILE, hf_config_dict, hf_source
 from gptforge.runtime.steps import DIRECT, Steps
@@ -320,16 +320,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
 
         chat_template_tokenizer(rm.enc)  # raises: tiktoken has no chat template
     max_length = check_max_length(c.max_length, rm.model, f"{PARAM}.max_length")
-    pairs = {name: encode_pairs(recs, template, rm.enc, max_length) for name, recs in records.items()}
-    for name, p in pairs.items():
-        if not p.rows:
-            raise BadInput(f"preference data: none of the {len(records[name])} {name} pairs is usable at "
-                           f"{PARAM}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
-                           "pairs are identical once cut to it)")
-    dropped = {k: sum(getattr(p, k) for p in pairs.values()) for k in ("skipped_too_long", "identical")}
-    if any(dropped.values()):
-        log.warning("reward: skipped %d pair(s) whose prompt fills max_length %d and %d whose chosen and rejected are "
-                    "identical once cut to it", dropped["skipped_too_long"], max_length, dropped["identical"])
+    pairs = encode_splits(records, template, rm.enc, max_length, stage="reward", param=PARAM)
     rows = {name: reward_rows(p, max_length) for name, p in pairs.items()}
     n_train, n_total = trainable_params(rm.model)
     log.info("reward: a scalar head on %s (%s), %d of %d parameters train; template %s, max_length %d; %s",
