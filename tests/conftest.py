@@ -520,6 +520,22 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
 
 
 # --------------------------------------------------------------------------------------------
+# Headless Chromium for the chat page (tests/browser.py); CI installs it
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from browser import Browser, find_chromium
+
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium: the chat page is not checked (apt-get install -y chromium)")
+    b = Browser(binary, free_port())
+    yield b
+    b.close()
+
+
+# --------------------------------------------------------------------------------------------
 # A fake LLM judge (an OpenAI-compatible chat completions endpoint on 127.0.0.1)
 
 

@@ -28,40 +28,13 @@ from gptforge.rag import evaluate_qa as E
 from gptforge.rag.index import build, file_sha256
 from gptforge.synthesize.chunks import chunk_documents, read_chunks, write_chunks
 from gptforge.synthesize.documents import Document
+from test_synthesize import RIVERS
 
 TOKENIZER = "sample://gpt2_tokenizer"
 # a document set needs its endpoint named (the synthesize stage's); evaluate_qa never calls it
 ENDPOINT = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoint.model=m"]
 
-DOC = """# Rivers
-
-## Rhine
-
-The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg and Cologne before it
-reaches the North Sea in the Netherlands. Its length is about 1,230 kilometres, and barges carry
-coal, grain and containers along it.
-
-## Danube
-
-The Danube starts in the Black Forest of Germany and flows east through Vienna, Bratislava,
-Budapest and Belgrade. It empties into the Black Sea through a large delta in Romania, where
-pelicans and many other birds nest.
-
-## Glaciers
-
-Glaciers carve U-shaped valleys over thousands of years, leaving moraines of rock and gravel where
-the ice stopped. Meltwater from glaciers feeds many rivers in summer.
-
-## Salmon
-
-Salmon hatch in fresh water, migrate to the ocean to feed for several years, and return to their
-home river to spawn, often leaping up waterfalls on the way.
-
-## Beavers
-
-Beavers build dams from branches and mud, which turns streams into ponds that shelter their
-lodges from wolves and other predators during the winter.
-"""
+DOC = RIVERS  # five English sections, one chunk each
 
 # (a phrase of the source chunk, question, reference answer)
 PAIRS = [("Rhine rises", "Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),

@@ -167,18 +167,6 @@ def server(models, tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from browser import Browser, find_chromium
-
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("no chromium: the chat page is not checked (apt-get install -y chromium)")
-    b = Browser(binary, free_port())
-    yield b
-    b.close()
-
-
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})

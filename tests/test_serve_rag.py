@@ -262,18 +262,6 @@ def test_metrics_count_retrieval(setup):
     assert series(after, "gptforge_rag_retrieval_seconds_bucket", model="short", le="+Inf") == n + 1
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from browser import Browser, find_chromium
-
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip("no chromium: the chat page is not checked (apt-get install -y chromium)")
-    b = Browser(binary, free_port())
-    yield b
-    b.close()
-
-
 def test_the_chat_page_shows_the_citations_of_a_streamed_answer(setup, browser):
     with browser.open(f"{setup['server'].url}/") as page:
         page.wait_for("document.body.dataset.modelsLoaded === '1'", what="the model list")

@@ -20,7 +20,7 @@ from gptforge.config.load import load_config
 from gptforge.errors import SourceUnreachable, StageFailed
 from gptforge.synthesize.stage import synthesize
 
-DOC = """# Rivers
+RIVERS = """# Rivers
 
 ## Rhine
 
@@ -48,7 +48,8 @@ home river to spawn, often leaping up waterfalls on the way.
 
 Beavers build dams from branches and mud, which turns streams into ponds that shelter their
 lodges from wolves and other predators during the winter.
-
+"""
+DOC = RIVERS + """
 # 长江
 
 长江是中国最长的河流，全长约六千三百公里，在上海注入东海。

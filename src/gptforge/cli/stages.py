@@ -41,33 +41,22 @@ def add_commands(sub) -> None:
         config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
 
-    stage = STAGES["synthesize"]
-    p = sub.add_parser("synthesize", help=stage.summary, description=f"DVC stage synthesize@NAME: {stage.summary}. "
-                       "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY.")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="synthesize")
-
-    stage = STAGES["index"]
-    p = sub.add_parser("index", help=stage.summary, description=f"DVC stage index@NAME: {stage.summary}. Reads "
-                       "data/synthetic/NAME/chunks.jsonl (stage synthesize@NAME); -S synthesize.only=NAME picks one "
-                       "entry of synthesize.documents (default: all). Reports recall@1/5/10 and MRR of the source "
-                       "chunk over the synthesized questions.")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="index")
-
-    stage = STAGES["evaluate_qa"]
-    p = sub.add_parser("evaluate-qa", help=stage.summary, description=f"DVC stage evaluate_qa@NAME: {stage.summary}. "
-                       "-S synthesize.only=NAME picks one entry of synthesize.documents (default: all).")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="evaluate_qa")
-
-    stage = STAGES["pretrain"]
-    p = sub.add_parser("pretrain", help=stage.summary, description=f"DVC stage pretrain: {stage.summary}. "
-                       "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun "
-                       "(DDP); under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it "
-                       "trains with DDP.")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="pretrain")
+    for command, name, dvc_name, more in (
+            ("synthesize", "synthesize", "synthesize@NAME",
+             "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY."),
+            ("index", "index", "index@NAME",
+             "Reads data/synthetic/NAME/chunks.jsonl (stage synthesize@NAME); -S synthesize.only=NAME picks one "
+             "entry of synthesize.documents (default: all). Reports recall@1/5/10 and MRR of the source chunk over "
+             "the synthesized questions."),
+            ("evaluate-qa", "evaluate_qa", "evaluate_qa@NAME",
+             "-S synthesize.only=NAME picks one entry of synthesize.documents (default: all)."),
+            ("pretrain", "pretrain", "pretrain",
+             "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun (DDP); "
+             "under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it trains with DDP.")):
+        stage = STAGES[name]
+        p = sub.add_parser(command, help=stage.summary, description=f"DVC stage {dvc_name}: {stage.summary}. {more}")
+        config_args(p)
+        p.set_defaults(func=cmd_stage, stage=name)
 
     finetune = sub.add_parser("finetune", help="fine-tuning stages")
     finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
