@@ -499,21 +499,20 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
     return report
 
 
-# (label, metrics file, key, format): the numbers `make run` closes with.
+# (label, metrics file, key, format, the key of the same figure before training or None): the
+# numbers `make run` closes with; a figure with a "before" shows as "before -> after".
 HEADLINES = (
-    ("pretrain validation loss", "metrics/pretrain.json", "val_loss", "{:.3f}"),
-    ("pretrain training speed", "metrics/pretrain.json", "tokens_per_sec", "{:,.0f} tokens/s"),
-    ("spam test accuracy", "metrics/classify.json", "test_accuracy", "{:.4f}"),
-    ("spam test F1", "metrics/classify.json", "f1", "{:.4f}"),
-    ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}"),
-    ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s"),
-    ("DPO reward accuracy (val)", "metrics/preference.json", "val_reward_accuracy", "{:.3f}"),
-    ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}"),
-    ("reward model accuracy (val)", "metrics/reward.json", "val_accuracy", "{:.3f}"),
-    ("RL held-out reward", "metrics/rl.json", "heldout_reward", "{:.3f}"),
+    ("pretrain validation loss", "metrics/pretrain.json", "val_loss", "{:.3f}", None),
+    ("pretrain training speed", "metrics/pretrain.json", "tokens_per_sec", "{:,.0f} tokens/s", None),
+    ("spam test accuracy", "metrics/classify.json", "test_accuracy", "{:.4f}", None),
+    ("spam test F1", "metrics/classify.json", "f1", "{:.4f}", None),
+    ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}", None),
+    ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s", None),
+    ("DPO reward accuracy (val)", "metrics/preference.json", "val_reward_accuracy", "{:.3f}", None),
+    ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}", None),
+    ("reward model accuracy (val)", "metrics/reward.json", "val_accuracy", "{:.3f}", "val_accuracy_before"),
+    ("RL held-out reward", "metrics/rl.json", "heldout_reward", "{:.3f}", "heldout_reward_before"),
 )
-# key -> the key of the same figure before training: shown as "before -> after"
-BEFORE = {"val_accuracy": "val_accuracy_before", "heldout_reward": "heldout_reward_before"}
 REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
            "reports/preference_responses.jsonl", "reports/rl_responses.jsonl", "plots/")
 
@@ -531,10 +530,10 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
 
     lines = ["", "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran")
                               else "") + ":"]
-    for label, path, key, fmt in HEADLINES:
+    for label, path, key, fmt, before_key in HEADLINES:
         value = metric(path, key)
         if value is not None:
-            before = metric(path, BEFORE[key]) if key in BEFORE else None
+            before = metric(path, before_key) if before_key else None
             shown = fmt.format(value) if before is None else f"{fmt.format(before)} -> {fmt.format(value)}"
             lines.append(f"  {label:<28} {shown}")
     with contextlib.suppress(Exception):
