@@ -104,6 +104,9 @@ def template(tmp_path_factory, small_tokenizer) -> Path:
     (root / "params_bad.yaml").write_text("model:\n  n_layer: [1,\n")
     (root / "params_list.yaml").write_text("- model\n- pretrain\n")
     (root / "params_dir").mkdir()
+    (root / "overlay_loop.yaml").write_text("extends: overlay_back.yaml\n")
+    (root / "overlay_back.yaml").write_text("extends: overlay_loop.yaml\n")
+    (root / "overlay_orphan.yaml").write_text("extends: configs/gone.yaml\npretrain: {max_steps: 3}\n")
     (root / "not_a_checkpoint").mkdir()
     (root / "not_a_checkpoint" / "notes.txt").write_text("nothing to resume here\n")
 
@@ -207,6 +210,10 @@ CASES = [
          "params_list.yaml: expected a mapping of sections at the top level, got list"),
     Case("params", "missing params file", ["config", "show", "--params", "nope.yaml"],
          "params file not found: nope.yaml"),
+    Case("params", "overlay whose extends come back to it", ["pretrain", "--params", "overlay_loop.yaml"],
+         "overlay_back.yaml: extends makes a cycle: overlay_loop.yaml -> overlay_back.yaml -> overlay_loop.yaml"),
+    Case("params", "overlay of a missing base", ["prepare", "classify", "--params", "overlay_orphan.yaml"],
+         "overlay_orphan.yaml: extends: configs/gone.yaml is not found (configs/gone.yaml)"),
     Case("params", "override without =", ["config", "show", "-S", "data.pretrain.max_tokens"],
          "override 'data.pretrain.max_tokens' is not KEY=VALUE"),
     Case("params", "override with invalid YAML", ["prepare", "classify", "-S", "data.classify.splits=[0.5, 0.5"],

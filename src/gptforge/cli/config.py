@@ -1,4 +1,5 @@
-"""`gptforge config show`: the resolved configuration (params file + overrides) as YAML; and
+"""`gptforge config show`: the resolved configuration (params file, merged over the files it
+`extends`, + overrides) as YAML; and
 `gptforge plan`: what that configuration's training needs of each GPU (gptforge.training.memory_plan)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ def add_commands(sub) -> None:
     config = sub.add_parser("config", help="inspect the resolved configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=Parser)
     config_sub.required = True
-    show = config_sub.add_parser("show", help="print the resolved config (params file + overrides) as YAML")
+    show = config_sub.add_parser("show", help="print the resolved config (params file merged over the files it "
+                                  "extends, + overrides) as YAML, every key")
     config_args(show)
     show.set_defaults(func=cmd_config_show)
 

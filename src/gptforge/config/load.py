@@ -1,8 +1,18 @@
 """Loading the configuration: `params.yaml` plus `-S key=value` overrides, validated against the
 schema (`gptforge.config.schema`) before any work starts.
 
+A params file may be an overlay: a top-level `extends: FILE` (a path relative to the file that
+names it) reads FILE first, itself possibly an overlay, and merges the file's own keys over it.
+Sections (the schema's nested models: `pretrain`, `data.pretrain`, ...) merge key by key; every
+other value replaces the base's whole: scalars, lists, and the tables of names (`base.models`,
+`evaluate.models`, `synthesize.documents`, `rl.rewards`, `registry.*`), so an overlay states a
+table entire and an entry it leaves out is gone. `null` is an ordinary value (many keys mean
+something by it: `tokenizer.path: null` is tiktoken's encoding), never a deletion. The `-S`
+overrides apply to the merged tree, then it is validated.
+
 Unknown keys are named with their dotted path and the closest valid key; wrong types with the
-key, the value and the expected type. Every error is one `BadInput` line.
+key, the value and the expected type. Every error is one `BadInput` line: so is an `extends`
+that names no file, a base that is not a mapping, and a chain of bases that comes back to itself.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 
 DEFAULT_PARAMS = "params.yaml"
-
+EXTENDS = "extends"  # the top-level key naming the file an overlay merges over
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -56,7 +66,8 @@ def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return tree
 
 
-def read_params(path: str | os.PathLike) -> dict:
+def read_yaml(path: str | os.PathLike) -> dict:
+    """One params file's own tree, as written (an overlay's `extends` key included)."""
     path = Path(path)
     if path.is_dir():
         raise BadInput(f"params file {path} is a folder, not a YAML file")
@@ -71,6 +82,70 @@ def read_params(path: str | os.PathLike) -> dict:
     if not isinstance(tree, dict):
         raise BadInput(f"{path}: expected a mapping of sections at the top level, got {type(tree).__name__}")
     return tree
+
+
+def read_params(path: str | os.PathLike) -> dict:
+    """The params tree of `path`: its own keys merged over the chain of files it `extends`."""
+    chain = _chain(Path(path))
+    tree = chain[-1][1]
+    for _, overlay in reversed(chain[:-1]):
+        tree = merge(tree, {k: v for k, v in overlay.items() if k != EXTENDS})
+    return tree
+
+
+def bases(path: str | os.PathLike) -> list[Path]:
+    """The files `path` extends, nearest first (none for a complete file)."""
+    return [p for p, _ in _chain(Path(path))[1:]]
+
+
+def _chain(path: Path) -> list[tuple[Path, dict]]:
+    """`path` and its own tree, then each file it extends with its tree, nearest first."""
+    chain = [(path, read_yaml(path))]
+    while (base := _base_of(*chain[-1], [p for p, _ in chain])) is not None:
+        try:
+            chain.append((base, read_yaml(base)))
+        except BadInput as e:
+            raise BadInput(f"{e} (the base {chain[-1][0]} extends)") from None
+    return chain
+
+
+def _base_of(path: Path, tree: dict, chain: list[Path]) -> Path | None:
+    """The file `tree` (read from `path`, reached through `chain`) extends; BadInput when it
+    names none that can be read, or one already in the chain."""
+    if EXTENDS not in tree:
+        return None
+    name = tree[EXTENDS]
+    if not isinstance(name, str) or not name.strip():
+        raise BadInput(f"{path}: {EXTENDS} must name a params file (a path relative to this one), got {name!r}")
+    base = path.parent / name
+    if not base.is_file():
+        what = "a folder" if base.is_dir() else "not found"
+        raise BadInput(f"{path}: {EXTENDS}: {_printable(name)} is {what} ({_printable(str(base))})")
+    if any(base.resolve() == p.resolve() for p in chain):
+        loop = " -> ".join(str(p) for p in [*chain, base])
+        raise BadInput(f"{path}: {EXTENDS} makes a cycle: {loop}")
+    return base
+
+
+def merge(base: dict, overlay: dict, path: tuple[str, ...] = ()) -> dict:
+    """`overlay` over `base` (neither changed): a key whose value is a section in both (by the
+    schema) merges key by key, any other value replaces the base's."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        here = (*path, str(key))
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and _is_section(here):
+            out[key] = merge(out[key], value, here)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _is_section(loc: tuple[str, ...]) -> bool:
+    parent = _model_at(list(loc[:-1]))
+    if parent is None or loc[-1] not in parent.model_fields:
+        return False
+    field = _unwrap(parent.model_fields[loc[-1]].annotation)
+    return isinstance(field, type) and issubclass(field, BaseModel)
 
 
 def load_config(

@@ -3,8 +3,8 @@
 DVC decides what is stale; this module only wraps it. One pipeline run is:
 
 1. check the params and the stage names before any work;
-2. apply the run's params file and `-S` overrides to `params.yaml` (DVC tracks that file, as
-   `dvc exp run --set-param` does), so the stages see them and `dvc.lock` records them;
+2. apply the run's params file (an overlay merged whole) and `-S` overrides to `params.yaml` (DVC
+   tracks that file, as `dvc exp run --set-param` does), so the stages see them and `dvc.lock` records them;
 3. `dvc pull` when a default DVC remote is configured; a remote that cannot be reached is a
    warning, and the pipeline runs locally;
 4. `dvc repro [STAGE ...]` in a child process, with the pipeline's MLflow run id in
@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from gptforge.config.load import DEFAULT_PARAMS, apply_overrides, read_params, validate
+from gptforge.config.load import DEFAULT_PARAMS, EXTENDS, apply_overrides, bases, read_params, read_yaml, validate
 
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
@@ -307,6 +307,9 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
     """The params tree a run will use (`params`, else `target`, plus overrides) and its
     validated config."""
     source = Path(params) if params is not None else target
+    if source.is_file() and target.is_file() and source.resolve() == target.resolve() and EXTENDS in read_yaml(target):
+        raise BadInput(f"{target} is an overlay ({EXTENDS}), but DVC reads it itself and needs every key there: keep "
+                       f"the overlay in configs/ and pass it as --params, the pipeline writes the merged whole here")
     tree = read_params(source) if source.is_file() or params is not None else {}
     tree = apply_overrides(tree, list(overrides))
     cfg = validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
@@ -384,10 +387,12 @@ def apply_params(params: str | os.PathLike | None, overrides: Sequence[str], tar
     write them there atomically. Returns the config the run uses."""
     source = Path(params) if params is not None else target
     tree, cfg = resolve_params(params, overrides, target)
-    current = read_params(target) if target.is_file() else None
+    current = read_yaml(target) if target.is_file() else None
     if current == tree:
         return cfg
-    origin = f"{source}" + (f" with {' '.join(overrides)}" if overrides else "")
+    chain = bases(source) if source.is_file() else []
+    merged = f" merged over {' over '.join(map(str, chain))}" if chain else ""
+    origin = f"{source}{merged}" + (f" with {' '.join(overrides)}" if overrides else "")
     with atomic_file(target, "w", encoding="utf-8") as f:
         f.write(f"# Written by `gptforge pipeline` from {origin}.\n")
         yaml.safe_dump(tree, f, sort_keys=False, default_flow_style=None)
