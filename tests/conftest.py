@@ -459,6 +459,7 @@ def repo_copy(tmp_path) -> Path:
     shutil.copy(REPO / ".gitignore", dst / ".gitignore")
     (dst / "data" / "synthetic").mkdir(parents=True)  # git carries it: prepare_instruct's dependency
     shutil.copy(REPO / "data" / "synthetic" / "README.md", dst / "data" / "synthetic" / "README.md")
+    shutil.copytree(REPO / "data" / "qa", dst / "data" / "qa")  # git carries it: evaluate_qa's dependency
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
@@ -516,6 +517,11 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         "benchmark.profile_steps": 1,
         "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
         "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
+        # the quickstart's real model (SmolLM2 from its GGUF file: tests/test_gguf_in.py) is left out;
+        # an instruct variant of the tiny GPT stands in for its SFT, scored before and after
+        "base.models": {},
+        "instruct_variants.models": {"tiny": {"init_from": "checkpoints/pretrain/final", "max_samples": 8,
+                                              "score_before": True, "n_responses": 1}},
     }
 
 

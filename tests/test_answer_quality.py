@@ -43,6 +43,15 @@ def test_exact_match_and_token_f1_by_hand():
     assert Q.token_f1("red red blue", "red green") == pytest.approx(0.4)
     assert Q.token_f1("red red blue", "red red green") == pytest.approx(2 / 3)
     assert Q.reference_scores([]) == {"n_scored": 0}
+    # distinct_share: "cat sat on mat" 4/4, "big dog" 2/2, the two empty answers 0
+    assert scores["distinct_share"] == pytest.approx((1 + 1 + 0 + 0) / 4)
+
+
+def test_distinct_share_counts_repetition():
+    assert Q.distinct_share("is is is is") == 0.25
+    assert Q.distinct_share("The cat saw the dog.") == 1.0  # articles are normalized away
+    assert Q.distinct_share("red red blue") == pytest.approx(2 / 3)
+    assert Q.distinct_share("") == 0.0
 
 
 def test_rouge_l_is_lcs_f_measure():
@@ -141,7 +150,7 @@ def test_score_file_with_and_without_judge(fake_judge, tmp_path, caplog, monkeyp
     monkeypatch.setattr(logging.getLogger("gptforge"), "propagate", True)
     with caplog.at_level(logging.INFO, logger="gptforge"):
         plain = Q.score_file(path)
-    assert set(plain) == {"exact_match", "token_f1", "rouge_l", "n_scored"} and plain["n_scored"] == 3
+    assert set(plain) == {"exact_match", "token_f1", "rouge_l", "distinct_share", "n_scored"} and plain["n_scored"] == 3
     assert plain["exact_match"] == pytest.approx(1 / 3)
     assert "no judge (instruct.judge.url and instruct.judge.model unset): judge score skipped" in caplog.text
     judged = Q.score_file(path, judge_url=fake_judge.url, judge_model="m")

@@ -37,8 +37,8 @@ from test_dvc import check_registry, dvc, ran_stages
 pytestmark = pytest.mark.slow
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "pretrain",
-          "finetune_classify", "finetune_instruct", "finetune_preference", "train_reward", "finetune_rl", "evaluate",
-          "register", "benchmark"]
+          "finetune_classify", "finetune_instruct", "finetune_instruct_variant", "finetune_preference", "train_reward",
+          "finetune_rl", "evaluate", "register", "benchmark"]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 

@@ -147,6 +147,9 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
         "pretrain": (["pretrain"], {"pretrain.max_steps": 100_000, "pretrain.resume": "never"}),
         "finetune_classify": (["finetune", "classify"], {"classify.epochs": 100_000}),
         "finetune_instruct": (["finetune", "instruct"], {"instruct.epochs": 100_000}),
+        "finetune_instruct_variant": (["finetune", "instruct-variant", "-S", "instruct_variants.only=tiny"],
+                                      {"instruct_variants.models.tiny.epochs": 100_000,
+                                       "instruct_variants.models.tiny.max_samples": None}),
         "finetune_preference": (["finetune", "preference"], {"preference.epochs": 100_000, "preference.max_samples": None}),
         "train_reward": (["finetune", "reward"], {"reward.epochs": 100_000, "reward.max_samples": None}),
         "finetune_rl": (["finetune", "rl"], {"rl.epochs": 100_000, "rl.max_prompts": None}),
@@ -173,7 +176,8 @@ STALLED = {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_
            "synthesize"}
 # What the others log once their work is under way (an epoch or a step done, the scoring or the
 # timing started); pretrain is paused instead.
-READY = {"finetune_classify": "steps so far", "finetune_instruct": "steps so far", "finetune_preference": "margin=",
+READY = {"finetune_classify": "steps so far", "finetune_instruct": "steps so far",
+         "finetune_instruct_variant": "steps so far", "finetune_preference": "margin=",
          "train_reward": "acc=", "finetune_rl": "reward=",
          "evaluate": "pretrain loglikelihood", "benchmark": "benchmark baseline: skipped"}
 PAUSE_AT = 2  # pretrain's pause: a checkpointed step (pretrain.ckpt_interval 2 in stage_params)
@@ -216,7 +220,8 @@ def wait_gone(proc: subprocess.Popen, within: float, since: float) -> float:
 
 
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base",
-          "pretrain", "finetune_classify", "finetune_instruct", "finetune_preference", "train_reward", "finetune_rl",
+          "pretrain", "finetune_classify", "finetune_instruct", "finetune_instruct_variant", "finetune_preference",
+          "train_reward", "finetune_rl",
           "evaluate", "register", "benchmark", "synthesize"]
 
 

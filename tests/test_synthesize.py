@@ -281,6 +281,53 @@ def test_api_key_goes_in_the_authorization_header(tmp_path, endpoint, monkeypatc
     assert {r["headers"]["Authorization"] for r in endpoint.requests} == {"Bearer sk-synth"}
 
 
+def test_no_endpoint_writes_the_chunks_alone_and_the_index_is_built_from_them(tmp_path):
+    """synthesize.endpoint null (offline: no teacher): the set's folder holds chunks.jsonl and no
+    qa.jsonl, the report and metrics say no pair was asked, index@NAME builds from the chunks,
+    and training on synthetic://NAME is refused in one line instead of finding no pairs."""
+    from gptforge.data.instruct import synthetic_records
+    from gptforge.errors import BadInput
+    from gptforge.rag.index import Index
+    from gptforge.rag.stage import index
+    from gptforge.synthesize.chunks import read_chunks
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "rivers.md").write_text(DOC, encoding="utf-8")
+    cfg = load_config(None, ["tokenizer.path=sample://gpt2_tokenizer", f"synthesize.documents={{rivers: {docs}}}",
+                             "synthesize.chunk_tokens=70", "synthesize.chunk_overlap=0", "tracking.enabled=false"])
+    assert cfg.synthesize.endpoint.url is None and cfg.synthesize.endpoint.model is None
+    metrics = _run(tmp_path, cfg)
+    out = tmp_path / "data/synthetic/rivers"
+    assert sorted(p.name for p in out.iterdir()) == ["chunks.jsonl"]
+    chunks = read_chunks(out / "chunks.jsonl")
+    assert [c.headings[-1] for c in chunks] == ["Rhine", "Danube", "Glaciers", "Salmon", "Beavers", "长江"]
+    assert metrics == {"documents": 1, "chunks": 6, "requests": 0, "pairs_asked": 0, "kept": 0}
+    assert json.loads((tmp_path / "metrics/synthesize_rivers.json").read_text()) == metrics
+    assert "**Chunks only: no pairs.**" in (tmp_path / "reports/synthesize_rivers.md").read_text()
+    assert not (tmp_path / "cache").exists()  # nothing was asked
+
+    got = index(cfg, synthetic_root=tmp_path / "data/synthetic", out_root=tmp_path / "data/index",
+                instruct_dir=tmp_path / "data/instruct", metrics_dir=tmp_path / "metrics")
+    assert got["chunks"] == 6 and got["questions"] == 0 and "recall_at_1" not in got
+    idx = Index.load(tmp_path / "data/index/rivers", name="rivers")
+    assert idx.search("Where do salmon spawn?", 1)[0].chunk.headings[-1] == "Salmon"
+
+    with pytest.raises(BadInput, match=re.escape("synthetic://rivers: ") + ".*holds chunks only, no pairs") as e:
+        synthetic_records("rivers", tmp_path / "data/synthetic")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("given", ["url", "model"])
+def test_an_endpoint_half_named_is_refused_in_one_line(given):
+    from gptforge.errors import BadInput
+
+    value = "http://127.0.0.1:9/v1" if given == "url" else "m"
+    with pytest.raises(BadInput, match=f"synthesize.endpoint.{given} is set but synthesize.endpoint.") as e:
+        load_config(None, ["synthesize.documents={rivers: docs}", f"synthesize.endpoint.{given}={value}"])
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # The command: one-line errors, nothing written; a stopped run resumes
 

@@ -74,12 +74,13 @@ def cmd_serve(args) -> int:
 
         retrieval = load_retrieval(args.rag, args.rag_top_k if args.rag_top_k is not None else cfg.index.top_k)
     if args.engine == "vllm":
-        from gptforge.serve.sources import DEFAULT_SPECS
+        from gptforge.serve.sources import DEFAULT_SPECS, default_specs
         from gptforge.serve.vllm import run_vllm, vllm_python
 
         vllm_python()  # a missing vLLM is said before any model is fetched
-        # vLLM serves one language model: with no MODEL, the pipeline's instruct model alone.
-        sources = resolve_all(args.models or [DEFAULT_SPECS[0]], cfg)
+        # vLLM serves one language model: with no MODEL, the pipeline's first one alone.
+        sources = resolve_all(args.models or (default_specs(cfg, language_models_only=True) or [DEFAULT_SPECS[0]])[:1],
+                              cfg)
         return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
     from gptforge.serve import listen, run_server
     from gptforge.serve.loading import load_served

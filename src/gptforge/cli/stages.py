@@ -70,6 +70,12 @@ def add_commands(sub) -> None:
                                     "every batch.")
         config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
+    stage = STAGES["finetune_instruct_variant"]
+    p = finetune_sub.add_parser("instruct-variant", help=stage.summary,
+                                description=f"DVC stage finetune_instruct_variant@NAME: {stage.summary}. -S "
+                                "instruct_variants.only=NAME picks one entry of instruct_variants.models (default: all).")
+    config_args(p)
+    p.set_defaults(func=cmd_stage, stage=stage.name)
 
     stage = STAGES["benchmark"]
     p = sub.add_parser("benchmark", help=stage.summary,

@@ -33,7 +33,9 @@ class FinetuneCommon(Section):
     # Hugging Face causal LM: a local folder or a hub id (Qwen/Qwen2.5-0.5B-Instruct), kept as it is
     init_from: str = "checkpoints/pretrain/final"
     device: str = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # auto: bf16 on CUDA, fp32 on the CPU; auto-bf16: bf16 on CUDA and on CPUs with native bf16
+    # (AVX-512 BF16 or AMX: about 2x fp32 there), fp32 on other CPUs (bf16 is 15-36x slower on AVX2)
+    precision: Literal["auto", "auto-bf16", "fp32", "bf16", "fp16"] = "auto"
     seed: int = 123
     batch_size: int = Field(8, gt=0)
     epochs: int = Field(3, gt=0)
@@ -86,6 +88,9 @@ class InstructConfig(FinetuneCommon):
     # batches of similar lengths (shuffled in groups of 50 batches), so little compute goes to padding
     group_by_length: bool = True
     judge: JudgeConfig = JudgeConfig()
+    max_samples: Optional[int] = Field(None, gt=0, description="training records used (the split's first N); null: all")
+    # the starting model's test loss and answer scores too (metrics *_before, responses side by side)
+    score_before: bool = False
 
     @model_validator(mode="after")
     def _check(self):

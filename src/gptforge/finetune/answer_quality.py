@@ -58,25 +58,35 @@ def token_f1(response: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def distinct_share(response: str) -> float:
+    """Distinct normalized tokens over all tokens of one answer (1.0: no word repeats; "is is is
+    is" 0.25): how much a model degenerates into repetition. An empty answer scores 0."""
+    tokens = normalize(response).split()
+    return len(set(tokens)) / len(tokens) if tokens else 0.0
+
+
 def _text(row: Row, key: str) -> str:
     return str(row.get(key) or "")
 
 
 def reference_scores(rows: Sequence[Row]) -> dict[str, float]:
-    """Means over rows of exact_match, token_f1 and rouge_l, plus n_scored; {"n_scored": 0} if no rows."""
+    """Means over rows of exact_match, token_f1, rouge_l and distinct_share, plus n_scored;
+    {"n_scored": 0} if no rows."""
     if not rows:
         return {"n_scored": 0}
     from rouge_score import rouge_scorer  # imported here: it loads nltk (~3 s)
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    em = f1 = rl = 0.0
+    em = f1 = rl = distinct = 0.0
     for row in rows:
         response, reference = _text(row, "response"), _text(row, "reference")
         em += exact_match(response, reference)
         f1 += token_f1(response, reference)
         rl += scorer.score(reference, response)["rougeL"].fmeasure  # score(target, prediction)
+        distinct += distinct_share(response)
     n = len(rows)
-    return {"exact_match": em / n, "token_f1": f1 / n, "rouge_l": rl / n, "n_scored": n}
+    return {"exact_match": em / n, "token_f1": f1 / n, "rouge_l": rl / n, "distinct_share": distinct / n,
+            "n_scored": n}
 
 
 # ---------------------------------------------------------------------------------------------

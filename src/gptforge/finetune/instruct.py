@@ -50,7 +50,7 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
-from gptforge.finetune.answer_quality import score_file
+from gptforge.finetune.answer_quality import reference_scores, score_file
 from gptforge.modeling.decoding import generate
 from gptforge.finetune.common import (History, apply_lora, check_max_length, enable_gradient_checkpointing,
                                       epoch_batches, is_gpt, length_grouped_batches, load_base, load_hf_base,
@@ -199,6 +199,8 @@ class Session:
     real_tokens: int = 0  # training tokens that were not padding (this process's)
     padded: int = 0  # training positions that were padding (this process's)
     wrapped: Wrapped | None = None  # the model under the strategy (finetune/distributed.py)
+    before: dict[str, float] | None = None  # the starting model's test loss and answer scores (score_before)
+    answers_before: list[str] | None = None
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
@@ -206,6 +208,10 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     c = cfg.instruct
     rt = runtime(c.device, c.precision, param=PARAM)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the model
+    if c.max_samples is not None and c.max_samples < len(records["train"]):
+        log.info("instruct: training on the first %d of %d train records (%s.max_samples)", c.max_samples,
+                 len(records["train"]), PARAM)
+        records["train"] = records["train"][:c.max_samples]
     source = hf_source(c.init_from)
     if source is None:  # our GPT: a checkpoint, a GPT-2 size or a Hugging Face GPT-2 folder
         if c.quantize is not None:
@@ -244,6 +250,42 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
              ", ".join(f"{len(v)} {k}" for k, v in data.items()))
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return Session(model, records, data, kept, enc, rt, max_length, sum(skipped.values()), source)
+
+
+def answer(model: nn.Module, s: Session, c, rt: Runtime) -> tuple[list[str], float]:
+    """Greedy answers to the first `n_responses` test prompts, and generated tokens per second."""
+    n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
+    if s.hf_source is None:
+        return respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens, rt=rt)
+    return greedy_answers(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
+                          positions=model_positions(model), rt=rt)
+
+
+def response_rows(s: Session, texts: Sequence[str]) -> list[dict]:
+    """instruction, input, reference and response of each answered test example."""
+    return [{"instruction": s.records["test"][i]["instruction"], "input": s.records["test"][i]["input"],
+             "reference": s.records["test"][i]["output"], "response": text} for i, text in zip(s.kept["test"], texts)]
+
+
+def score_start(s: Session, cfg: Config, run=NullRun()) -> Session:
+    """`score_before`: the starting model's test loss and answers, scored as the result will be
+    (with LoRA's adapters in place: peft starts them at zero, so the model is the base)."""
+    c = cfg.instruct
+    rt = alone(s.rt)
+    test_loss = split_loss(s.model, s.data["test"], batch_size=c.batch_size, pad_id=s.enc.eot_token,
+                           max_length=s.max_length, mask_prompt=c.mask_prompt, rt=s.rt)
+    was_training = s.model.training
+    s.model.eval()
+    try:
+        s.answers_before, _ = answer(s.model, s, c, rt)
+    finally:
+        s.model.train(was_training)
+    scores = reference_scores(response_rows(s, s.answers_before))
+    s.before = {"test_loss_before": test_loss, **{f"{k}_before": v for k, v in scores.items() if k != "n_scored"}}
+    run.log_metrics(s.before)
+    log.info("instruct: before training, test loss %.4f, token F1 %.3f, ROUGE-L %.3f", test_loss,
+             s.before["token_f1_before"], s.before["rouge_l_before"])
+    return s
 
 
 def train(s: Session, cfg: Config, run=NullRun()) -> Session:
@@ -310,18 +352,13 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     val_loss = split_loss(model, s.data["val"], **shape)
     test_loss = split_loss(model, s.data["test"], **shape)
 
-    n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
-    if s.hf_source is None:
-        texts, tokens_per_sec = respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
-                                        rt=rt)
-    else:
-        texts, tokens_per_sec = greedy_answers(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
-                                               positions=model_positions(model), rt=rt)
+    texts, tokens_per_sec = answer(model, s, c, rt)
+    n = len(texts)
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
-        for index, text in zip(s.kept["test"], texts):
-            rec = s.records["test"][index]
-            f.write(json.dumps({"instruction": rec["instruction"], "input": rec["input"],
-                                "reference": rec["output"], "response": text}, ensure_ascii=False) + "\n")
+        for i, row in enumerate(response_rows(s, texts)):
+            if s.answers_before is not None:  # the starting model's answer beside the result's
+                row["response_before"] = s.answers_before[i]
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     quality = score_file(responses_path, judge_url=c.judge.url, judge_model=c.judge.model)
 
@@ -341,7 +378,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
                "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0,
                "train_tokens": s.real_tokens, "padding_fraction": s.padded / processed if processed else 0.0,
                "train_tokens_per_sec": s.real_tokens / sum(seconds) if sum(seconds) > 0 else 0.0,
-               **quality}
+               **quality, **(s.before or {})}
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(responses_path)
     if s.hf_source is None:
@@ -368,5 +405,29 @@ def finetune_instruct(
 ) -> dict:
     """The stage: set up, train, finish (each a step: a Prefect task under PrefectSteps)."""
     session = steps(setup, cfg, data_dir, run)
+    if cfg.instruct.score_before:
+        session = steps(score_start, session, cfg, run)
     session = steps(train, session, cfg, run)
     return steps(finish, session, cfg, run, out_dir, metrics_path, responses_path)
+
+
+def variant_paths(name: str) -> dict[str, str]:
+    """Where stage finetune_instruct_variant@NAME writes (the instruct stage's names, with NAME)."""
+    return {"out_dir": f"checkpoints/instruct_{name}", "metrics_path": f"metrics/instruct_{name}.json",
+            "responses_path": f"reports/instruct_{name}_responses.jsonl"}
+
+
+def finetune_instruct_variant(cfg: Config, *, steps: Steps = DIRECT, run=NullRun(),
+                              data_dir: str | os.PathLike = "data/instruct") -> dict:
+    """Stage finetune_instruct_variant@NAME (`-S instruct_variants.only=NAME`; every entry when
+    null): the instruct recipe with `instruct_variants.models[NAME]` over the instruct section,
+    into `variant_paths(NAME)`. The quickstart's SmolLM2 LoRA beside the tiny GPT's SFT."""
+    variants, name = cfg.instruct_variants, cfg.instruct_variants.only
+    if name is not None and name not in variants.models:
+        raise BadInput(f"instruct_variants.models has no entry {name!r} (entries: {', '.join(variants.models) or 'none'})")
+    metrics: dict[str, float] = {}
+    for key in [name] if name is not None else list(variants.models):
+        sub = cfg.model_copy(update={"instruct": cfg.instruct_variant(key)})
+        got = finetune_instruct(sub, steps=steps, run=run, data_dir=data_dir, **variant_paths(key))
+        metrics.update(got if name is not None else {f"{key}.{k}": v for k, v in got.items()})
+    return metrics

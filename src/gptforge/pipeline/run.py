@@ -40,6 +40,7 @@ from gptforge.config.load import DEFAULT_PARAMS, EXTENDS, apply_overrides, bases
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
+from gptforge.pipeline.summary import closing_summary  # noqa: F401 - the pipeline's callers take it from here
 from gptforge.runtime import locks, mlflow_values, tracking
 from gptforge.runtime.child_output import ChildOutput
 from gptforge.runtime.signals import forwarded_to
@@ -331,7 +332,9 @@ def start_folders(cfg: Config) -> dict[str, str]:
     return {"classify.init_from": cfg.classify.init_from, "instruct.init_from": cfg.instruct.init_from,
             "preference.init_from": cfg.preference.init_from, "reward.init_from": cfg.reward.init_from,
             "rl.init_from": cfg.rl.init_from, "rl.reward_model": cfg.rl.reward_model,
-            **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()}}
+            **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()},
+            **{f"instruct_variants.models.{k}.init_from": cfg.instruct_variant(k).init_from
+               for k in cfg.instruct_variants.models}}
 
 
 # The folders a stage of the chain makes before the stage that reads them (param -> folders).
@@ -351,7 +354,7 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
     refused with the way to fetch it."""
     folders = start_folders(cfg)
     for param in ("classify.init_from", "instruct.init_from", "preference.init_from", "reward.init_from",
-                  "rl.init_from", "rl.reward_model"):
+                  "rl.init_from", "rl.reward_model", *(p for p in folders if p.startswith("instruct_variants."))):
         value = folders[param]
         made_before = any(_inside(value, out) for out in MADE_BEFORE.get(param, ()))
         if made_before or _inside(value, PRETRAIN_OUT) or (root / value).exists():
@@ -502,78 +505,6 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
         log.info("%s", line)
     log.info("pipeline %s in %.1f s", "done" if report.ok else "FAILED", report.seconds)
     return report
-
-
-# (label, metrics file, key, format, the key of the same figure before training or None): the
-# numbers `make run` closes with; a figure with a "before" shows as "before -> after".
-HEADLINES = (
-    ("pretrain validation loss", "metrics/pretrain.json", "val_loss", "{:.3f}", None),
-    ("pretrain training speed", "metrics/pretrain.json", "tokens_per_sec", "{:,.0f} tokens/s", None),
-    ("spam test accuracy", "metrics/classify.json", "test_accuracy", "{:.4f}", None),
-    ("spam test F1", "metrics/classify.json", "f1", "{:.4f}", None),
-    ("instruct validation loss", "metrics/instruct.json", "val_loss", "{:.3f}", None),
-    ("instruct generation speed", "metrics/instruct.json", "response_tokens_per_sec", "{:,.0f} tokens/s", None),
-    ("DPO reward accuracy (val)", "metrics/preference.json", "val_reward_accuracy", "{:.3f}", None),
-    ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}", None),
-    ("reward model accuracy (val)", "metrics/reward.json", "val_accuracy", "{:.3f}", "val_accuracy_before"),
-    ("RL held-out reward", "metrics/rl.json", "heldout_reward", "{:.3f}", "heldout_reward_before"),
-)
-REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
-           "reports/preference_responses.jsonl", "reports/rl_responses.jsonl", "plots/")
-
-
-def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None,
-                    prefect_api: str | None = None) -> list[str]:
-    """What a user wants after a run: headline numbers, where the reports are, how to open the
-    MLflow and Prefect UIs on it (`prefect_api`, else PREFECT_API_URL). Numbers come from the
-    metrics files, so a run that re-ran nothing shows the last results."""
-    def metric(path: str, key: str):
-        with contextlib.suppress(Exception):
-            value = read_json(root / path, missing="").get(key)
-            return value if isinstance(value, (int, float)) else None
-        return None
-
-    lines = ["", "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran")
-                              else "") + ":"]
-    for label, path, key, fmt, before_key in HEADLINES:
-        value = metric(path, key)
-        if value is not None:
-            before = metric(path, before_key) if before_key else None
-            shown = fmt.format(value) if before is None else f"{fmt.format(before)} -> {fmt.format(value)}"
-            lines.append(f"  {label:<28} {shown}")
-    with contextlib.suppress(Exception):
-        evaluated = read_json(root / "metrics/evaluate.json", missing="")
-        for key, value in evaluated.items():
-            model, _, rest = key.partition(".")
-            if rest in ("hellaswag.acc_norm", "mmlu.acc") and isinstance(value, (int, float)):
-                lines.append(f"  {model + ' ' + rest.replace('.', ' '):<28} {value:.4f}")
-    with contextlib.suppress(Exception):
-        registered = read_json(root / "metrics/register.json", missing="")
-        versions = [f"{m} v{int(registered[f'{m}.version'])}" + (" champion" if registered.get(f"{m}.champion") else
-                                                                 " challenger")
-                    for m in ("pretrain", "classify", "instruct", "preference", "reward", "rl")
-                    if f"{m}.version" in registered]
-        if versions:
-            lines.append(f"  {'registered models':<28} {', '.join(versions)}")
-    found = [r for r in REPORTS if (root / r).exists()]
-    if found:
-        lines.append("Reports: " + ", ".join(found))
-    uri = mlflow_values.tracking_uri()
-    if uri.startswith(("http://", "https://")):
-        lines.append(f"MLflow: {report.run_url or uri}")
-    else:
-        lines.append(f"MLflow: mlflow ui --backend-store-uri {uri}   then http://127.0.0.1:5000"
-                     + (f"  (pipeline run {report.run_id})" if report.run_id else ""))
-    api = prefect_api or os.environ.get("PREFECT_API_URL")
-    if api:
-        ui = api.rstrip("/").removesuffix("/api")
-        lines.append(f"Prefect: {ui}/runs" + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
-    else:
-        lines.append("Prefect: prefect server start   then http://127.0.0.1:4200/runs"
-                     + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
-    if (root / "checkpoints/instruct/final").is_dir() or (root / "checkpoints/classify/final").is_dir():
-        lines.append("Serve: .venv/bin/gptforge serve   then http://127.0.0.1:8000 (chat page; OpenAI API at /v1)")
-    return lines
 
 
 def _add_metrics_and_runs(report: PipelineReport, known: dict[str, dict], root: Path,

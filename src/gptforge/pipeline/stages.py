@@ -65,8 +65,8 @@ STAGES: dict[str, Stage] = {
               headline=("recall_at_5", "mrr", "chunks")),
         Stage("evaluate_qa", "gptforge.rag.evaluate_qa:evaluate_qa",
               ("tokenizer", "instruct.template", "index", "evaluate", "evaluate_qa"),
-              "a document set's held-out questions answered by each model, without and with retrieval "
-              "(reports/evaluate_qa_NAME.md)"),
+              "a document set's held-out questions (or evaluate_qa.questions.NAME) answered by each model, "
+              "without and with retrieval (reports/evaluate_qa_NAME.md)"),
         Stage("pretrain", "gptforge.training.loop:pretrain", ("tokenizer", "model", "pretrain", "distributed"),
               "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
               headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
@@ -76,6 +76,11 @@ STAGES: dict[str, Stage] = {
         Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct", "distributed"),
               "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True,
               headline=("val_loss", "test_loss", "response_tokens_per_sec")),
+        Stage("finetune_instruct_variant", "gptforge.finetune.instruct:finetune_instruct_variant",
+              ("tokenizer", "instruct", "instruct_variants"),
+              "one more instruction fine-tuning: instruct_variants.models.NAME over the instruct section "
+              "(checkpoints/instruct_NAME/)", system_metrics=True,
+              headline=("test_loss", "test_loss_before", "token_f1", "token_f1_before")),
         Stage("finetune_preference", "gptforge.finetune.preference:finetune_preference",
               ("tokenizer", "instruct.template", "preference", "distributed"),
               "align the instruction model with preference pairs: DPO through trl (checkpoints/preference/)",

@@ -3,10 +3,13 @@
 questions twice, without and with retrieval, and both sets of answers are scored against the
 references the way the instruct stage scores its test answers.
 
-The questions: the instruct test split (`data/instruct/test.jsonl`) when prepare_instruct reads
-this set's pairs (`data.instruct.source: synthetic://NAME`: questions the fine-tuned models never
-trained on), else every pair synthesize kept (`data/synthetic/NAME/qa.jsonl`); the first
-`evaluate_qa.limit` when set. The retrieval: the set's index (`data/index/NAME/`, stage
+The questions: the user's own file when `evaluate_qa.questions.NAME` names one (JSON lines of
+`question`, `answer` and optionally `source`, a file of the document set: `read_user_questions`);
+else the instruct test split (`data/instruct/test.jsonl`) when prepare_instruct reads this set's
+pairs (`data.instruct.source: synthetic://NAME`: questions the fine-tuned models never trained
+on); else every pair synthesize kept (`data/synthetic/NAME/qa.jsonl`). The first
+`evaluate_qa.limit` when set. A set synthesized without an endpoint has chunks and no pairs, so
+its questions must be the user's. The retrieval: the set's index (`data/index/NAME/`, stage
 index@NAME, checked against the set's name and chunks), its `index.top_k` best chunks put in
 front of the question by `rag.prompt.augment`, cut to fit the model's positions with
 `evaluate_qa.max_new_tokens` left for the answer.
@@ -25,11 +28,16 @@ What it writes, per set (`<model>` the key in `evaluate.models`; `qa` without re
 judge_unscored when `instruct.judge` names an endpoint):
 - `reports/evaluate_qa_NAME.jsonl`: one row per model x question: model, question, input,
   reference, answer, answer_rag, sources (the retrieved chunks: rank, id, file, headings, span,
-  score, what was included), chunk (the question's source chunk, when known);
+  score, what was included), chunk (the question's source chunk, when known), source and
+  source_rank (the file the user's question names, and the rank of its best chunk among the
+  top_k retrieved, null when none of them is from it);
 - `reports/evaluate_qa_NAME.md`: the table, one row per model and mode;
 - `metrics/evaluate_qa_NAME.json`: `<model>.qa.<metric>`, `<model>.qa_rag.<metric>`,
-  `<model>.too_long`. The stage's MLflow run gets the same metrics (prefixed `NAME.` when
-  several sets are evaluated at once, as the index stage does) and the three files.
+  `<model>.too_long`, and with questions that name their source file `retrieval.source_hit`
+  (the share of them whose file is among the top_k retrieved: the same for every model, since
+  retrieval comes before the prompt is cut) and `retrieval.source_n`. The stage's MLflow run
+  gets the same metrics (prefixed `NAME.` when several sets are evaluated at once, as the index
+  stage does) and the three files.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from gptforge.errors import BadInput
 from gptforge.io import atomic_file, write_json
@@ -50,6 +58,8 @@ from gptforge.runtime.tracking import NullRun
 log = logging.getLogger("gptforge")
 
 PARAM = "evaluate_qa"
+QUESTIONS_DIR = Path("data/qa")  # dvc.yaml's evaluate_qa stage depends on this folder
+QUESTION_LINE = 'each line is {"question": ..., "answer": ..., "source": a file of the set (optional)}'
 MODES = ("qa", "qa_rag")
 METRICS = ("exact_match", "token_f1", "rouge_l")
 
@@ -59,7 +69,7 @@ class QASet:
     """One document set's questions and its index."""
 
     name: str
-    records: list[dict]  # instruction, input, output (+ chunk when the pair names its source chunk)
+    records: list[dict]  # instruction, input, output (+ chunk, or source and source_rank, when known)
     origin: str  # the file the questions come from
     index: Any  # rag.index.Index
 
@@ -86,6 +96,10 @@ def evaluate_qa(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(),
     from gptforge.synthesize.stage import selected_documents
 
     names = selected_documents(cfg.synthesize)
+    unknown = [n for n in cfg.evaluate_qa.questions if n not in cfg.synthesize.documents]
+    if unknown:
+        raise BadInput(f"evaluate_qa.questions.{unknown[0]} names no entry of synthesize.documents (entries: "
+                       f"{', '.join(cfg.synthesize.documents) or 'none'})")
     # every bad input before any model loads
     sets = [steps(read_set, cfg, name, synthetic_root=synthetic_root, index_root=index_root,
                   instruct_dir=instruct_dir) for name in names]
@@ -132,38 +146,108 @@ def read_set(cfg, name: str, *, synthetic_root, index_root, instruct_dir) -> QAS
 
     folder = Path(synthetic_root) / name
     qa_file, chunks_file = folder / "qa.jsonl", folder / "chunks.jsonl"
-    for path in (qa_file, chunks_file):
+    own = cfg.evaluate_qa.questions.get(name)
+    for path in (chunks_file,) if own else (chunks_file, qa_file):
+        if not path.is_file() and path is qa_file and cfg.synthesize.endpoint.url is None:
+            raise BadInput(f"{PARAM} {name}: {folder} holds chunks only, no questions (synthesize.endpoint.url is "
+                           f"null): set evaluate_qa.questions.{name} to your question file (docs/rag.md)")
         if not path.is_file():
             raise BadInput(f"{PARAM} {name}: {path} not found: run `gptforge synthesize -S synthesize.only={name}` "
                            "first (stage synthesize@NAME)")
-    if cfg.data.instruct.source == f"synthetic://{name}":
+    if own:
+        origin = Path(own)
+        records = read_user_questions(origin, param=f"evaluate_qa.questions.{name}")
+        if not _under(origin, QUESTIONS_DIR):
+            log.warning("evaluate_qa.questions.%s: %s is outside %s/, which dvc.yaml's evaluate_qa stage depends on: "
+                        "`dvc repro` will not see it change", name, origin, QUESTIONS_DIR)
+    elif cfg.data.instruct.source == f"synthetic://{name}":
         origin = Path(instruct_dir) / "test.jsonl"
         if not origin.is_file():
             raise BadInput(f"{PARAM} {name}: {origin} not found (data.instruct.source is synthetic://{name}, so the "
                            "questions are its held-out split): run `gptforge prepare instruct` first")
+        records = read_questions(origin, param=f"{PARAM} {name}")
     else:
         origin = qa_file
-    records = read_questions(origin, param=f"{PARAM} {name}")
+        records = read_questions(origin, param=f"{PARAM} {name}")
     if cfg.evaluate_qa.limit is not None:
         records = records[:cfg.evaluate_qa.limit]
     index = Index.load(index_path(name, index_root), name=name, chunks_sha256=file_sha256(chunks_file),
                        param=f"{PARAM} {name}")
+    if own:
+        rank_sources(records, index, cfg.index.top_k, param=f"evaluate_qa.questions.{name}", path=origin)
     log.info("evaluate_qa %s: %d questions from %s; index %s (%s, %d chunks), top_k %d", name, len(records), origin,
              index.folder, index.method, len(index.chunks), cfg.index.top_k)
     return QASet(name, records, str(origin), index)
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def _json_lines(path: Path, *, param: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line; BadInput naming the file and line when one is
+    not JSON, or the file is not UTF-8 text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{param}: {path} is not UTF-8 text (byte offset {e.start}): save it as UTF-8") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{param}: {path}:{number} is not a JSON line ({e.msg})") from None
+
+
+def read_user_questions(path: Path, *, param: str) -> list[dict]:
+    """The user's question file as records (instruction = question, input "", output = answer,
+    source when given, line); BadInput (one line) when it is missing or empty, a line is not JSON
+    or lacks a non-empty string question or answer, or its source is not a string."""
+    if not path.is_file():
+        raise BadInput(f"{param}: {path} not found (a .jsonl file: {QUESTION_LINE})")
+    records = []
+    for number, rec in _json_lines(path, param=param):
+        if not isinstance(rec, dict):
+            raise BadInput(f"{param}: {path}:{number} is not a JSON object: {QUESTION_LINE}")
+        for key in ("question", "answer"):
+            if not (isinstance(rec.get(key), str) and rec[key].strip()):
+                raise BadInput(f"{param}: {path}:{number} has no {key!r} (a non-empty string): {QUESTION_LINE}")
+        kept = {"instruction": rec["question"], "input": "", "output": rec["answer"], "line": number}
+        if rec.get("source") is not None:
+            if not (isinstance(rec["source"], str) and rec["source"].strip()):
+                raise BadInput(f"{param}: {path}:{number}: \"source\" must be a file name of the document set, "
+                               f"got {rec['source']!r}")
+            kept["source"] = rec["source"]
+        records.append(kept)
+    if not records:
+        raise BadInput(f"{param}: {path} holds no question: {QUESTION_LINE}")
+    return records
+
+
+def rank_sources(records: Sequence[dict], index, top_k: int, *, param: str, path: Path) -> None:
+    """Set each record's `source_rank` (the rank of the best of its source file's chunks among the
+    index's top_k for its question, None when none is there); BadInput when a source is not a
+    file of the indexed set."""
+    from gptforge.finetune.templates import user_content
+
+    files = sorted({c.source for c in index.chunks})
+    for rec in records:
+        if "source" not in rec:
+            continue
+        if rec["source"] not in files:
+            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+            raise BadInput(f"{param}: {path}:{rec['line']}: source {rec['source']!r} is no file of the document set "
+                           f"(its files, relative to its folder: {shown})")
+        ranks = [hit.rank for hit in index.search(user_content(rec), top_k) if hit.chunk.source == rec["source"]]
+        rec["source_rank"] = ranks[0] if ranks else None
 
 
 def read_questions(path: Path, *, param: str) -> list[dict]:
     """The Alpaca records of a jsonl file (instruction, input, output, and the source chunk's id
     when given); BadInput naming the file and line when a record is not one, or there is none."""
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"{param}: {path}:{number} is not a JSON line ({e.msg})") from None
+    for number, rec in _json_lines(path, param=param):
         if not (isinstance(rec, dict) and isinstance(rec.get("instruction"), str) and isinstance(rec.get("output"), str)
                 and isinstance(rec.get("input") or "", str)):
             raise BadInput(f"{param}: {path}:{number} is not an object with string \"instruction\" and \"output\"")
@@ -239,6 +323,8 @@ def answer_set(a: Answerer, s: QASet, cfg, rt) -> list[dict]:
         row = {"model": a.name, "question": rec["instruction"], "input": rec["input"], "reference": rec["output"]}
         if "chunk" in rec:
             row["chunk"] = rec["chunk"]
+        if "source" in rec:
+            row["source"], row["source_rank"] = rec["source"], rec["source_rank"]
 
         def fits(text: str, ref: str = rec["output"]) -> bool:
             return len(prompt_ids({"instruction": text, "input": "", "output": ref})) + max_new <= a.positions
@@ -324,10 +410,20 @@ def write_set(cfg, s: QASet, rows: Sequence[dict], notes: dict[str, dict], *, re
                  model, table[model]["qa"].get("token_f1", 0.0), table[model]["qa_rag"].get("token_f1", 0.0),
                  table[model]["qa"].get("rouge_l", 0.0), table[model]["qa_rag"].get("rouge_l", 0.0),
                  table[model]["qa"]["n"])
+    metrics.update(source_hits(s.records))
     with atomic_file(report_path, "w", encoding="utf-8") as f:
         f.write(report(cfg, s, table, notes, rows))
     write_json(metrics_path, metrics)
     return metrics
+
+
+def source_hits(records: Sequence[dict]) -> dict[str, float]:
+    """retrieval.source_hit (the share of the questions naming their source file whose file is
+    among the top_k retrieved) and retrieval.source_n; {} when no question names one."""
+    ranks = [rec["source_rank"] for rec in records if "source_rank" in rec]
+    if not ranks:
+        return {}
+    return {"retrieval.source_hit": sum(r is not None for r in ranks) / len(ranks), "retrieval.source_n": len(ranks)}
 
 
 def report(cfg, s: QASet, table: dict[str, dict[str, dict]], notes: dict[str, dict], rows: Sequence[dict]) -> str:
@@ -353,6 +449,12 @@ def report(cfg, s: QASet, table: dict[str, dict[str, dict]], notes: dict[str, di
     if any(too_long.values()):
         lines.append("Questions whose prompt fills the model's positions (answered empty): "
                      + ", ".join(f"{m} {n}" for m, n in too_long.items() if n) + ".")
+    hits = source_hits(s.records)
+    if hits:
+        lines.append(f"Retrieval: the question's source file among the {cfg.index.top_k} chunks retrieved for "
+                     f"{round(hits['retrieval.source_hit'] * hits['retrieval.source_n'])} of "
+                     f"{hits['retrieval.source_n']} questions that name one (source_hit "
+                     f"{hits['retrieval.source_hit']:.3f}).")
     cut = sum(1 for r in rows for src in r["sources"] if src["included"] != "whole")
     if cut:
         lines.append(f"Retrieved chunks cut or dropped to fit: {cut} of "

@@ -6,6 +6,10 @@ and `metrics/index_NAME.json`: the index's size and build time, and its retrieva
 synthesized questions (rag/quality.py: recall_at_1, recall_at_5, recall_at_10, mrr), plus the same
 over the held-out split alone (`heldout_recall_at_5`, ...) when prepare_instruct reads these
 pairs (`data.instruct.source: synthetic://NAME`, its test split in `data/instruct/test.jsonl`).
+
+A set synthesized without an endpoint has chunks and no `qa.jsonl`: the index is built all the
+same, and its metrics say `questions` 0 (retrieval is then measured by evaluate_qa, on the
+user's questions that name their source file).
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ def index_one(cfg, name: str, *, synthetic_root, out_root, instruct_dir, metrics
     seconds = time.perf_counter() - t0
     metrics: dict[str, float] = {"chunks": len(chunks), "build_seconds": seconds}
     pairs = _records(folder / "qa.jsonl")
+    if not (folder / "qa.jsonl").is_file():
+        log.info("index %s: %s holds chunks only (no synthesized questions): retrieval quality not measured here",
+                 name, folder)
     metrics.update(retrieval_quality(idx, pairs))
     if cfg.data.instruct.source == f"synthetic://{name}":
         metrics.update(retrieval_quality(idx, _records(Path(instruct_dir) / "test.jsonl"), prefix="heldout_"))

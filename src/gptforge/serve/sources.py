@@ -7,8 +7,10 @@ classifier (the head files of `gptforge.finetune.classify` beside its backbone),
 causal LM (a config.json of transformers; GPT-2 folders too, `gptforge export`'s output), or a
 gptforge checkpoint (model.safetensors + config.json of `gptforge.modeling.weights`), checked in that
 order: a classifier folder holds one of the other two as its backbone. With no MODEL the
-pipeline's results are served, `instruct=checkpoints/instruct/final` and
-`classify=checkpoints/classify/final`, each only when its folder exists. A model's NAME is the
+pipeline's results are served (`default_specs`): each instruct variant first
+(`smollm2=checkpoints/instruct_smollm2/final`, the quickstart's fine-tuned SmolLM2), then
+`instruct=checkpoints/instruct/final` and `classify=checkpoints/classify/final`, each only when
+its folder exists. A model's NAME is the
 part before `=`, else the registered model's name for a registry URI and the SPEC itself for a
 folder; two models with one name are refused.
 
@@ -100,11 +102,20 @@ def resolve(spec: str, cfg) -> ModelSource:
     return _from_folder(name or spec, Path(spec).expanduser(), spec, cfg)
 
 
+def default_specs(cfg, *, language_models_only: bool = False) -> list[str]:
+    """The pipeline's models whose folder exists: the instruct variants' (instruct_variants:
+    real models such as SmolLM2, which answer best), the instruct model, the classifier."""
+    from gptforge.finetune.instruct import variant_paths
+
+    specs = [f"{name}={variant_paths(name)['out_dir']}/final" for name in cfg.instruct_variants.models]
+    specs += DEFAULT_SPECS[:1] if language_models_only else DEFAULT_SPECS
+    return [s for s in specs if Path(split_model(s)[1]).is_dir()]
+
+
 def resolve_all(specs: Sequence[str], cfg) -> list[ModelSource]:
-    """Every MODEL resolved, in order; no MODEL: the pipeline's instruct model and classifier
-    (DEFAULT_SPECS), those whose folder exists. Names must differ."""
+    """Every MODEL resolved, in order; no MODEL: `default_specs`. Names must differ."""
     if not specs:
-        present = [s for s in DEFAULT_SPECS if Path(split_model(s)[1]).is_dir()]
+        present = default_specs(cfg)
         if not present:
             folders = " nor ".join(split_model(s)[1] for s in DEFAULT_SPECS)
             raise BadInput(f"no MODEL given and neither {folders} exists: run the pipeline (make run) or name "

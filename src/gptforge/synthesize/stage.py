@@ -12,6 +12,14 @@ survivors, the first one kept) and writes:
   entry for qa.jsonl);
 - `reports/synthesize_NAME.md` and `metrics/synthesize_NAME.json`.
 
+With no endpoint (`synthesize.endpoint.url` and `.model` null) the stage writes
+`chunks.jsonl` alone, and a report and metrics that say so (`pairs_asked` 0, `kept` 0): no
+`qa.jsonl`, so nothing downstream can take an absent set of pairs for an empty one
+(`prepare_instruct` refuses `synthetic://NAME` in one line). The index of the set is then built
+from its chunks, and its questions are the user's own (`evaluate_qa.questions.NAME`). A model
+too small to write pairs (a 135M one answers with lines of "#") is no teacher: this is the
+offline path.
+
 Failures: bad documents or an endpoint that refuses the key (401/403) or the model (404) are
 BadInput (exit 2, nothing written); an endpoint that cannot be reached, or stops answering
 halfway, is SourceUnreachable (exit 1) with the number of chunks left (their answers so far
@@ -116,6 +124,9 @@ def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str 
                    chunk_tokens=s.chunk_tokens, overlap=s.chunk_overlap)
     log.info("synthesize %s: %d documents, %d chunks (at most %d GPT-2 tokens, %d shared)", name, len(docs),
              len(chunks), s.chunk_tokens, s.chunk_overlap)
+    if s.endpoint.url is None:
+        return chunks_only(name, docs, chunks, s, steps=steps, run=run, out_root=out_root, reports_dir=reports_dir,
+                           metrics_dir=metrics_dir)
     client = ChatClient(s.endpoint.url, s.endpoint.model, api_key=os.environ.get(KEY_ENV) or None,
                         timeout=s.endpoint.timeout, retries=s.endpoint.retries)
     asker = Asker(client, ResponseCache(cache_dir if cache_dir is not None else CACHE_DIR))
@@ -138,6 +149,32 @@ def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str 
         raise StageFailed(f"synthesize {name}: no pair kept of {len(pairs)} returned "
                           f"({drops or 'the endpoint returned none'}; {int(metrics['unparseable'])} unparseable "
                           f"replies, {int(metrics['refused_requests'])} refused requests); see {report}")
+    return metrics
+
+
+def chunks_only(name: str, docs: Sequence[Any], chunks: Sequence[Any], s, *, steps: Steps, run: NullRun,
+                out_root: str | os.PathLike, reports_dir: str | os.PathLike, metrics_dir: str | os.PathLike) -> dict:
+    """No endpoint: `data/synthetic/NAME/` holds `chunks.jsonl` alone (replaced whole), and the
+    report and metrics say that no pair was asked."""
+    out = Path(out_root) / name
+    steps(write_chunks_only, out, chunks)
+    metrics: dict[str, float] = {"documents": len(docs), "chunks": len(chunks), "requests": 0, "pairs_asked": 0,
+                                 "kept": 0}
+    report = Path(reports_dir) / f"synthesize_{name}.md"
+    lines = [f"# synthesize {name}", "",
+             f"Documents `{s.documents[name]}`: {len(docs)} documents, {len(chunks)} chunks of at most "
+             f"{s.chunk_tokens} GPT-2 tokens ({s.chunk_overlap} shared), in `{out / 'chunks.jsonl'}`.", "",
+             "**Chunks only: no pairs.** `synthesize.endpoint.url` and `synthesize.endpoint.model` are null, so "
+             "no endpoint was asked and there is no `qa.jsonl`. The index (stage index@NAME) is built from these "
+             "chunks; evaluate_qa asks the questions of `evaluate_qa.questions.NAME`. To make pairs, name an "
+             "endpoint (docs/synthesize.md)."]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(report, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    publish_metrics(run, metrics, Path(metrics_dir) / f"synthesize_{name}.json")
+    run.log_artifact(report)
+    log.warning("synthesize %s: no endpoint (synthesize.endpoint.url is null): %d chunks written to %s, no pairs "
+                "asked", name, len(chunks), out)
     return metrics
 
 
@@ -341,6 +378,14 @@ def write_outputs(out: Path, name: str, chunks: Sequence[Any], pairs: Sequence[P
         (tmp / "dataset_info.json").write_text(
             json.dumps({f"gptforge_{name}": {"file_name": "qa.jsonl", **DATASET_INFO}}, indent=2) + "\n",
             encoding="utf-8")
+
+
+def write_chunks_only(out: Path, chunks: Sequence[Any]) -> None:
+    """data/synthetic/NAME/ with chunks.jsonl alone, replaced as a whole."""
+    from gptforge.synthesize.chunks import write_chunks
+
+    with atomic_dir(out) as tmp:
+        write_chunks(chunks, tmp / "chunks.jsonl")
 
 
 def write_report(path: Path, name: str, s, metrics: dict, pairs: Sequence[Pair]) -> None:
