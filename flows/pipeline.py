@@ -14,7 +14,8 @@ from prefect.client.orchestration import get_client
 
 from flows.stages import flow_run_tags
 from flows.outage import Finished, best_effort
-from gptforge.pipeline.run import closing_summary, run_pipeline
+from gptforge.pipeline.run import run_pipeline
+from gptforge.pipeline.summary import closing_summary
 from gptforge.runtime.recording import PIPELINE_FLOW_ENV
 from tasks import PrefectSteps
 

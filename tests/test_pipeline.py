@@ -59,7 +59,8 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
     assert error_lines(out.stderr) == ["gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
                                        "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
                                        "prepare_instruct, prepare_preference, pretrain, finetune_classify, "
-                                       "finetune_instruct, finetune_preference, train_reward, finetune_rl, evaluate, "
+                                       "finetune_instruct, finetune_instruct_variant, finetune_preference, train_reward, "
+                                       "finetune_rl, evaluate, "
                                        "register, benchmark"]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
 
@@ -199,7 +200,7 @@ def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_
 
 
 def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_after(tmp_path):
-    from gptforge.pipeline.run import closing_summary
+    from gptforge.pipeline.summary import closing_summary
 
     (tmp_path / "metrics").mkdir()
     for name, values in {"preference": {"val_reward_accuracy": 0.655},

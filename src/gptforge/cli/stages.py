@@ -145,7 +145,8 @@ def cmd_stage(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
-    from gptforge.pipeline.run import check_request, closing_summary, run_pipeline
+    from gptforge.pipeline.run import check_request, run_pipeline
+    from gptforge.pipeline.summary import closing_summary
     from gptforge.runtime import locks
 
     check_request(args.stages, args.params, args.set)  # before any server starts

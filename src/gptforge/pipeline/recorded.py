@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from gptforge.pipeline.run import closing_summary, run_pipeline
+from gptforge.pipeline.run import run_pipeline
+from gptforge.pipeline.summary import closing_summary
 
 # How long the pipeline's end waits for the recorder to have made its flow run (for its MLflow
 # run's tags and the summary's link): by then the stages' journals are delivered, which needed

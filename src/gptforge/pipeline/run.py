@@ -40,7 +40,6 @@ from gptforge.config.load import DEFAULT_PARAMS, EXTENDS, apply_overrides, bases
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed, Stopped
 from gptforge.io import atomic_file, read_json
-from gptforge.pipeline.summary import closing_summary  # noqa: F401 - the pipeline's callers take it from here
 from gptforge.runtime import locks, mlflow_values, tracking
 from gptforge.runtime.child_output import ChildOutput
 from gptforge.runtime.signals import forwarded_to

@@ -463,8 +463,9 @@ def run_url(run_id: str | None, experiment_id: str | None = None) -> str | None:
 
 
 def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
-    """The runs nested under `parent_run_id`, by their `gptforge.stage` tag: stage -> (run id,
-    UI link). The newest run of a stage wins (a stage re-run inside one pipeline)."""
+    """The runs nested under `parent_run_id`, by their DVC stage (`dvc.stage`: prepare_base@NAME,
+    finetune_instruct_variant@NAME), else their `gptforge.stage` tag: stage -> (run id, UI link).
+    The newest run of a stage wins (a stage re-run inside one pipeline)."""
     try:
         mlflow = _import_mlflow()
         client = mlflow.tracking.MlflowClient(tracking_uri())
@@ -474,8 +475,8 @@ def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
     except Exception as e:  # tracking off, mlflow missing, or its store unreachable
         log.debug("no child runs of %s: %s", parent_run_id, e)
         return {}
-    return {r.data.tags.get("gptforge.stage", r.info.run_name): (r.info.run_id, run_url(r.info.run_id, r.info.experiment_id))
-            for r in runs}
+    return {(r.data.tags.get("dvc.stage") or r.data.tags.get("gptforge.stage", r.info.run_name)):
+            (r.info.run_id, run_url(r.info.run_id, r.info.experiment_id)) for r in runs}
 
 
 def publish_metrics(run: NullRun, metrics: Mapping[str, float], path: str | os.PathLike) -> None:
