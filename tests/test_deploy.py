@@ -194,7 +194,7 @@ def check_stage_outputs(repo: Path) -> None:
     for folder in ("classify", "instruct"):
         assert {p.name for p in (repo / "data" / folder).iterdir()} == {"train.jsonl", "val.jsonl", "test.jsonl"}
     evaluated = json.loads((repo / "metrics/evaluate.json").read_text())
-    assert {f"{m}.hellaswag.acc_norm" for m in ("pretrain", "instruct", "preference", "rl")} <= set(evaluated)
+    assert {f"{m}.hellaswag.acc_norm" for m in ("pretrain", "instruct")} <= set(evaluated)  # the quickstart's two
     # The preference stage on the embedded pairs (ch. 7's 1,100, 6 identical ones dropped by the data stage).
     prepared = json.loads((repo / "metrics/prepare_preference.json").read_text())
     assert prepared["records"] == 1100 and prepared["identical"] == 6
