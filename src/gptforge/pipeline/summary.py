@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gptforge.config.schema import variant_paths
 from gptforge.io import read_json
 from gptforge.runtime import mlflow_values
 
@@ -54,6 +55,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
 
     lines = ["", "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran")
                               else "") + ":"]
+
     def add(label: str, path: str, key: str, fmt: str, before_key: str | None) -> None:
         value = metric(path, key)
         if value is not None:
@@ -63,10 +65,11 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
 
     for label, path, key, fmt, before_key in HEADLINES:
         add(label, path, key, fmt, before_key)
-    variants = [s.name.partition("@")[2] for s in report.stages if s.name.startswith(VARIANT_STAGE + "@")]
-    for name in variants:
+    names = [s.name.partition("@")[2] for s in report.stages if s.name.startswith(VARIANT_STAGE + "@")]
+    variants = {name: variant_paths(name) for name in names}
+    for name, paths in variants.items():
         for label, key, fmt in VARIANT_HEADLINES:
-            add(f"{name} {label}", f"metrics/instruct_{name}.json", key, fmt, f"{key}_before")
+            add(f"{name} {label}", paths["metrics_path"], key, fmt, f"{key}_before")
     with contextlib.suppress(Exception):
         evaluated = read_json(root / "metrics/evaluate.json", missing="")
         for key, value in evaluated.items():
@@ -81,8 +84,7 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
                     if f"{m}.version" in registered]
         if versions:
             lines.append(f"  {'registered models':<28} {', '.join(versions)}")
-    found = [r for r in (*REPORTS, *(f"reports/instruct_{name}_responses.jsonl" for name in variants))
-             if (root / r).exists()]
+    found = [r for r in (*REPORTS, *(paths["responses_path"] for paths in variants.values())) if (root / r).exists()]
     if found:
         lines.append("Reports: " + ", ".join(found))
     uri = mlflow_values.tracking_uri()

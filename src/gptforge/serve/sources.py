@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
+from gptforge.config.schema import variant_paths
 from gptforge.errors import BadInput, GptforgeError, SourceUnreachable
 from gptforge.finetune.classify import HEAD_CONFIG, HEAD_FILE
 from gptforge.modeling.hf_causal import _CAUSAL_ARCHITECTURES, CONFIG_FILE, hf_config_dict, hf_source
@@ -105,8 +106,6 @@ def resolve(spec: str, cfg) -> ModelSource:
 def default_specs(cfg, *, language_models_only: bool = False) -> list[str]:
     """The pipeline's models whose folder exists: the instruct variants' (instruct_variants:
     real models such as SmolLM2, which answer best), the instruct model, the classifier."""
-    from gptforge.finetune.instruct import variant_paths
-
     specs = [f"{name}={variant_paths(name)['out_dir']}/final" for name in cfg.instruct_variants.models]
     specs += DEFAULT_SPECS[:1] if language_models_only else DEFAULT_SPECS
     return [s for s in specs if Path(split_model(s)[1]).is_dir()]
