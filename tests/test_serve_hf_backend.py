@@ -1,8 +1,12 @@
 """`serve.hf_backend.HFBackend`: rows fed in segments (batched prefill of new rows, chunked
 prefill between decode steps, rows opened from copied prefix blocks) give, row for row, the
-logits of the model's plain forward over that row's whole sequence alone."""
+logits of the model's plain forward over that row's whole sequence alone; with transformers'
+forward for every step (a model with a hook), and with the common decode step through
+gptforge's lean Llama block (`lean`)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -16,18 +20,31 @@ torch.set_num_threads(1)
 VOCAB = 128
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "eager", "lean"])
 def model(request):
     """A tiny random Llama with grouped-query attention, through SDPA's boolean masks and the
-    eager path's additive ones."""
+    eager path's additive ones (the forwards counted by a hook, which keeps the backend on
+    transformers' forward), and with no hook (`lean`: the common step through LlamaLayers)."""
     torch.manual_seed(0)
+    attn = "sdpa" if request.param == "lean" else request.param
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   attn_implementation=request.param)
+                                   attn_implementation=attn)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
-    assert model.config._attn_implementation == request.param
+    assert model.config._attn_implementation == attn
     model.forwards = 0  # counted, to see how many forwards one backend call makes
-    model.register_forward_pre_hook(lambda module, args: setattr(module, "forwards", module.forwards + 1))
+    if request.param != "lean":
+        model.register_forward_pre_hook(lambda module, args: setattr(module, "forwards", module.forwards + 1))
+    else:  # counted without a hook: the instance's forward, wrapped once
+        original = model.forward
+
+        @functools.wraps(original)  # the same signature: the backend reads the cache argument's name
+        def forward(*args, **kwargs):
+            model.forwards += 1
+            return original(*args, **kwargs)
+
+        model.forward = forward
+    model.lean = request.param == "lean"
     return model
 
 
@@ -42,6 +59,14 @@ class Rows:
     def __init__(self, model, max_batch=8, context=256):
         self.model = model
         self.backend = HFBackend(model, max_batch, context)
+        lean = self.backend._lean
+        assert (lean is not None) == model.lean
+        if lean is not None:  # a lean step counts as the model's forward it replaces
+            def counted(*args, _forward=lean.forward):
+                model.forwards += 1
+                return _forward(*args)
+
+            lean.forward = counted
         self.seqs: list[list[int]] = []
         self.calls = 0  # the model's forwards during the last `forward`
 

@@ -36,6 +36,9 @@ def add_commands(sub) -> None:
     g.add_argument("--top-k", type=int, default=200, metavar="K", help="0 = no top-k cut (default: %(default)s)")
     g.add_argument("--seed", type=int, default=None, metavar="S")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights of a Hugging Face folder: auto = bfloat16 on CUDA, float32 on the CPU "
+                   "(default: %(default)s)")
     config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -97,9 +100,10 @@ def _generate_hf(args) -> int:
     import torch
 
     from gptforge.modeling.decoding import generate_hf
-    from gptforge.modeling.hf_causal import load_causal_lm
+    from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm
 
-    model, tok = load_causal_lm(args.checkpoint, param="--checkpoint")
+    device = pick_device(args.device)
+    model, tok = load_causal_lm(args.checkpoint, param="--checkpoint", dtype=inference_dtype(args.dtype, device.type))
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise BadInput(f"--chat: the tokenizer in {args.checkpoint} has no chat template (chat_template.jinja "
@@ -110,7 +114,6 @@ def _generate_hf(args) -> int:
     else:
         ids = tok(args.prompt)["input_ids"]
     ids = ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
-    device = pick_device(args.device)
     model.to(device)
     idx = torch.tensor([ids], device=device)
     if args.seed is None:

@@ -51,6 +51,7 @@ class EngineSpec:
     prefill_chunk: int = 256
     prefix_cache_mb: float = 256.0
     name: str = "model"
+    dtype: str = "auto"  # Hugging Face models: hf_causal.inference_dtype
 
 
 def build_scheduler(spec: EngineSpec):
@@ -69,11 +70,10 @@ def build_scheduler(spec: EngineSpec):
         backend = GPTBackend(model, spec.max_batch)
         info = {"context": backend.context, "n_vocab": model.config.n_vocab, "stop_ids": []}
     else:
-        from gptforge.modeling.hf_causal import load_causal_lm, stop_ids
+        from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm, stop_ids
         from gptforge.serve.hf_backend import HFBackend
 
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, tok = load_causal_lm(spec.path, param="MODEL", dtype=dtype)
+        model, tok = load_causal_lm(spec.path, param="MODEL", dtype=inference_dtype(spec.dtype, device.type))
         model.to(device)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         backend = HFBackend(model, spec.max_batch, context)

@@ -93,6 +93,12 @@ class HFBackend:
         params = inspect.signature(model.forward).parameters
         # transformers 5 names the cache argument `cache` (`past_key_values` is a deprecated alias).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # Llama-family models take the common decode step (every batch row, one token) through
+        # gptforge's lean block (modeling/llama_decoding.py): the model's operations without its
+        # module tree and per-step mask building, into the same cache tensors.
+        from gptforge.modeling.llama_decoding import LlamaLayers, unsupported
+
+        self._lean = LlamaLayers(model, context) if unsupported(model) is None else None
         self._rows: list[_Row] = []  # in the scheduler's row order
         self._members: list[_Row] = []  # the batch's rows, in its batch order
         self.cache = None  # DynamicCache of the batch
@@ -327,11 +333,34 @@ class HFBackend:
             shift = torch.tensor(shift, device=self.device).view(B, 1)
             position_ids = (lengths + columns - shift).clamp(min=0)
         mask = torch.cat([self.mask, new_mask], dim=1)
-        logits = self._run(ids, self.cache, attention_mask=mask, position_ids=position_ids)
+        if self._lean is not None and width == 1 and len(items) == B:
+            logits = self._lean_step(ids, position_ids.view(B), mask)
+        else:
+            logits = self._run(ids, self.cache, attention_mask=mask, position_ids=position_ids)
         self.mask = mask
         for k, row, tokens in items:
             row.length += len(tokens)
             out[k] = logits[row.slot]
+
+
+    def _lean_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The common step through `LlamaLayers`: ids (B, 1) at `positions` (B,), `mask` (B,
+        columns + 1) the batch's mask with the new column; each layer's new keys/values appended
+        to the batch cache as the model's own forward appends them. (B, vocab) float32 logits."""
+        from gptforge.modeling.llama_decoding import attend_one
+
+        w, B = self._lean, ids.size(0)
+        cos, sin = w.cos[positions].view(B, 1, 1, -1), w.sin[positions].view(B, 1, 1, -1)
+        allowed = mask.bool().view(B, 1, 1, -1)
+        layers = _layers(self.cache)
+
+        def attend(i, q, k, v):
+            layer = layers[i]
+            layer.keys = keys = torch.cat([layer.keys, k], dim=2)
+            layer.values = values = torch.cat([layer.values, v], dim=2)
+            return attend_one(q, keys, values, allowed)
+
+        return torch.nn.functional.linear(w.forward(ids, cos, sin, attend), w.head).float()
 
 
 def _groups(items: list) -> list[list]:

@@ -107,10 +107,10 @@ class ServedClassifier:
 
 def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device, observe=None,
                 prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0,
-                engine_process: bool = True) -> ServedLM | ServedClassifier:
+                engine_process: bool = True, dtype: str = "auto") -> ServedLM | ServedClassifier:
     """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
     engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
-    of this one), its tokenizer here."""
+    of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype)."""
     import time
 
     from gptforge.serve.engine_process import EngineSpec
@@ -128,7 +128,7 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
             str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
         return ServedClassifier(source.name, classifier, enc, device, created)
     spec = EngineSpec("gptforge" if source.kind == "gptforge" else "hf", str(source.path), str(device), max_batch,
-                      prefill_chunk or DEFAULT_PREFILL_CHUNK, prefix_cache_mb, source.name)
+                      prefill_chunk or DEFAULT_PREFILL_CHUNK, prefix_cache_mb, source.name, dtype)
     ready = _start_engine(spec, engine_process)
     try:
         if source.kind == "gptforge":

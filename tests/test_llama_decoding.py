@@ -1,0 +1,142 @@
+"""The lean Llama-family decoder (`gptforge.modeling.llama_decoding`) against transformers' own
+model with the same weights: hidden states in float64 after a prefill, decode steps and a later
+chunk; `generate_hf`'s tokens through it against transformers' `generate` (greedy, sampled with a
+seed, stop ids, a batch); and the models it leaves to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptforge.modeling.decoding import generate_hf
+from gptforge.modeling.llama_decoding import LlamaDecoder, unsupported
+
+
+def tiny(arch: str, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=arch == "llama")
+    shape.update(extra)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**shape)).eval()
+    with torch.no_grad():  # non-trivial norms (ones at init would hide a missing weight)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+class _Tok:
+    """The two attributes generate_hf asks of a tokenizer."""
+    pad_token_id = None
+    eos_token_id = 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hidden_states_equal_transformers_forward_in_float64(arch):
+    model = tiny(arch).double()
+    assert unsupported(model) is None
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model.model(input_ids=ids).last_hidden_state  # (2, 12, 64), no cache
+    decoder = LlamaDecoder(model, batch=2, max_len=12)
+    with torch.inference_mode():
+        got = [decoder(ids[:, :5])]  # prefill
+        got += [decoder(ids[:, t:t + 1]) for t in range(5, 8)]  # decode steps
+        got += [decoder(ids[:, 8:12])]  # a chunk at position 8: the explicit causal mask
+    for last, h in zip([4, 5, 6, 7, 11], got):
+        torch.testing.assert_close(h, reference[:, last], rtol=0, atol=1e-12)
+    with pytest.raises(Exception, match="holds 12 positions, 13 needed"):
+        decoder(ids[:, :1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_hf_lean_gives_transformers_tokens(arch):
+    model = tiny(arch).double()
+    ids = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(stop=[])  # no stop: 32 tokens each
+    greedy = generate_hf(model, _Tok(), ids, 32, temperature=0, **kw)
+    assert greedy.shape == (1, 39)
+    assert torch.equal(greedy, generate_hf(model, _Tok(), ids, 32, temperature=0, lean=False, **kw))
+    # sampled: transformers draws with torch's global generator from the same probabilities
+    for top_k in (None, 20):
+        a = generate_hf(model, _Tok(), ids, 24, temperature=0.9, top_k=top_k, seed=5, **kw)
+        b = generate_hf(model, _Tok(), ids, 24, temperature=0.9, top_k=top_k, seed=5, lean=False, **kw)
+        assert torch.equal(a, b)
+
+
+def test_a_batch_stops_row_by_row_as_transformers_does():
+    model = tiny("llama").double()
+    ids = torch.randint(3, 300, (3, 6), generator=torch.Generator().manual_seed(3))
+    free = generate_hf(model, _Tok(), ids, 20, temperature=0, stop=[])
+    # stop at a token that one row makes early and another later or never
+    stop = int(free[0, 6 + 3])
+    lean = generate_hf(model, _Tok(), ids, 20, temperature=0, stop=[stop])
+    stock = generate_hf(model, _Tok(), ids, 20, temperature=0, stop=[stop], lean=False)
+    assert torch.equal(lean, stock)
+    assert lean[0, 6 + 3] == stop and (lean[0, 6 + 4:] == stop).all()  # padded with the stop id (no pad id)
+
+
+def test_float32_greedy_through_the_int8_head_screen_equals_transformers():
+    model = tiny("llama", vocab_size=4096, hidden_size=128, intermediate_size=256)
+    ids = torch.randint(3, 4096, (1, 9), generator=torch.Generator().manual_seed(4))
+    lean = generate_hf(model, _Tok(), ids, 32, temperature=0, stop=[])
+    assert "_greedy_head" in model.__dict__  # the screen was used (32 >= 16 new tokens, batch 1, float32)
+    assert torch.equal(lean, generate_hf(model, _Tok(), ids, 32, temperature=0, stop=[], lean=False))
+
+
+def test_models_it_cannot_run_exactly_are_left_to_transformers():
+    from peft import LoraConfig, get_peft_model
+
+    scaled = tiny("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    assert "rotary scaling 'linear'" in unsupported(scaled)
+    assert "activation" in unsupported(tiny("llama", hidden_act="gelu"))
+    peft_model = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert "not plain nn.Linear" in unsupported(peft_model.base_model.model)
+    hooked = tiny("llama")
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert unsupported(hooked) == "forward hooks"
+    # and generate_hf still decodes them (transformers' generate): the scaled model's own argmax
+    ids = torch.tensor([[5, 6, 7]])
+    out = generate_hf(scaled, _Tok(), ids, 4, temperature=0, stop=[])
+    seq = ids[0].tolist()
+    with torch.no_grad():
+        for _ in range(4):
+            seq.append(int(scaled(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out[0].tolist() == seq
+
+
+def test_dtype_flag_loads_the_weights_in_that_dtype(tmp_path, monkeypatch, capsys):
+    """`gptforge generate --dtype bfloat16` answers from bf16 weights (the lean decoder then runs
+    in bf16); `serve --dtype` reaches the engine the same way; a bad name is one line."""
+    from hf_models import make_tiny_causal_lm
+
+    from gptforge.cli import main
+    from gptforge.errors import BadInput
+    from gptforge.modeling import hf_causal
+    from gptforge.modeling.hf_causal import inference_dtype
+    from gptforge.serve.engine_process import EngineSpec, build_scheduler
+
+    folder = make_tiny_causal_lm(tmp_path / "llama")
+    seen = []
+    load = hf_causal.load_causal_lm
+
+    def recording(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        seen.append(next(model.parameters()).dtype)
+        return model, tok
+
+    monkeypatch.setattr(hf_causal, "load_causal_lm", recording)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["generate", "The fox", "--checkpoint", str(folder), "--temperature", "0", "--max-new-tokens", "6",
+               "--dtype", "bfloat16"])
+    assert rc == 0 and seen == [torch.bfloat16]
+    assert "gptforge: 6 tokens in" in capsys.readouterr().err
+    scheduler, _ = build_scheduler(EngineSpec("hf", str(folder), dtype="bfloat16", prefix_cache_mb=0))
+    assert seen[-1] == torch.bfloat16 and scheduler.backend._lean.dtype == torch.bfloat16
+    assert inference_dtype("auto", "cpu") == torch.float32 and inference_dtype("auto", "cuda") == torch.bfloat16
+    with pytest.raises(BadInput, match="--dtype must be one of auto, float32, bfloat16, got 'float16'"):
+        inference_dtype("float16", "cpu")
