@@ -154,6 +154,13 @@ def test_grpo_run_keeps_the_reference_grows_the_kl_and_writes_its_records(world,
                                                "rl_response"}
     assert rows[0]["instruction"] == records(4, 200)[0]["instruction"]
     assert all(isinstance(r[k], str) for r in rows for k in ("sft_response", "dpo_response", "rl_response"))
+    from gptforge.finetune.answer_quality import distinct_share, token_f1
+
+    for key in ("sft", "dpo", "rl"):  # each stage's answers against the references, as the file has them
+        assert metrics[f"token_f1_{key}"] == pytest.approx(
+            sum(token_f1(r[f"{key}_response"], r["output"]) for r in rows) / len(rows))
+        assert metrics[f"distinct_share_{key}"] == pytest.approx(
+            sum(distinct_share(r[f"{key}_response"]) for r in rows) / len(rows))
 
     model = load_model(out / "final")  # a gptforge checkpoint again, with the trained weights
     from gptforge.modeling.hf_convert import to_hf

@@ -205,7 +205,8 @@ def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_aft
     (tmp_path / "metrics").mkdir()
     for name, values in {"preference": {"val_reward_accuracy": 0.655},
                          "reward": {"val_accuracy": 0.7037, "val_accuracy_before": 0.5},
-                         "rl": {"heldout_reward": 1.6107, "heldout_reward_before": 0.078},
+                         "rl": {"heldout_reward": 1.6107, "heldout_reward_before": 0.078, "token_f1_sft": 0.59,
+                                "token_f1_rl": 0.612, "distinct_share_sft": 0.95, "distinct_share_rl": 0.9},
                          "register": {"rl.version": 2, "rl.champion": 1, "reward.version": 1, "reward.champion": 0}
                          }.items():
         (tmp_path / "metrics" / f"{name}.json").write_text(json.dumps(values))
@@ -215,5 +216,8 @@ def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_aft
     assert "  DPO reward accuracy (val)    0.655" in lines
     assert "  reward model accuracy (val)  0.500 -> 0.704" in lines
     assert "  RL held-out reward           0.078 -> 1.611" in lines
+    assert "  RL answers' token F1         0.590 -> 0.612" in lines
+    assert "  RL answers' distinct tokens  0.950 -> 0.900" in lines
+    assert not any(line.startswith("  DPO answers'") for line in lines)  # not in rl.json: no line
     assert "  registered models            reward v1 challenger, rl v2 champion" in lines
     assert any(line.startswith("Reports: reports/rl_responses.jsonl") for line in lines)

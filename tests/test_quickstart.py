@@ -172,6 +172,11 @@ def test_quickstart_runs_every_stage_and_hub_config_skips_pretraining():
     targets = default_targets(load_config(REPO / "configs" / "gpt2-hub-finetune.yaml"), known)
     assert "pretrain" not in targets and "prepare_pretrain" not in targets
     assert {"finetune_classify", "finetune_instruct", "evaluate"} <= set(targets)
+    assert not {"synthesize", "index", "evaluate_qa", "prepare_base"} & set(targets)  # no documents there
+    # the SmolLM2 config: its document set's groups by name, and its base folder as their dependency
+    targets = default_targets(load_config(REPO / "configs" / "smollm2-135m-cpu.yaml"), known)
+    assert {"synthesize", "index", "evaluate_qa", "finetune_rl", "register"} <= set(targets)
+    assert not {"pretrain", "prepare_pretrain", "prepare_base", "finetune_instruct_variant"} & set(targets)
 
 
 def test_hub_name_as_dvc_input_is_refused_with_the_fix(tmp_path):

@@ -442,6 +442,22 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     return s
 
 
+def answer_scores(rows: list[dict]) -> dict:
+    """Token F1 against the reference and the distinct-token share of the SFT, DPO and RL
+    answers in the responses file (`token_f1_sft`, `distinct_share_rl`, ...): whether each stage
+    kept its answers answers while the reward moved."""
+    from gptforge.finetune.answer_quality import reference_scores
+
+    out = {}
+    for key in ("sft", "dpo", "rl"):
+        scored = [{"response": r[f"{key}_response"], "reference": r["output"]} for r in rows
+                  if r.get(f"{key}_response") is not None]
+        if scored:
+            scores = reference_scores(scored)
+            out.update({f"token_f1_{key}": scores["token_f1"], f"distinct_share_{key}": scores["distinct_share"]})
+    return out
+
+
 def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/rl",
            metrics_path: str | os.PathLike = "metrics/rl.json",
            responses_path: str | os.PathLike = "reports/rl_responses.jsonl",
@@ -470,6 +486,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             del other
         else:
             others[key] = s.before_display if key == "sft" else None
+    rows = []
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
         test = s.prompts["test"]
         for j in range(s.n_responses):
@@ -478,6 +495,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             for key in ("sft", "dpo"):
                 row[f"{key}_response"] = None if others[key] is None else decode(others[key][j], s.models).strip()
             row["rl_response"] = decode(rl_display[j], s.models).strip()
+            rows.append(row)
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     final = trl_policy.save(trained, s.models.tokenizer, out_dir / "final")
@@ -487,7 +505,7 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     png = plot_rl(history, plots_dir / "rl.png")
 
     steps = s.trainer.state.global_step
-    metrics = {**after, **s.before,
+    metrics = {**after, **s.before, **answer_scores(rows),
                "train_prompts": min(len(s.prompts["train"].ids), c.max_prompts or len(s.prompts["train"].ids)),
                "heldout_prompts": len(s.prompts["test"].ids),
                "skipped_too_long": sum(p.skipped_too_long for p in s.prompts.values()),

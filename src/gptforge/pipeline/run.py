@@ -371,10 +371,30 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
 def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:
     """What `dvc repro` runs when no stage is named: every stage (none, meaning all) unless no
     stage starts from the pretrained checkpoint, as when a config fine-tunes hub weights; then
-    every stage but the pretraining ones (prepare_base@NAME stages come in as dependencies)."""
+    every stage but the pretraining ones: the foreach groups (synthesize, index, evaluate_qa,
+    instruct variants) by their group name when the config gives them entries, prepare_base@NAME
+    as the dependency of the stages that read its folder."""
     if any(_inside(v, PRETRAIN_OUT) for v in start_folders(cfg).values()):
         return []
-    return [name for name in known if name not in PRETRAIN_STAGES and "foreach" not in (known[name] or {})]
+    targets = []
+    for name, stage in known.items():
+        if name in PRETRAIN_STAGES or name == "prepare_base":
+            continue
+        if "foreach" in (stage or {}) and not _foreach_entries(cfg, stage["foreach"]):
+            continue  # an empty group: `dvc repro NAME` would find no stage
+        targets.append(name)
+    return targets
+
+
+def _foreach_entries(cfg: Config, expr) -> int:
+    """How many entries a dvc.yaml `foreach: ${a.b}` has in `cfg` (a literal list or table:
+    its length)."""
+    if not isinstance(expr, str):
+        return len(expr or ())
+    value = cfg
+    for part in expr.strip().removeprefix("${").removesuffix("}").split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return len(value or ())
 
 
 def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],

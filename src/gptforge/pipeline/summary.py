@@ -31,6 +31,11 @@ HEADLINES = (
     ("DPO reward margin (val)", "metrics/preference.json", "val_reward_margin", "{:.4f}", None),
     ("reward model accuracy (val)", "metrics/reward.json", "val_accuracy", "{:.3f}", "val_accuracy_before"),
     ("RL held-out reward", "metrics/rl.json", "heldout_reward", "{:.3f}", "heldout_reward_before"),
+    # the answers of reports/rl_responses.jsonl against their references, SFT -> DPO and SFT -> RL
+    ("DPO answers' token F1", "metrics/rl.json", "token_f1_dpo", "{:.3f}", "token_f1_sft"),
+    ("DPO answers' distinct tokens", "metrics/rl.json", "distinct_share_dpo", "{:.3f}", "distinct_share_sft"),
+    ("RL answers' token F1", "metrics/rl.json", "token_f1_rl", "{:.3f}", "token_f1_sft"),
+    ("RL answers' distinct tokens", "metrics/rl.json", "distinct_share_rl", "{:.3f}", "distinct_share_sft"),
 )
 # An instruct variant's lines (stage finetune_instruct_variant@NAME): label, key, format; the
 # figure before training is the key with `_before`.
