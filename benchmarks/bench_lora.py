@@ -6,7 +6,8 @@
 
 The model is a random Llama (transformers' LlamaConfig, default hidden 256, 4 layers,
 intermediate 688, 4 heads / 2 KV heads, 256 positions, untied head) with the GPT-2 tokenizer of
-tests/hf_models.py (`make_tokenizer`), saved once in a temporary folder. The data are the
+tests/hf_models.py (`make_tokenizer`), saved once in a temporary folder; `--model DIR` fine-tunes
+a Hugging Face folder instead (checkpoints/base/smollm2), loaded in float32 by both recipes. The data are the
 package's 1,100 embedded Alpaca records (LLMs-from-scratch ch. 7), shuffled with `--seed` and
 split into `--heldout` held-out records and the training records (the first `--steps` x
 `--batch-size` of them when `--steps` is given; all 1,000 otherwise), written as jsonl.
@@ -171,12 +172,13 @@ def heldout_loss(model, examples, pad_id: int, max_length: int) -> tuple[float, 
 def initial_heldout_loss(model_dir: Path, data_dir: Path) -> float:
     """The held-out loss before training: the base model's (LoRA starts with B = 0, so the
     adapted model computes the base model's function)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gptforge.finetune.instruct import read_split
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     max_length = model.config.max_position_embeddings
     heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
     return round(heldout_loss(model, heldout, tokenizer.eos_token_id, max_length)[0], 5)
@@ -345,7 +347,8 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    # float32 as ours (transformers 5 would keep a bf16 folder in bf16)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     lora_config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=dropout,
                                   target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, lora_config)
@@ -453,6 +456,19 @@ def run_child(cmd: list[str]) -> dict:
     return {**json.loads(lines[-1][len(RESULT_MARK):]), "subprocess_s": round(wall, 2)}
 
 
+def model_settings(args, model_dir: Path) -> dict:
+    """The model's shape for the JSON: the random Llama's flags, or the folder's config."""
+    if not args.model:
+        return {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
+                "heads": args.heads, "kv_heads": args.kv_heads, "positions": args.positions, "vocab": 50257}
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return {"folder": args.model, "arch": cfg.get("model_type"), "hidden": cfg.get("hidden_size"),
+            "layers": cfg.get("num_hidden_layers"), "intermediate": cfg.get("intermediate_size"),
+            "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
+            "vocab": cfg.get("vocab_size"), "saved_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+            "trained_in": "float32 (both recipes)"}
+
+
 def machine() -> dict:
     name = platform.processor() or platform.machine()
     try:
@@ -538,7 +554,8 @@ def parent(args) -> int:
     load_before = round(os.getloadavg()[0], 2)
     runs: dict[str, list[dict]] = {r: [] for r in recipes}
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
-        model_dir, data_dir = build_model(Path(tmp) / "model", args), Path(tmp) / "data"
+        model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "model", args)
+        data_dir = Path(tmp) / "data"
         sizes = write_splits(data_dir, args)
         torch.set_num_threads(args.threads)
         initial = initial_heldout_loss(model_dir, data_dir)
@@ -557,8 +574,7 @@ def parent(args) -> int:
         "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],
         "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
         "settings": {
-            "model": {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
-                      "heads": args.heads, "kv_heads": args.kv_heads, "positions": args.positions, "vocab": 50257},
+            "model": model_settings(args, model_dir),
             "total_params": first["total_params"], "trainable_params": first["trainable_params"],
             "lora": first["lora"], "template": "alpaca", "mask_prompt": True, "batch_size": args.batch_size,
             "steps": first["steps"], "warmup_steps": args.warmup, "lr": args.lr, "weight_decay": args.weight_decay,
@@ -616,6 +632,9 @@ def main() -> int:
     ap.add_argument("--lora-alpha", type=float, default=None, help="default: params.yaml's instruct.lora.alpha")
     ap.add_argument("--lora-dropout", type=float, default=None, help="default: params.yaml's instruct.lora.dropout")
     ap.add_argument("--heldout", type=int, default=100, help="held-out records (of 1,100)")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a Hugging Face Llama-family folder to fine-tune (checkpoints/base/smollm2) instead of "
+                    "the random Llama of --hidden ... --positions")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=688)

@@ -252,12 +252,13 @@ def transformers_command() -> list[str]:
         "'transformers'; sys.exit(main())"]
 
 
-def start_transformers_server(folder: Path, port: int, args, log_path: Path) -> subprocess.Popen:
+def start_transformers_server(folder: Path, port: int, args, log_path: Path,
+                              extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """`transformers serve FOLDER --continuous-batching`: the folder is the forced model (loaded at
     start, requests must name it by the same path), offline."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cmd = [*transformers_command(), "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1",
-           "--port", str(port), "--device", device]
+           "--port", str(port), "--device", device, *extra]
     env = {**server_env(args), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     log = open(log_path, "wb")
     # SIGKILL when this process dies: its continuous-batching thread can keep it alive after SIGINT.
@@ -366,7 +367,7 @@ def serving(kind: str, path: Path, args, tmp: Path, label: str, *, name: str | N
     if kind == "gptforge":
         proc = start_server(path, port, args, log_path, name=name, extra=extra, profile=profile)
     else:
-        proc = start_transformers_server(path, port, args, log_path)
+        proc = start_transformers_server(path, port, args, log_path, extra=extra)
     note(f"{label}: starting {' '.join(map(str, proc.args[-12:]))}")
     try:
         try:
@@ -672,11 +673,11 @@ def levels_measure(s, args, prompt: str, levels: list[int], expected_text: str) 
 # user: next to `gptforge generate`
 
 
-def run_generate_cli(ckpt: Path, prompt: str, args, cwd: Path) -> dict:
+def run_generate_cli(ckpt: Path, prompt: str, args, cwd: Path, extra: tuple[str, ...] = ()) -> dict:
     """`gptforge generate PROMPT --temperature 0 --max-new-tokens N` on the checkpoint, as a user
     runs it; the tokens and seconds it prints on stderr (model loading excluded)."""
     cmd = [*gptforge_command(), "generate", prompt, "--checkpoint", str(ckpt), "--temperature", "0",
-           "--max-new-tokens", str(args.max_tokens)]
+           "--max-new-tokens", str(args.max_tokens), *extra]
     if args.tokenizer_path:
         cmd += ["-S", f"tokenizer.path={args.tokenizer_path}"]
     try:
