@@ -159,7 +159,7 @@ def main() -> None:
     from gptforge.finetune.common import cpu_has_native_bf16
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_lora import machine
+    from bench_meters import machine
 
     result = {"benchmark": "generate_hf_batch1", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
               timespec="seconds"), "machine": {**machine(), "platform": platform.platform(),
