@@ -6,6 +6,7 @@ import sys
 
 from gptforge.cli.parsing import config_args, params_file
 from gptforge.errors import BadInput
+from gptforge.modeling.hf_causal import INFERENCE_DTYPES
 
 
 def add_commands(sub) -> None:
@@ -36,7 +37,7 @@ def add_commands(sub) -> None:
     g.add_argument("--top-k", type=int, default=200, metavar="K", help="0 = no top-k cut (default: %(default)s)")
     g.add_argument("--seed", type=int, default=None, metavar="S")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    g.add_argument("--dtype", choices=INFERENCE_DTYPES, default="auto",
                    help="weights of a Hugging Face folder: auto = bfloat16 on CUDA, float32 on the CPU "
                    "(default: %(default)s)")
     config_args(g)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gptforge.cli.inference import pick_device
 from gptforge.cli.parsing import config_args, params_file
 from gptforge.errors import BadInput
+from gptforge.modeling.hf_causal import INFERENCE_DTYPES
 
 
 def add_commands(sub) -> None:
@@ -38,7 +39,7 @@ def add_commands(sub) -> None:
                    help="on: each model's engine in a process of its own; off: in a thread of the API "
                    "process (default: %(default)s)")
     s.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
-    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    s.add_argument("--dtype", choices=INFERENCE_DTYPES, default="auto",
                    help="weights of Hugging Face models: auto = bfloat16 on CUDA, float32 on the CPU; bfloat16 "
                    "on a CPU with native bf16 (AVX-512 BF16, AMX) decodes faster (default: %(default)s)")
     s.add_argument("--rag", default=None, metavar="INDEX",

@@ -342,7 +342,6 @@ class HFBackend:
             row.length += len(tokens)
             out[k] = logits[row.slot]
 
-
     def _lean_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The common step through `LlamaLayers`: ids (B, 1) at `positions` (B,), `mask` (B,
         columns + 1) the batch's mask with the new column; each layer's new keys/values appended
