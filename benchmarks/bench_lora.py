@@ -2,12 +2,14 @@
 
     python benchmarks/bench_lora.py [--steps N] [--repeats 3] [--threads 2] [--warmup 3]
         [--hidden 256 --layers 4 --intermediate 688 --heads 4 --kv-heads 2]
-        [--recipes ours,stock,stock_grouped] [--out docs/results/lora_tiny_llama_cpu.json]
+        [--recipes ours,stock,stock_grouped] [--model DIR] [--precision fp32|bf16]
+        [--out docs/results/lora_tiny_llama_cpu.json]
 
 The model is a random Llama (transformers' LlamaConfig, default hidden 256, 4 layers,
 intermediate 688, 4 heads / 2 KV heads, 256 positions, untied head) with the GPT-2 tokenizer of
 tests/hf_models.py (`make_tokenizer`), saved once in a temporary folder; `--model DIR` fine-tunes
-a Hugging Face folder instead (checkpoints/base/smollm2), loaded in float32 by both recipes. The data are the
+a Hugging Face folder instead (checkpoints/base/smollm2), loaded in float32 by the stock recipe (and
+by ours, except that its bf16 LoRA keeps the frozen base in bf16). The data are the
 package's 1,100 embedded Alpaca records (LLMs-from-scratch ch. 7), shuffled with `--seed` and
 split into `--heldout` held-out records and the training records (the first `--steps` x
 `--batch-size` of them when `--steps` is given; all 1,000 otherwise), written as jsonl.
@@ -16,10 +18,10 @@ same number of optimizer steps on the same real tokens (in their own order).
 
 Recipes (each LoRA r 16, alpha/dropout from params.yaml unless given, on q/k/v/o/gate/up/down
 projections, Alpaca template, loss on the response only, AdamW fused, constant lr, no warm-up,
-no gradient clipping, fp32, one epoch of `--batch-size`):
+no gradient clipping, `--precision` (fp32, or bf16 autocast), one epoch of `--batch-size`):
 - `ours`: `gptforge.finetune.instruct.setup` + `train`, configured from params.yaml with -S
   overrides (init_from the folder, method lora, target_modules auto, group_by_length true,
-  mask_prompt true, device cpu, precision fp32, tracking off, no evaluation during training);
+  mask_prompt true, device cpu, precision as given, tracking off, no evaluation during training);
   its loss runs the output head only at the positions that have a target (`hf_models.lm_loss`),
   and its batches are grouped by length (`common.length_grouped_batches`);
 - `stock`: what a user writes with transformers and peft: `get_peft_model` (the same LoraConfig),
@@ -90,7 +92,10 @@ RECIPES = ("ours", "stock", "stock_grouped")
 RESULT_MARK = "BENCH_LORA_RESULT "  # the child's result line (Trainer prints its logs on stdout too)
 SAMPLE = "sample://instruction-data.json.gz"
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The goals: on the random tiny Llama (Python overhead dominates) and on a real folder (--model:
+# SmolLM2-135M, where the matrix products do and the loss must agree more closely).
 TARGET = {"speedup_min": 1.3, "heldout_loss_rel_diff_max": 0.02}
+TARGET_REAL_MODEL = {"speedup_min": 1.5, "heldout_loss_rel_diff_max": 0.01}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,18 +164,19 @@ def digest(examples) -> str:
     return hashlib.sha256(json.dumps([[list(p), list(r)] for p, r in examples]).encode()).hexdigest()[:16]
 
 
-def heldout_loss(model, examples, pad_id: int, max_length: int) -> tuple[float, int]:
+def heldout_loss(model, examples, pad_id: int, max_length: int, precision: str) -> tuple[float, int]:
     """(mean cross-entropy per response token, response tokens) over `examples`: the one
-    function both trained models are scored with (gptforge's split_loss, batches of 8 in order)."""
+    function both trained models are scored with (gptforge's split_loss, batches of 8 in order,
+    under the runs' autocast `precision`)."""
     from gptforge.finetune.common import runtime
     from gptforge.finetune.instruct import split_loss
 
     loss = split_loss(model, examples, batch_size=8, pad_id=pad_id, max_length=max_length, mask_prompt=True,
-                      rt=runtime("cpu", "fp32", param="bench_lora"))
+                      rt=runtime("cpu", precision, param="bench_lora"))
     return loss, sum(len(r) for _, r in examples)
 
 
-def initial_heldout_loss(model_dir: Path, data_dir: Path) -> float:
+def initial_heldout_loss(model_dir: Path, data_dir: Path, precision: str) -> float:
     """The held-out loss before training: the base model's (LoRA starts with B = 0, so the
     adapted model computes the base model's function)."""
     import torch
@@ -182,7 +188,7 @@ def initial_heldout_loss(model_dir: Path, data_dir: Path) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     max_length = model.config.max_position_embeddings
     heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
-    return round(heldout_loss(model, heldout, tokenizer.eos_token_id, max_length)[0], 5)
+    return round(heldout_loss(model, heldout, tokenizer.eos_token_id, max_length, precision)[0], 5)
 
 
 def lora_checksum(model) -> float:
@@ -203,7 +209,7 @@ def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
     overrides = [f"instruct.init_from={model_dir}", "instruct.method=lora", "instruct.lora.target_modules=auto",
                  f"instruct.lora.r={args.lora_r}", "instruct.template=alpaca", "instruct.mask_prompt=true",
                  "instruct.group_by_length=true", "tracking.enabled=false", "instruct.device=cpu",
-                 "instruct.precision=fp32", "instruct.epochs=1", f"instruct.batch_size={args.batch_size}",
+                 f"instruct.precision={args.precision}", "instruct.epochs=1", f"instruct.batch_size={args.batch_size}",
                  f"instruct.lr={args.lr}", f"instruct.weight_decay={args.weight_decay}", f"instruct.seed={args.seed}",
                  "instruct.eval_interval=1000000000", "instruct.eval_batches=1",
                  "instruct.gradient_checkpointing=false"]
@@ -231,7 +237,7 @@ def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
     timing = clock.window(per_step, args.warmup)
     peak = memory.result()
     t1 = time.perf_counter()
-    loss, n = heldout_loss(s.model, heldout, tokenizer.eos_token_id, s.max_length)
+    loss, n = heldout_loss(s.model, heldout, tokenizer.eos_token_id, s.max_length, args.precision)
     eval_s = time.perf_counter() - t1
     lora = cfg.instruct.lora
     return {**timing, "real_tokens": s.real_tokens, "positions": s.real_tokens + s.padded,
@@ -301,7 +307,7 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
             output_dir=out_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=1,
             learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
             optim="adamw_torch_fused", max_grad_norm=0.0, seed=args.seed, report_to=[], eval_strategy="no",
-            save_strategy="no", dataloader_num_workers=0, use_cpu=True, bf16=False, fp16=False,
+            save_strategy="no", dataloader_num_workers=0, use_cpu=True, bf16=args.precision == "bf16", fp16=False,
             train_sampling_strategy="group_by_length" if grouped else "random")
         trainer = Trainer(model=model, args=training_args, train_dataset=features, data_collator=counting_collator,
                           processing_class=tokenizer)
@@ -313,7 +319,7 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     timing = clock.window(real[:steps], args.warmup)
     peak = memory.result()
     t1 = time.perf_counter()
-    loss, n = heldout_loss(trainer.model, heldout, tokenizer.eos_token_id, max_length)
+    loss, n = heldout_loss(trainer.model, heldout, tokenizer.eos_token_id, max_length, args.precision)
     eval_s = time.perf_counter() - t1
     real_tokens, processed = sum(real[:steps]), sum(positions[:steps])
     padded = processed - sum(len(f["input_ids"]) for f in features)
@@ -352,7 +358,7 @@ def child_command(args, recipe: str, model_dir: Path, data_dir: Path) -> list[st
     cmd = [sys.executable, str(Path(__file__).resolve()), "--recipe", recipe, "--model-dir", str(model_dir),
            "--data-dir", str(data_dir), "--threads", str(args.threads), "--warmup", str(args.warmup),
            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay),
-           "--lora-r", str(args.lora_r), "--seed", str(args.seed)]
+           "--lora-r", str(args.lora_r), "--seed", str(args.seed), "--precision", args.precision]
     if args.lora_alpha is not None:
         cmd += ["--lora-alpha", repr(args.lora_alpha)]
     if args.lora_dropout is not None:
@@ -383,7 +389,7 @@ def model_settings(args, model_dir: Path) -> dict:
             "layers": cfg.get("num_hidden_layers"), "intermediate": cfg.get("intermediate_size"),
             "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
             "vocab": cfg.get("vocab_size"), "saved_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
-            "trained_in": "float32 (both recipes)"}
+            "trained_in": f"{args.precision} (both recipes)"}
 
 
 MEDIAN_KEYS = ("tokens_per_sec", "padding_fraction", "peak_rss_growth_mb", "peak_rss_mb", "heldout_loss",
@@ -403,6 +409,13 @@ def check_same(runs: dict[str, list[dict]], key: str) -> bool:
     return len({json.dumps(r[key], sort_keys=True) for rs in runs.values() for r in rs}) == 1
 
 
+def model_words(model: dict) -> str:
+    """How the report names the model: the folder it was read from, or the random Llama."""
+    if model.get("folder"):
+        return f"`{model['folder']}` ({model['arch']}, saved in {model.get('saved_dtype')})"
+    return "random Llama with the GPT-2 tokenizer"
+
+
 def markdown(result: dict) -> str:
     s, rec = result["settings"], result["recipes"]
     lines = [
@@ -412,18 +425,20 @@ def markdown(result: dict) -> str:
         f"({result['machine']['arch']}); load average (1 min) before/after: {result['load_average_1min']}",
         f"- torch {result['torch']}, transformers {result['transformers']}, peft {result['peft']}; "
         f"{s['threads']} threads per run",
-        f"- model: random Llama, hidden {s['model']['hidden']}, {s['model']['layers']} layers, intermediate "
-        f"{s['model']['intermediate']}, {s['model']['heads']} heads / {s['model']['kv_heads']} KV heads, vocab 50257 "
-        f"(GPT-2 tokenizer), {s['total_params'] / 1e6:.1f}M parameters, {s['trainable_params'] / 1e6:.2f}M LoRA",
+        f"- model: {model_words(s['model'])}, hidden {s['model']['hidden']}, {s['model']['layers']} layers, "
+        f"intermediate {s['model']['intermediate']}, {s['model']['heads']} heads / {s['model']['kv_heads']} KV heads, "
+        f"vocab {s['model']['vocab']}, {s['total_params'] / 1e6:.1f}M parameters, "
+        f"{s['trainable_params'] / 1e6:.2f}M LoRA",
         f"- LoRA r {s['lora']['r']}, alpha {s['lora']['alpha']}, dropout {s['lora']['dropout']} on "
         f"{', '.join(s['lora']['target_modules'])}; Alpaca template, loss on the response; AdamW (fused) lr {s['lr']}, "
-        f"weight decay {s['weight_decay']}, constant, no clipping; fp32",
+        f"weight decay {s['weight_decay']}, constant, no clipping; {s.get('precision', 'fp32')}",
         f"- data: {s['train_records']} training records of LLMs-from-scratch ch. 7 (1 epoch, batch {s['batch_size']}, "
         f"{s['steps']} steps), {s['heldout_records']} held out; {s['repeats']} runs per recipe, alternating; "
         f"tokens/s over steps {s['warmup_steps'] + 1}-{s['steps']}",
         "",
-        f"Held-out loss before training: {result['heldout_loss_initial']:.4f} (random weights: about ln 50257 = "
-        "10.82); the drop is what the adapters learned.",
+        f"Held-out loss before training: {result['heldout_loss_initial']:.4f}"
+        + ("" if s["model"].get("folder") else " (random weights: about ln 50257 = 10.82)")
+        + "; the drop is what the adapters learned.",
         "",
         "| recipe | real tokens/s (median) | vs stock | padding | peak RSS growth (MB) | held-out loss | loss drop "
         "| real tokens |",
@@ -439,7 +454,8 @@ def markdown(result: dict) -> str:
     lines += ["", f"Speedup (ours / stock real tokens/s): {result.get('speedup')}; held-out loss ratio (ours / stock): "
               f"{result.get('heldout_loss_ratio')} (ratio of the drops: {result.get('heldout_loss_drop_ratio')}); "
               f"same real tokens in every run: {result['same_real_tokens']}; "
-              f"target (>= {TARGET['speedup_min']}x, loss within {100 * TARGET['heldout_loss_rel_diff_max']:.0f}%) "
+              f"target (>= {result.get('target', TARGET)['speedup_min']}x, loss within "
+              f"{100 * result.get('target', TARGET)['heldout_loss_rel_diff_max']:.0f}%) "
               f"met: {result.get('target_met')}.", ""]
     if "stock_grouped" in rec:
         lines += [f"`stock_grouped` is the stock recipe with `train_sampling_strategy=\"group_by_length\"`: ours / "
@@ -464,7 +480,7 @@ def parent(args) -> int:
         data_dir = Path(tmp) / "data"
         sizes = write_splits(data_dir, args)
         torch.set_num_threads(args.threads)
-        initial = initial_heldout_loss(model_dir, data_dir)
+        initial = initial_heldout_loss(model_dir, data_dir, args.precision)
         for repeat in range(args.repeats):
             for recipe in recipes:
                 r = run_child(child_command(args, recipe, model_dir, data_dir))
@@ -484,6 +500,7 @@ def parent(args) -> int:
             "total_params": first["total_params"], "trainable_params": first["trainable_params"],
             "lora": first["lora"], "template": "alpaca", "mask_prompt": True, "batch_size": args.batch_size,
             "steps": first["steps"], "warmup_steps": args.warmup, "lr": args.lr, "weight_decay": args.weight_decay,
+            "precision": args.precision,
             "threads": args.threads, "repeats": args.repeats, "seed": args.seed, **sizes,
             "timing": "perf_counter after each optimizer step; real tokens/s over the steps after the first "
                       f"{args.warmup}; medians over the repeats",
@@ -502,9 +519,10 @@ def parent(args) -> int:
         result["heldout_loss_ratio"] = round(med["ours"]["heldout_loss"] / med["stock"]["heldout_loss"], 4)
         result["heldout_loss_drop_ratio"] = round(
             med["ours"]["heldout_loss_drop"] / med["stock"]["heldout_loss_drop"], 4)
-        result["target"] = TARGET
-        result["target_met"] = bool(result["speedup"] >= TARGET["speedup_min"] and abs(
-            result["heldout_loss_ratio"] - 1) <= TARGET["heldout_loss_rel_diff_max"])
+        target = TARGET_REAL_MODEL if args.model else TARGET
+        result["target"] = target
+        result["target_met"] = bool(result["speedup"] >= target["speedup_min"] and abs(
+            result["heldout_loss_ratio"] - 1) <= target["heldout_loss_rel_diff_max"])
     if "ours" in med and "stock_grouped" in med:
         result["speedup_vs_stock_grouped"] = round(
             med["ours"]["tokens_per_sec"] / med["stock_grouped"]["tokens_per_sec"], 3)
@@ -548,6 +566,9 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--seed", type=int, default=123)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="both recipes: fp32, or bf16 autocast (Trainer's bf16=True on a float32 model; ours "
+                    "keeps the frozen base in bf16, as its LoRA runs do)")
     ap.add_argument("--out", default=None, help="also write this JSON and a markdown table next to it (.md)")
     ap.add_argument("--recipe", choices=RECIPES, default=None, help=argparse.SUPPRESS)  # a child run
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
