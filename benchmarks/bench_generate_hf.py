@@ -1,10 +1,11 @@
 """Batch-1 greedy decoding of a Hugging Face Llama-family folder (SmolLM2-135M-Instruct by default):
-gptforge's `generate_hf` (the lean decoder, gptforge.modeling.llama_decoding) against transformers'
-own `generate` on the same loaded model, and this machine's memory bandwidth, the bound of
-batch-1 decoding.
+gptforge's `generate_hf` (the lean decoder, gptforge.modeling.llama_decoding; `gptforge-int8`: the
+same with `quantize="int8"`, weight-only int8 linears) against transformers' own `generate` on the
+same loaded model, and this machine's memory bandwidth, the bound of batch-1 decoding.
 
     python benchmarks/bench_generate_hf.py [--folder DIR] [--new-tokens 128] [--processes 3]
-        [--dtypes float32,bfloat16] [--out docs/results/generate_smollm2_cpu.json]
+        [--dtypes float32,bfloat16] [--sides gptforge,gptforge-int8,transformers]
+        [--out docs/results/generate_smollm2_cpu.json]
 
 `--folder` defaults to the SmolLM2 folder that `prepare_base` writes from the packaged GGUF
 (checkpoints/base/smollm2); when it is missing, the benchmark writes one into a temporary folder
@@ -16,8 +17,9 @@ times the first `generate` call of the process (what `gptforge generate` meets: 
 process, first-call allocations included) and a second, warm call; 128 new tokens, greedy, no
 stop id, so both sides make exactly the same number. The sides alternate (ours, transformers,
 ours, ...) for `--processes` rounds per dtype; the JSON gives the medians, every run, the
-ratios, and whether each run's tokens equal transformers' float32 tokens (the text of each is
-kept). torch's default thread count (the machine's cores).
+ratios (each dtype's gptforge / transformers, and every gptforge setting against transformers'
+fastest dtype), and whether each run's tokens equal transformers' float32 tokens (the text of
+each is kept). torch's default thread count (the machine's cores).
 
 Memory bandwidth: the median over 7 runs (after one warm-up) of summing a 1 GiB float32 tensor
 (read only, what a decode step does with its weights); the bound of a dtype is that bandwidth
@@ -43,7 +45,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Explain in a few sentences why the sky is blue."
-SIDES = ("gptforge", "transformers")
+SIDES = ("gptforge", "gptforge-int8", "transformers")  # gptforge-int8: generate_hf(quantize="int8")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def one(args) -> None:
@@ -59,7 +62,8 @@ def one(args) -> None:
     runs, out = [], None
     for _ in range(2):
         start = time.perf_counter()
-        out = generate_hf(model, tok, ids, args.new_tokens, temperature=0, stop=[], lean=args.one == "gptforge")
+        out = generate_hf(model, tok, ids, args.new_tokens, temperature=0, stop=[],
+                          lean=args.one.startswith("gptforge"), quantize="int8" if args.one == "gptforge-int8" else None)
         runs.append(time.perf_counter() - start)
     new = out[0, ids.size(1):].tolist()
     assert len(new) == args.new_tokens
@@ -83,15 +87,20 @@ def memory_bandwidth(repeats: int = 7) -> float:
 
 
 def weight_bytes(folder: str) -> dict:
-    """Bytes of weights one decode step reads, per dtype size: every parameter once."""
+    """Bytes of weights one decode step reads, per dtype: every parameter once (with the
+    layers' linears in int8 for `gptforge-int8`, the rest in the dtype)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-    params = n * per_layer + h + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return {"params": params, "float32": params * 4, "bfloat16": params * 2}
+    linears = n * (h * h * 2 + h * kv * 2 + 3 * h * i)
+    params = linears + n * 2 * h + h + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    out = {"params": params, "linear_params": linears}
+    for dtype, size in DTYPE_BYTES.items():
+        out[dtype] = params * size
+        out["int8+" + dtype] = linears + (params - linears) * size
+    return out
 
 
 def run_one(side: str, dtype: str, args) -> dict:
@@ -109,6 +118,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--processes", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--one", choices=SIDES, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -128,17 +138,17 @@ def main() -> None:
         runs = {}
         for dtype in args.dtypes.split(","):
             for r in range(args.processes):
-                for side in SIDES:
+                for side in args.sides.split(","):
                     res = run_one(side, dtype, args)
                     runs.setdefault((side, dtype), []).append(res)
-                    print(f"{dtype:9s} {side:12s} first {res['first_tokens_per_sec']:6.1f} tok/s  "
+                    print(f"{dtype:9s} {side:14s} first {res['first_tokens_per_sec']:6.1f} tok/s  "
                           f"warm {res['warm_tokens_per_sec']:6.1f} tok/s", file=sys.stderr)
     reference = runs[("transformers", "float32")][0]["tokens"] if ("transformers", "float32") in runs else None
     rows = []
     for (side, dtype), rs in runs.items():
         first = statistics.median(x["first_tokens_per_sec"] for x in rs)
         warm = statistics.median(x["warm_tokens_per_sec"] for x in rs)
-        bound = bandwidth * 1e9 / sizes[dtype]
+        bound = bandwidth * 1e9 / sizes[("int8+" if side == "gptforge-int8" else "") + dtype]
         rows.append({"side": side, "dtype": dtype, "first_call_tokens_per_sec": round(first, 2),
                      "warm_tokens_per_sec": round(warm, 2), "bandwidth_bound_tokens_per_sec": round(bound, 1),
                      "warm_share_of_bound": round(warm / bound, 3),
@@ -151,10 +161,13 @@ def main() -> None:
         ours, theirs = by.get(("gptforge", dtype)), by.get(("transformers", dtype))
         if ours and theirs:
             ratios[dtype] = {k: round(ours[k] / theirs[k], 3) for k in ("first_call_tokens_per_sec", "warm_tokens_per_sec")}
-    if ("transformers", "float32") in by:
-        base = by[("transformers", "float32")]["first_call_tokens_per_sec"]
-        ratios["gptforge_bfloat16_over_transformers_float32"] = round(
-            by[("gptforge", "bfloat16")]["first_call_tokens_per_sec"] / base, 3) if ("gptforge", "bfloat16") in by else None
+    # each gptforge setting against transformers' fastest first call, whatever its dtype
+    theirs = [r for r in rows if r["side"] == "transformers"]
+    if theirs:
+        best = max(theirs, key=lambda r: r["first_call_tokens_per_sec"])
+        ratios["over_fastest_transformers"] = {"transformers_dtype": best["dtype"], **{
+            f"{r['side']} {r['dtype']}": round(r["first_call_tokens_per_sec"] / best["first_call_tokens_per_sec"], 3)
+            for r in rows if r["side"] != "transformers"}}
     import torch
     from gptforge.finetune.common import cpu_has_native_bf16
 

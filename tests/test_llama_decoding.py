@@ -140,3 +140,61 @@ def test_dtype_flag_loads_the_weights_in_that_dtype(tmp_path, monkeypatch, capsy
     assert inference_dtype("auto", "cpu") == torch.float32 and inference_dtype("auto", "cuda") == torch.bfloat16
     with pytest.raises(BadInput, match="--dtype must be one of auto, float32, bfloat16, got 'float16'"):
         inference_dtype("float16", "cpu")
+
+
+def test_int8_weights_round_each_row_to_its_own_scale():
+    from gptforge.modeling.llama_decoding import Int8Weight
+
+    w = torch.randn(48, 64, dtype=torch.float64) * torch.linspace(0.01, 3.0, 48, dtype=torch.float64)[:, None]
+    packed = Int8Weight(w, torch.float32)
+    scale = w.abs().amax(dim=1) / 127  # the formula: symmetric, the row's largest |w| maps to 127
+    assert packed.q.dtype == torch.int8 and packed.q.abs().max() == 127
+    torch.testing.assert_close(packed.scale.double(), scale, rtol=1e-7, atol=0)
+    error = (packed.dequantized().double() - w).abs()
+    assert (error <= scale[:, None] / 2 * (1 + 1e-6)).all()  # round to nearest: at most half a step
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_int8_layers_compute_the_model_with_dequantized_weights(dtype, tol):
+    """weights="int8" is the same model with each linear's weight replaced by its int8 rounding:
+    its hidden states against transformers' forward in float64 on those dequantized weights."""
+    from gptforge.modeling.llama_decoding import Int8Weight
+
+    model = tiny("llama").to(dtype)
+    reference = tiny("llama").double()
+    with torch.no_grad():
+        for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+            is_linear = name.endswith("proj.weight")
+            ref.copy_(Int8Weight(p, dtype).dequantized().double() if is_linear else p.double())
+    ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = reference.model(input_ids=ids).last_hidden_state[0]
+    decoder = LlamaDecoder(model, batch=1, max_len=10, weights="int8")
+    with torch.inference_mode():
+        got = [decoder(ids[:, :6])] + [decoder(ids[:, t:t + 1]) for t in range(6, 10)]
+    for last, h in zip([5, 6, 7, 8, 9], got):
+        torch.testing.assert_close(h[0].double(), expected[last], rtol=tol, atol=tol)
+
+
+def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch, capsys):
+    from hf_models import make_tiny_causal_lm
+
+    from gptforge.cli import main
+    from gptforge.errors import BadInput
+
+    model = tiny("llama")
+    ids = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(7))
+    out = generate_hf(model, _Tok(), ids, 12, temperature=0, stop=[], quantize="int8")
+    assert out.shape == (1, 19) and torch.equal(out[:, :7], ids)
+    with pytest.raises(BadInput, match="cannot run this model: activation 'gelu'"):
+        generate_hf(tiny("llama", hidden_act="gelu"), _Tok(), ids, 4, temperature=0, quantize="int8")
+    with pytest.raises(BadInput, match="expected int8 or none, got 'int4'"):
+        generate_hf(model, _Tok(), ids, 4, temperature=0, quantize="int4")
+    folder = make_tiny_causal_lm(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["generate", "The fox", "--checkpoint", str(folder), "--temperature", "0", "--max-new-tokens", "5",
+               "--dtype", "bfloat16", "--quantize", "int8"])
+    assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err
+    rc = main(["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "--quantize int8 applies to Hugging Face Llama-family folders" in lines[-1]

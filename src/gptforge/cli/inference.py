@@ -40,6 +40,11 @@ def add_commands(sub) -> None:
     g.add_argument("--dtype", choices=INFERENCE_DTYPES, default="auto",
                    help="weights of a Hugging Face folder: auto = bfloat16 on CUDA, float32 on the CPU "
                    "(default: %(default)s)")
+    g.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 linears in the lean decoder of a Hugging Face Llama-family folder "
+                   "(Llama, SmolLM2, Qwen2, Mistral): a quarter of float32's bytes per token; with --dtype auto "
+                   "the activations are bfloat16 on CUDA and on CPUs with native bf16 (docs/hf-models.md) "
+                   "(default: %(default)s)")
     config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -63,6 +68,9 @@ def cmd_generate(args) -> int:
 
     if hf_source(args.checkpoint) is not None:
         return _generate_hf(args)
+    if args.quantize != "none":
+        raise BadInput(f"--quantize {args.quantize} applies to Hugging Face Llama-family folders; {args.checkpoint} "
+                       "is a gptforge checkpoint (leave out --quantize)")
     if args.chat:
         raise BadInput(f"--chat needs a Hugging Face causal-LM folder whose tokenizer has a chat template; "
                        f"{args.checkpoint} is a gptforge checkpoint (leave out --chat to continue PROMPT as text)")
@@ -104,7 +112,14 @@ def _generate_hf(args) -> int:
     from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm
 
     device = pick_device(args.device)
-    model, tok = load_causal_lm(args.checkpoint, param="--checkpoint", dtype=inference_dtype(args.dtype, device.type))
+    dtype = inference_dtype(args.dtype, device.type)
+    if args.quantize == "int8" and args.dtype == "auto":
+        from gptforge.finetune.common import cpu_has_native_bf16
+
+        # int8 weights with float32 activations run slower than float32 weights on the CPU
+        # (torch's int8 kernel): bf16 activations where the CPU has them.
+        dtype = torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+    model, tok = load_causal_lm(args.checkpoint, param="--checkpoint", dtype=dtype)
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise BadInput(f"--chat: the tokenizer in {args.checkpoint} has no chat template (chat_template.jinja "
@@ -122,8 +137,9 @@ def _generate_hf(args) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
+    quantize = None if args.quantize == "none" else args.quantize
     out = generate_hf(model, tok, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                      seed=args.seed)
+                      seed=args.seed, quantize=quantize)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

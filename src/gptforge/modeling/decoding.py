@@ -179,7 +179,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
 @torch.inference_mode()
 def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                 top_k: int | None = None, seed: int | None = None,
-                stop: list[int] | None = None, lean: bool = True) -> torch.Tensor:
+                stop: list[int] | None = None, lean: bool = True, quantize: str | None = None) -> torch.Tensor:
     """`generate` for a transformers causal LM (`hf_causal.load_causal_lm`), through its own
     `model.generate`: continue `prompt_ids` (B, T) on the model's device by up to
     `max_new_tokens`; returns (B, T + n_new), the stop token kept as `generate` keeps eot.
@@ -195,7 +195,10 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
 
     Llama-family models (`llama_decoding.unsupported` is None) decode through gptforge's lean
     decoder with the same choices (`lean=False` forces transformers' own `generate`): the same
-    greedy tokens, faster at batch 1 (benchmarks/bench_generate_hf.py).
+    greedy tokens, faster at batch 1 (benchmarks/bench_generate_hf.py). `quantize="int8"` runs
+    that decoder with weight-only int8 linears (`llama_decoding.Int8Weight`): lighter weights
+    for a memory-bound step, no longer the same tokens as the model's own dtype; a model the lean
+    decoder cannot run is refused (BadInput) rather than silently left unquantized.
     """
     from gptforge.modeling.hf_causal import stop_ids
     from gptforge.modeling.llama_decoding import generate_llama, unsupported
@@ -207,6 +210,13 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
         raise BadInput(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:
         raise BadInput(f"top_k must be a positive integer, got {top_k}")
+    reason = unsupported(model) if lean else "lean=False"
+    if quantize is not None:
+        if quantize != "int8":
+            raise BadInput(f"quantize: expected int8 or none, got {quantize!r}")
+        if reason is not None:
+            raise BadInput(f"quantize int8 runs in gptforge's lean Llama-family decoder, which cannot run this "
+                           f"model: {reason}")
     if max_new_tokens <= 0:
         return prompt_ids
     eos = stop if stop is not None else stop_ids(tokenizer, model)
@@ -220,9 +230,9 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
     was_training = model.training
     model.eval()
     try:
-        if lean and unsupported(model) is None:
+        if reason is None:
             return generate_llama(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                  eos=eos, pad=pad)
+                                  eos=eos, pad=pad, weights=quantize or "native")
         return model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
                               max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
                               **sampling, **_HF_NEUTRAL)

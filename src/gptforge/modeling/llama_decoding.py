@@ -53,23 +53,54 @@ def unsupported(model) -> str | None:
     return None
 
 
+class Int8Weight:
+    """A linear layer's weight (out, in) as int8 with one scale per output row (symmetric,
+    round to nearest: w ~= q * scale), in the activations' dtype, as
+    `torch._weight_int8pack_mm` takes it: a quarter of float32's bytes, half of bf16's."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with an `Int8Weight`: x (..., in) in the scales' dtype."""
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), w.q, w.scale).view(*x.shape[:-1], w.q.size(0))
+    return y if bias is None else y + bias
+
+
+WEIGHT_FORMATS = ("native", "int8")
+
+
 class LlamaLayers:
     """The model's weights, gathered once, and its rotary tables for `max_len` positions: the
     one copy of the block that every lean caller runs (`forward`), each with its own way of
-    keeping keys and values (`attend`)."""
+    keeping keys and values (`attend`). `weights="int8"` keeps the seven linears of each layer
+    as `Int8Weight`s (weight-only int8: activations, norms, embeddings and the head stay in the
+    model's dtype), for batch-1 decoding on the CPU, where each token reads every weight once."""
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, weights: str = "native"):
+        if weights not in WEIGHT_FORMATS:
+            raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         cfg = model.config
         inner = model.model
         self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed = inner.embed_tokens.weight
+        dtype = self.embed.dtype
+        pack = (lambda w: Int8Weight(w, dtype)) if weights == "int8" else (lambda w: w)
+        self.linear = int8_linear if weights == "int8" else F.linear
         self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
-                        a.o_proj.weight, a.o_proj.bias,
+                        pack(a.q_proj.weight), a.q_proj.bias, pack(a.k_proj.weight), a.k_proj.bias,
+                        pack(a.v_proj.weight), a.v_proj.bias, pack(a.o_proj.weight), a.o_proj.bias,
                         layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                        m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias,
-                        m.down_proj.weight, m.down_proj.bias)
+                        pack(m.gate_proj.weight), m.gate_proj.bias, pack(m.up_proj.weight), m.up_proj.bias,
+                        pack(m.down_proj.weight), m.down_proj.bias)
                        for layer in inner.layers for a, m in [(layer.self_attn, layer.mlp)]]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = model.lm_head.weight
@@ -103,7 +134,7 @@ class LlamaLayers:
         last position."""
         B, T = ids.shape
         nh, nkv, hd = self.n_head, self.n_kv, self.head_dim
-        lin, rms, rotate = F.linear, self._rms, self._rotate
+        lin, rms, rotate = self.linear, self._rms, self._rotate
         x = self.embed[ids]  # (B, T, C)
         for i, (n1, e1, qw, qb, kw, kb, vw, vb, ow, ob, n2, e2, gw, gb, uw, ub, dw, db) in enumerate(self.layers):
             h = rms(x, n1, e1)
@@ -132,8 +163,8 @@ class LlamaDecoder:
     takes (B, T) token ids at positions pos..pos+T-1 of each row and returns (B, hidden) final
     hidden states of the last position (the head is the caller's)."""
 
-    def __init__(self, model, batch: int, max_len: int):
-        self.weights = w = LlamaLayers(model, max_len)
+    def __init__(self, model, batch: int, max_len: int, weights: str = "native"):
+        self.weights = w = LlamaLayers(model, max_len, weights)
         self.head = w.head
         shape = (batch, w.n_kv, max_len, w.head_dim)
         self.keys = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in w.layers]
@@ -164,15 +195,16 @@ class LlamaDecoder:
 
 @torch.inference_mode()
 def generate_llama(model, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float, top_k: int | None,
-                   eos: list[int], pad: int | None) -> torch.Tensor:
+                   eos: list[int], pad: int | None, weights: str = "native") -> torch.Tensor:
     """`generate_hf`'s decoding through `LlamaDecoder` (the caller checked `unsupported` and
     the arguments, and seeded torch's global generator): (B, T + n_new), each row stopping at
-    any of `eos` (kept), finished rows filled with `pad`, until every row has ended."""
+    any of `eos` (kept), finished rows filled with `pad`, until every row has ended.
+    `weights="int8"`: the layers' linears in weight-only int8 (`LlamaLayers`)."""
     from gptforge.modeling.greedy_head import GreedyHead, _argmax
 
     B, T0 = prompt_ids.shape
     device = prompt_ids.device
-    decoder = LlamaDecoder(model, B, T0 + max_new_tokens)
+    decoder = LlamaDecoder(model, B, T0 + max_new_tokens, weights)
     head = decoder.head
     screen = None
     if temperature == 0 and B == 1 and max_new_tokens >= 16 and GreedyHead.usable(head):
