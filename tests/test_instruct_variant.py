@@ -74,6 +74,31 @@ def test_auto_bf16_is_bf16_where_the_cpu_has_it(monkeypatch):
     assert common.runtime("cpu", "auto-bf16", param="instruct").precision == "fp32"
 
 
+def test_a_bf16_lora_base_computes_what_the_float32_model_does_under_autocast(tmp_path):
+    """Under LoRA in bf16 the frozen base keeps its linears in bf16 and everything else in
+    float32 (`common.bf16_linears`): under autocast, the logits of Trainer's way (a float32 model,
+    autocast casting each weight) bit for bit, on a folder saved in bf16 as prepare_base saves;
+    pure bf16 (the residual stream rounded) is not that function."""
+    from transformers import AutoModelForCausalLM
+
+    from gptforge.finetune import common
+
+    folder = make_tiny_causal_lm(tmp_path / "llama")
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(folder)  # bf16 on disk
+    rt = common.runtime("cpu", "bf16", param="instruct")
+    ours, _ = common.load_hf_base(str(folder), rt, param="instruct", lora=True)
+    linears = {n for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, p in ours.named_parameters():
+        assert p.dtype == (torch.bfloat16 if name.rsplit(".", 1)[0] in linears else torch.float32), name
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    pure = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).train()
+    ids = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), rt.autocast():
+        expected = stock(input_ids=ids).logits
+        assert torch.equal(ours(input_ids=ids).logits, expected)
+        assert not torch.equal(pure(input_ids=ids).logits.float(), expected.float())
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 
