@@ -130,8 +130,8 @@ def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: 
 
     Weights load in float32 (autocast computes in bf16 on CUDA) except under LoRA with bf16,
     where the frozen base's linear layers stay in bf16 (`bf16_linears`: half their memory, no
-    cast per step; peft keeps the adapters in float32). `quantize: 4bit` is QLoRA: the base in bitsandbytes NF4 with double quantization
-    and bf16 compute, prepared with peft's `prepare_model_for_kbit_training`; it needs CUDA and
+    cast per step; peft keeps the adapters in float32). `quantize: 4bit` is QLoRA: the base in
+    bitsandbytes NF4 with double quantization and bf16 compute, prepared with peft's `prepare_model_for_kbit_training`; it needs CUDA and
     the bitsandbytes package, and says so in one line (BadInput) before anything is loaded.
     `param` is the config section (`instruct`) the messages name.
     """
