@@ -63,18 +63,17 @@ What is measured, per run:
 Both recipes start from the same LoRA initialisation (`torch.manual_seed(--seed)` before the
 model loads; the JSON records a checksum of the initial adapters) and the same token ids
 (digest recorded), and the parent checks that every recipe saw the same number of real tokens.
+
+What the recipes share (the model folder, the splits, the encoding, the held-out loss) is in
+lora_common.py, the report (medians, checks, targets, the markdown table) in lora_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import importlib.util
 import json
 import os
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,116 +83,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_meters import PeakRSS, StepClock, machine  # noqa: E402
+from lora_common import (  # noqa: E402
+    ROOT, build_model, digest, encode_split, heldout_loss, initial_heldout_loss, lora_checksum, write_splits)
+from lora_report import TARGET, TARGET_REAL_MODEL, check_same, markdown, model_settings, summarize  # noqa: E402
 
 RECIPES = ("ours", "stock", "stock_grouped")
 RESULT_MARK = "BENCH_LORA_RESULT "  # the child's result line (Trainer prints its logs on stdout too)
-SAMPLE = "sample://instruction-data.json.gz"
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# The goals: on the random tiny Llama (Python overhead dominates) and on a real folder (--model:
-# SmolLM2-135M, where the matrix products do and the loss must agree more closely).
-TARGET = {"speedup_min": 1.3, "heldout_loss_rel_diff_max": 0.02}
-TARGET_REAL_MODEL = {"speedup_min": 1.5, "heldout_loss_rel_diff_max": 0.01}
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared by every recipe: the model folder, the data, the encoding, the held-out loss
-
-
-def build_model(folder: Path, args) -> Path:
-    """A random Llama of the requested shape with the GPT-2 tokenizer (tests/hf_models.py)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.spec_from_file_location("_bench_hf_models", ROOT / "tests" / "hf_models.py")
-    hf_models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf_models)
-    config = LlamaConfig(vocab_size=50257, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.positions,
-                         bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=False)
-    torch.manual_seed(args.seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    LlamaForCausalLM(config).save_pretrained(str(folder))
-    hf_models.make_tokenizer(folder)
-    return folder
-
-
-def write_splits(data_dir: Path, args) -> dict:
-    """train/val/test jsonl from the embedded records: `--heldout` shuffled records are the
-    held-out split (val), the next `--steps` x `--batch-size` (all the rest
-    without `--steps`) the training split."""
-    from gptforge.data.sources import read_records
-    from gptforge.samples import resolve
-
-    records = [{"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"]}
-               for r in read_records(resolve(SAMPLE), param="bench_lora")]
-    random.Random(args.seed).shuffle(records)
-    heldout, train = records[:args.heldout], records[args.heldout:]
-    if args.steps is not None:
-        if args.steps * args.batch_size > len(train):
-            raise SystemExit(f"--steps {args.steps} x --batch-size {args.batch_size} is more than the "
-                             f"{len(train)} training records")
-        train = train[:args.steps * args.batch_size]
-    data_dir.mkdir(parents=True, exist_ok=True)
-    # test: a few records only, which `setup` wants and nothing here uses
-    for name, recs in (("train", train), ("val", heldout), ("test", heldout[:8])):
-        with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
-    return {"train_records": len(train), "heldout_records": len(heldout)}
-
-
-def encode_split(tokenizer, records, max_length: int):
-    """gptforge's encoding (Alpaca template, response + eos) of `records`; every one must fit
-    whole, so that no recipe truncates."""
-    from gptforge.finetune.templates import encode_all
-    from gptforge.modeling.hf_causal import HFTokenizer
-
-    examples, kept = encode_all(records, "alpaca", HFTokenizer(tokenizer), max_length)
-    longest = max(len(p) + len(r) for p, r in examples)
-    if len(kept) != len(records) or longest > max_length:
-        raise SystemExit(f"bench_lora: an example does not fit {max_length} positions (longest {longest}); "
-                         "raise --positions")
-    return examples
-
-
-def digest(examples) -> str:
-    """A short hash of (prompt ids, response ids) pairs in order."""
-    return hashlib.sha256(json.dumps([[list(p), list(r)] for p, r in examples]).encode()).hexdigest()[:16]
-
-
-def heldout_loss(model, examples, pad_id: int, max_length: int, precision: str) -> tuple[float, int]:
-    """(mean cross-entropy per response token, response tokens) over `examples`: the one
-    function both trained models are scored with (gptforge's split_loss, batches of 8 in order,
-    under the runs' autocast `precision`)."""
-    from gptforge.finetune.common import runtime
-    from gptforge.finetune.instruct import split_loss
-
-    loss = split_loss(model, examples, batch_size=8, pad_id=pad_id, max_length=max_length, mask_prompt=True,
-                      rt=runtime("cpu", precision, param="bench_lora"))
-    return loss, sum(len(r) for _, r in examples)
-
-
-def initial_heldout_loss(model_dir: Path, data_dir: Path, precision: str) -> float:
-    """The held-out loss before training: the base model's (LoRA starts with B = 0, so the
-    adapted model computes the base model's function)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gptforge.finetune.instruct import read_split
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    max_length = model.config.max_position_embeddings
-    heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
-    return round(heldout_loss(model, heldout, tokenizer.eos_token_id, max_length, precision)[0], 5)
-
-
-def lora_checksum(model) -> float:
-    """Sum of |w| over the LoRA A matrices: equal when two runs start from the same adapters."""
-    return round(float(sum(p.detach().abs().sum() for n, p in model.named_parameters() if "lora_A" in n)), 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,91 +275,6 @@ def run_child(cmd: list[str]) -> dict:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"bench_lora: {' '.join(cmd[2:4])} failed (exit {proc.returncode})")
     return {**json.loads(lines[-1][len(RESULT_MARK):]), "subprocess_s": round(wall, 2)}
-
-
-def model_settings(args, model_dir: Path) -> dict:
-    """The model's shape for the JSON: the random Llama's flags, or the folder's config."""
-    if not args.model:
-        return {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
-                "heads": args.heads, "kv_heads": args.kv_heads, "positions": args.positions, "vocab": 50257}
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return {"folder": args.model, "arch": cfg.get("model_type"), "hidden": cfg.get("hidden_size"),
-            "layers": cfg.get("num_hidden_layers"), "intermediate": cfg.get("intermediate_size"),
-            "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
-            "vocab": cfg.get("vocab_size"), "saved_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
-            "trained_in": f"{args.precision} (both recipes)"}
-
-
-MEDIAN_KEYS = ("tokens_per_sec", "padding_fraction", "peak_rss_growth_mb", "peak_rss_mb", "heldout_loss",
-               "timed_s", "train_wall_s")
-
-
-def summarize(runs: dict[str, list[dict]], initial: float) -> dict:
-    out = {}
-    for name, rs in runs.items():
-        median = {k: round(statistics.median(r[k] for r in rs), 5) for k in MEDIAN_KEYS}
-        median["heldout_loss_drop"] = round(initial - median["heldout_loss"], 5)
-        out[name] = {"median": median, "real_tokens": rs[0]["real_tokens"], "steps": rs[0]["steps"], "runs": rs}
-    return out
-
-
-def check_same(runs: dict[str, list[dict]], key: str) -> bool:
-    return len({json.dumps(r[key], sort_keys=True) for rs in runs.values() for r in rs}) == 1
-
-
-def model_words(model: dict) -> str:
-    """How the report names the model: the folder it was read from, or the random Llama."""
-    if model.get("folder"):
-        return f"`{model['folder']}` ({model['arch']}, saved in {model.get('saved_dtype')})"
-    return "random Llama with the GPT-2 tokenizer"
-
-
-def markdown(result: dict) -> str:
-    s, rec = result["settings"], result["recipes"]
-    lines = [
-        "# LoRA fine-tuning on the CPU: gptforge's instruct recipe vs transformers Trainer + peft",
-        "",
-        f"- date: {result['date']}; machine: {result['machine']['cpu']}, {result['machine']['cores']} cores "
-        f"({result['machine']['arch']}); load average (1 min) before/after: {result['load_average_1min']}",
-        f"- torch {result['torch']}, transformers {result['transformers']}, peft {result['peft']}; "
-        f"{s['threads']} threads per run",
-        f"- model: {model_words(s['model'])}, hidden {s['model']['hidden']}, {s['model']['layers']} layers, "
-        f"intermediate {s['model']['intermediate']}, {s['model']['heads']} heads / {s['model']['kv_heads']} KV heads, "
-        f"vocab {s['model']['vocab']}, {s['total_params'] / 1e6:.1f}M parameters, "
-        f"{s['trainable_params'] / 1e6:.2f}M LoRA",
-        f"- LoRA r {s['lora']['r']}, alpha {s['lora']['alpha']}, dropout {s['lora']['dropout']} on "
-        f"{', '.join(s['lora']['target_modules'])}; Alpaca template, loss on the response; AdamW (fused) lr {s['lr']}, "
-        f"weight decay {s['weight_decay']}, constant, no clipping; {s.get('precision', 'fp32')}",
-        f"- data: {s['train_records']} training records of LLMs-from-scratch ch. 7 (1 epoch, batch {s['batch_size']}, "
-        f"{s['steps']} steps), {s['heldout_records']} held out; {s['repeats']} runs per recipe, alternating; "
-        f"tokens/s over steps {s['warmup_steps'] + 1}-{s['steps']}",
-        "",
-        f"Held-out loss before training: {result['heldout_loss_initial']:.4f}"
-        + ("" if s["model"].get("folder") else " (random weights: about ln 50257 = 10.82)")
-        + "; the drop is what the adapters learned.",
-        "",
-        "| recipe | real tokens/s (median) | vs stock | padding | peak RSS growth (MB) | held-out loss | loss drop "
-        "| real tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    base = rec["stock"]["median"]["tokens_per_sec"] if "stock" in rec else None
-    for name, r in rec.items():
-        m = r["median"]
-        vs = f"{m['tokens_per_sec'] / base:.2f}x" if base else "-"
-        lines.append(f"| {name} | {m['tokens_per_sec']:.0f} | {vs} | {100 * m['padding_fraction']:.1f}% | "
-                     f"{m['peak_rss_growth_mb']:.0f} | {m['heldout_loss']:.4f} | {m['heldout_loss_drop']:.4f} | "
-                     f"{r['real_tokens']} |")
-    lines += ["", f"Speedup (ours / stock real tokens/s): {result.get('speedup')}; held-out loss ratio (ours / stock): "
-              f"{result.get('heldout_loss_ratio')} (ratio of the drops: {result.get('heldout_loss_drop_ratio')}); "
-              f"same real tokens in every run: {result['same_real_tokens']}; "
-              f"target (>= {result.get('target', TARGET)['speedup_min']}x, loss within "
-              f"{100 * result.get('target', TARGET)['heldout_loss_rel_diff_max']:.0f}%) "
-              f"met: {result.get('target_met')}.", ""]
-    if "stock_grouped" in rec:
-        lines += [f"`stock_grouped` is the stock recipe with `train_sampling_strategy=\"group_by_length\"`: ours / "
-                  f"stock_grouped = {result.get('speedup_vs_stock_grouped')}.", ""]
-    lines += [f"Command: `{result['command']}`", ""]
-    return "\n".join(lines)
 
 
 def parent(args) -> int:

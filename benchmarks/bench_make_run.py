@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import _cpu_model  # noqa: E402
 from bench_startup import delivered, fresh_clone, stop_recorder  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 
 def stage_spans(clone: Path) -> dict[str, float]:
@@ -70,7 +70,7 @@ def main() -> int:
     result = {
         "benchmark": "make_run",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"processor": _cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"processor": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                  text=True).stdout.strip(),
         "pipeline_s": round(wall, 1), "stages_work_s": {k: round(v, 1) for k, v in spans.items()},

@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_serve import (ServerFailed, note, run_generate_cli, serving, timed_level,  # noqa: E402
-                         warm_up)
 from serve_loads import completion_body, parse, parse_plain  # noqa: E402
+from serve_measures import run_generate_cli, timed_level, warm_up  # noqa: E402
+from servers import ServerFailed, note, serving  # noqa: E402
 
 # A text prompt whose continuation by SmolLM2 runs past 64 tokens without an end of text, greedy
 # and sampled (checked by the `tokens per request` of the result: every answer at max_tokens).

@@ -49,7 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import _cpu_model  # noqa: E402
+from machine import cpu_model  # noqa: E402
+
+# Hugging Face Hub offline for the runs here and in bench_make_run and bench_tokenize (which import this
+# module), as when cpu_model was imported from bench_serve, whose bench_generate sets it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
@@ -177,7 +181,7 @@ def main() -> int:
     result = {
         "benchmark": "startup",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version()},
         "repeats": args.repeats, "cases": cases, "breakdown_s": {k: round(v, 3) for k, v in breakdown.items()},
         "on_over_off": round(m["on"] / m["off"], 2),

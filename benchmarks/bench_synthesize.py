@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))  # the scripted OpenAI-compatible server the tests use
 
 from chat_endpoint import ChatEndpoint  # noqa: E402
-from bench_serve import _cpu_model, _git, free_port, start_server, stop_server, wait_healthy  # noqa: E402
+from machine import cpu_model, git  # noqa: E402
+from servers import free_port, start_server, stop_server, wait_healthy  # noqa: E402
 
 PAIRS = json.dumps([{"question": f"What does step {i} of the pipeline do?", "answer": f"Step {i} runs a stage."}
                     for i in range(3)])
@@ -130,7 +131,7 @@ def main() -> int:
     result = {
         "benchmark": "synthesize",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version()},
         "chunks": len(chunks), "rounds": args.rounds,
         "fixed_delay": {"delay_s": args.delay, "levels": fixed_levels, "speedup": round(speedup, 2),
@@ -140,7 +141,7 @@ def main() -> int:
     if not args.no_serve:
         result["serve"] = serve_levels(args, chunks[:args.serve_chunks], levels, tokenizer_path)
     result["command"] = "python benchmarks/bench_synthesize.py " + " ".join(sys.argv[1:])
-    result["commit"] = _git("rev-parse", "--short", "HEAD")
+    result["commit"] = git("rev-parse", "--short", "HEAD")
     text = json.dumps(result, indent=2)
     if args.out:
         out = Path(args.out)

@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's gptforge, also in the child processes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import _cpu_model as cpu_model  # noqa: E402
 from bench_startup import delivered, stop_recorder  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 POOL_SCRIPT = '''

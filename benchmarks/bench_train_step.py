@@ -21,7 +21,8 @@ import torch
 
 from gptforge.config.load import load_config
 from gptforge.modeling.gpt import GPT, GPTConfig
-from gptforge.training.loop import grad_accum_steps, lr_at, setup_runtime, train_step
+from gptforge.training.loop import grad_accum_steps, lr_at, train_step
+from gptforge.training.runtime import setup_runtime
 from gptforge.training.optim import adamw
 
 

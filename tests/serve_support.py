@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from conftest import BIN, REPO, free_port, stop_process, wait_http
+from cli_support import BIN, REPO
+from process_support import free_port, stop_process, wait_http
 
 PARAMS = REPO / "params.yaml"  # tokenizer.path: the embedded GPT-2 tokenizer
 
@@ -34,7 +35,7 @@ def tiny_gpt(folder: Path, *, seed: int = 0, block_size: int = 1024) -> Path:
 
 
 def tiny_classifier(folder: Path, base: Path) -> Path:
-    from gptforge.finetune.classify import GPTClassifier, save_classifier
+    from gptforge.finetune.classifier import GPTClassifier, save_classifier
     from gptforge.modeling.weights import load_model
 
     torch.manual_seed(1)

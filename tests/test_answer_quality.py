@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import FakeJudge
+from fixture_data import FakeJudge
 from gptforge import openai_client
 from gptforge.errors import BadInput
 from gptforge.finetune import answer_quality as Q

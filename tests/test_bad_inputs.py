@@ -24,7 +24,8 @@ from typing import Callable
 import pytest
 import torch
 
-from conftest import REPO, SMS_LINES, error_lines, snapshot, write_tiktoken
+from cli_support import REPO, error_lines, snapshot
+from fixture_data import SMS_LINES, write_tiktoken
 from gptforge.cli import main
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.weights import save_model

@@ -15,7 +15,7 @@ import torch
 from gptforge.bench import grid as bench
 from gptforge.bench.stage import benchmark
 from gptforge.config.load import load_config
-from conftest import FakeRun
+from fixture_data import FakeRun
 from test_bench import SMALL
 
 

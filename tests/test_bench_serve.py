@@ -22,7 +22,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_serve.py"
 def bench():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+        spec = importlib.util.spec_from_file_location("serve_loads", SCRIPT.parent / "serve_loads.py")  # parse, pct
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         yield module

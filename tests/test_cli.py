@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import REPO, cli_env, error_lines, free_port, run_cli, snapshot
+from cli_support import REPO, cli_env, error_lines, run_cli, snapshot
+from process_support import free_port
 from gptforge.cli import main
 
 

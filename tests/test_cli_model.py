@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import error_lines
+from cli_support import error_lines
 from gptforge.cli import main
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig

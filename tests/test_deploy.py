@@ -30,7 +30,8 @@ import httpx
 import pytest
 import yaml
 
-from conftest import BIN, REPO, cli_env, free_port, run_cli, set_params, stage_params, stop_process
+from cli_support import BIN, REPO, cli_env, run_cli, set_params, stage_params
+from process_support import free_port, stop_process
 from gptforge.modeling.weights import load_model as load_model_folder
 from test_dvc import check_registry, dvc, ran_stages
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.slow
 STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "pretrain",
           "finetune_classify", "finetune_instruct", "finetune_instruct_variant", "finetune_preference", "train_reward",
           "finetune_rl", "evaluate", "register", "benchmark"]
-# As dvc.yaml names them: the instruct variant of stage_params (tests/conftest.py) is a foreach entry.
+# As dvc.yaml names them: the instruct variant of stage_params (tests/cli_support.py) is a foreach entry.
 DVC_STAGES = [s if s != "finetune_instruct_variant" else "finetune_instruct_variant@tiny" for s in STAGES]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, cli_env, error_lines, set_params
+from cli_support import BIN, cli_env, error_lines, set_params
 
 pytestmark = pytest.mark.slow
 

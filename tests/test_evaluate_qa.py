@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FakeRun, cli_env, run_cli
+from cli_support import cli_env, run_cli
+from fixture_data import FakeRun
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.answer_quality import reference_scores

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FakeRun
+from fixture_data import FakeRun
 from gptforge.config.load import validate
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
+from gptforge.finetune import classifier as clf_model
+from gptforge.finetune import classify_data as clf_data
 from gptforge.finetune.common import merge_lora
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.tokenizer import load_tokenizer
@@ -110,10 +112,10 @@ def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, t
 
     # Recompute from an independent prediction pass of the saved classifier.
     enc = load_tokenizer(str(small_tokenizer))
-    saved = clf.load_classifier(out["out_dir"] / "final")
+    saved = clf_model.load_classifier(out["out_dir"] / "final")
     for split in ("train", "val", "test"):
         records = [json.loads(line) for line in (data_dir / f"{split}.jsonl").read_text().splitlines()]
-        predicted = clf.classify_texts(saved, [r["text"] for r in records], enc, "cpu")
+        predicted = clf_model.classify_texts(saved, [r["text"] for r in records], enc, "cpu")
         gold = [r["label"] for r in records]
         pred = [label for label, _ in predicted]
         assert metrics[f"{split}_accuracy"] == pytest.approx(sum(p == g for p, g in zip(pred, gold)) / len(gold))
@@ -131,8 +133,8 @@ def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, t
     trained = steps.results["train"].classifier
     test_examples = steps.results["setup"].data["test"]
     rt = steps.results["setup"].rt
-    want, _ = clf.predict(trained, test_examples, 16, enc.eot_token, rt)
-    got, _ = clf.predict(saved, test_examples, 16, enc.eot_token, rt)
+    want, _ = clf_data.predict(trained, test_examples, 16, enc.eot_token, rt)
+    got, _ = clf_data.predict(saved, test_examples, 16, enc.eot_token, rt)
     # Same weights, same code; only float rounding may differ (MKL's kernels can depend on the
     # buffers' memory alignment), far below what a wrong or missing weight would change.
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -157,10 +159,10 @@ def test_padding_does_not_change_a_rows_logits(attention):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=281,
                         attention=attention))
-    model = clf.GPTClassifier(gpt, 2).eval()
-    short, long = clf.Example([5, 9, 17], 0), clf.Example(list(range(40, 60)), 1)
-    alone = model(*clf.collate([short], 280, torch.device("cpu"))[:2])
-    idx, lengths, _ = clf.collate([short, long], 280, torch.device("cpu"))
+    model = clf_model.GPTClassifier(gpt, 2).eval()
+    short, long = clf_data.Example([5, 9, 17], 0), clf_data.Example(list(range(40, 60)), 1)
+    alone = model(*clf_data.collate([short], 280, torch.device("cpu"))[:2])
+    idx, lengths, _ = clf_data.collate([short, long], 280, torch.device("cpu"))
     assert idx.shape == (2, 20) and (idx[0, 3:] == 280).all()  # right-padded to the longest row
     batched = model(idx, lengths)
     torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)  # other shapes: rounding only
@@ -208,10 +210,10 @@ def test_lora_trains_adapters_and_head_only_and_merges_exactly(small_tokenizer, 
                                              if "lora_" in n or ".head." in n)
 
     examples = s.data["test"][:32]
-    adapter_logits, _ = clf.predict(s.model, examples, 16, 280, s.rt)
+    adapter_logits, _ = clf_data.predict(s.model, examples, 16, 280, s.rt)
     merged = merge_lora(s.model)
     assert merged is s.classifier and not any("lora_" in n for n, _ in merged.named_parameters())
-    merged_logits, _ = clf.predict(merged, examples, 16, 280, s.rt)
+    merged_logits, _ = clf_data.predict(merged, examples, 16, 280, s.rt)
     torch.testing.assert_close(merged_logits, adapter_logits, atol=1e-5, rtol=0)
 
 
@@ -255,19 +257,19 @@ def test_bad_input_stops_before_writing(small_tokenizer, base, data_dir, tmp_pat
 
 def test_load_classifier_names_what_is_missing(base, tmp_path):
     with pytest.raises(BadInput, match="classifier.json: not found"):
-        clf.load_classifier(base)  # a plain model folder has no head
+        clf_model.load_classifier(base)  # a plain model folder has no head
 
 
 def test_binary_report_counts_and_formulas():
     # Asymmetric on purpose: precision != recall and tp != tn, so a swap of any two shows.
-    report = clf.binary_report(pred=[1, 1, 1, 1, 0, 0], gold=[1, 1, 0, 0, 1, 0])
+    report = clf_data.binary_report(pred=[1, 1, 1, 1, 0, 0], gold=[1, 1, 0, 0, 1, 0])
     assert (report["test_tp"], report["test_fp"], report["test_fn"], report["test_tn"]) == (2, 2, 1, 1)
     assert report["precision"] == pytest.approx(2 / 4) and report["recall"] == pytest.approx(2 / 3)
     assert report["f1"] == pytest.approx(2 * (1 / 2) * (2 / 3) / (1 / 2 + 2 / 3))
     # No positive predictions: 0, not a division error (metrics files hold numbers).
-    assert clf.binary_report([0, 0], [1, 0])["precision"] == 0 == clf.binary_report([0, 0], [1, 0])["f1"]
+    assert clf_data.binary_report([0, 0], [1, 0])["precision"] == 0 == clf_data.binary_report([0, 0], [1, 0])["f1"]
     # More classes: class 1 against the rest.
-    three = clf.binary_report(pred=[2, 1, 0, 1], gold=[1, 1, 2, 0])
+    three = clf_data.binary_report(pred=[2, 1, 0, 1], gold=[1, 1, 2, 0])
     assert (three["test_tp"], three["test_fp"], three["test_fn"], three["test_tn"]) == (1, 1, 1, 1)
 
 
@@ -276,13 +278,13 @@ def test_long_texts_keep_their_first_max_length_tokens(small_tokenizer):
     long_text = " ".join(["the cat is in the garden and the dog is on the sofa"] * 5)
     ids = enc.encode_ordinary(long_text)
     assert len(ids) > BLOCK
-    (example, empty), cut = clf.encode([{"text": long_text, "label": 1}, {"text": "", "label": 0}], enc, 8)
+    (example, empty), cut = clf_data.encode([{"text": long_text, "label": 1}, {"text": "", "label": 0}], enc, 8)
     assert example.tokens == ids[:8] and cut == 1
     assert empty.tokens == [enc.eot_token]  # an empty text still has a last token to read
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=281))
-    model = clf.GPTClassifier(gpt, 2, max_length=8).eval()
-    (label, prob), = clf.classify_texts(model, [long_text], enc, "cpu")  # longer than the model: no error
+    model = clf_model.GPTClassifier(gpt, 2, max_length=8).eval()
+    (label, prob), = clf_model.classify_texts(model, [long_text], enc, "cpu")  # longer than the model: no error
     with torch.no_grad():
         want = model(torch.tensor([ids[:8]]), torch.tensor([8]))[0].softmax(-1)
     assert label == int(want.argmax()) and prob == pytest.approx(float(want.max()), abs=1e-6)
@@ -298,8 +300,8 @@ def test_classify_command_labels_text_and_stdin_lines(small_tokenizer, base, dat
     folder = tmp_path / "ckpt" / "final"
     enc = load_tokenizer(str(small_tokenizer))
     texts = [json.loads(line)["text"] for line in (data_dir / "test.jsonl").read_text().splitlines()[:3]]
-    expected = clf.classify_texts(clf.load_classifier(folder), texts, enc, "cpu")
-    labels = clf.load_classifier(folder).labels
+    expected = clf_model.classify_texts(clf_model.load_classifier(folder), texts, enc, "cpu")
+    labels = clf_model.load_classifier(folder).labels
 
     monkeypatch.chdir(tmp_path)
     assert main(["classify", texts[0], "--checkpoint", str(folder), "-S", f"tokenizer.path={small_tokenizer}"]) == 0

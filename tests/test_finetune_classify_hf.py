@@ -13,10 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SMS_LINES, FakeRun
+from fixture_data import SMS_LINES, FakeRun
 from gptforge.config.load import validate
 from gptforge.errors import BadInput
 from gptforge.finetune import classify as clf
+from gptforge.finetune import classifier as clf_model
+from gptforge.finetune import classify_data as clf_data
 from gptforge.modeling.tokenizer import load_tokenizer
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
 from test_finetune_classify import RecordingSteps, outputs
@@ -97,7 +99,7 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(llama, da
     cfg = make_cfg(llama, tokenizer=str(small_tokenizer), trainable="lora", gradient_checkpointing=True)
     clf.finetune_classify(cfg, steps=steps, data_dir=data_dir, run=FakeRun(), **out)
     s = steps.results["train"]  # its classifier merged by finish
-    assert isinstance(s.classifier, clf.HFClassifier)
+    assert isinstance(s.classifier, clf_model.HFClassifier)
     assert any(getattr(m, "gradient_checkpointing", False) for m in s.classifier.lm.modules())  # it was on
     final = out["out_dir"] / "final"
 
@@ -108,11 +110,11 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(llama, da
     assert changed_tensors(llama, final) == should
 
     # Round trip: the loaded classifier gives the trained (merged) model's logits.
-    saved = clf.load_classifier(final)
-    assert isinstance(saved, clf.HFClassifier) and saved.labels == ["ham", "spam"]
+    saved = clf_model.load_classifier(final)
+    assert isinstance(saved, clf_model.HFClassifier) and saved.labels == ["ham", "spam"]
     examples = s.data["test"]
-    want, _ = clf.predict(s.classifier, examples, 8, s.pad_id, s.rt)
-    got, _ = clf.predict(saved, examples, 8, s.pad_id, s.rt)
+    want, _ = clf_data.predict(s.classifier, examples, 8, s.pad_id, s.rt)
+    got, _ = clf_data.predict(saved, examples, 8, s.pad_id, s.rt)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
     # classify_texts reads the texts with the folder's tokenizer, not the tiktoken one it is given
@@ -123,7 +125,7 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(llama, da
     texts = [text for _, text in SMS_LINES[:4]]
     tiktoken = load_tokenizer(str(small_tokenizer))
     assert tiktoken.encode_ordinary(texts[0]) != tok(texts[0], add_special_tokens=False)["input_ids"]
-    predicted = clf.classify_texts(saved, texts, tiktoken, "cpu")
+    predicted = clf_model.classify_texts(saved, texts, tiktoken, "cpu")
     for text, (label, prob) in zip(texts, predicted):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
@@ -143,7 +145,7 @@ def test_the_head_reads_the_last_real_tokens_final_hidden_state(llama):
     lm = AutoModelForCausalLM.from_pretrained(str(llama)).eval()
     tok = AutoTokenizer.from_pretrained(str(llama))
     torch.manual_seed(0)
-    classifier = clf.HFClassifier(lm, 3).eval()
+    classifier = clf_model.HFClassifier(lm, 3).eval()
     texts = ["Ok lar... Joking wif u oni...", "WINNER!! You have won a 1000 cash prize. Call now", "Hi"]
     rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     width, pad = max(map(len, rows)), tok.eos_token_id

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, run_cli
+from cli_support import cli_env, run_cli
 from gptforge.finetune.distributed import TRACE_ENV, part
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 # ---------------------------------------------------------------------------------------------
 # The parts and their factors

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FakeRun
+from fixture_data import FakeRun
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import instruct as I

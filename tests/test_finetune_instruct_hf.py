@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, last_error_line, run_cli, set_params, snapshot
+from cli_support import cli_env, last_error_line, run_cli, set_params, snapshot
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import epoch_batches, length_grouped_batches

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import FakeRun, cli_env, last_error_line, run_cli
+from cli_support import cli_env, last_error_line, run_cli
+from fixture_data import FakeRun
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import reward as R

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FakeRun, cli_env, run_cli
+from cli_support import cli_env, run_cli
+from fixture_data import FakeRun
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
@@ -308,7 +309,7 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
     better than before training and above chance, and GRPO against it raises the held-out
     reward of the starting model's greedy answers."""
     import test_finetune_preference as pref
-    from conftest import set_params
+    from cli_support import set_params
     from test_dvc import dvc, ran_stages
 
     repo = repo_copy

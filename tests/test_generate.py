@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO
+from cli_support import REPO
 from gptforge.errors import BadInput
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig, KVCache

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cli_env, last_error_line, run_cli
+from cli_support import cli_env, last_error_line, run_cli
 from gptforge.errors import BadInput
 from gptforge.modeling import gguf_in
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import FakeRun, cli_env, error_lines, last_error_line, run_cli
+from cli_support import cli_env, error_lines, last_error_line, run_cli
+from fixture_data import FakeRun
 from hf_models import CHATML, make_tiny_causal_lm, make_tiny_encoder
 from test_evaluate import HELLASWAG, check_samples_against_model, scores_from_samples, write_jsonl
 

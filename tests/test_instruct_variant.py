@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import last_error_line
+from cli_support import last_error_line
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from hf_models import make_tiny_causal_lm
@@ -167,7 +167,7 @@ def test_unknown_variant_is_one_line(llama, tmp_path):
 
 
 def test_cli_refuses_a_missing_start_folder_in_one_line(tmp_path):
-    from conftest import cli_env, run_cli
+    from cli_support import cli_env, run_cli
 
     models = {"tiny": {**VARIANT, "init_from": str(tmp_path / "absent")}}
     write_splits(tmp_path / "data" / "instruct")

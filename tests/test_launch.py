@@ -21,14 +21,15 @@ import sys
 import pytest
 from torch.distributed.run import parse_args as torchrun_args
 
-from conftest import BIN, Paused, cli_env, error_lines, free_port, run_cli, started
+from cli_support import BIN, cli_env, error_lines, run_cli
+from process_support import Paused, free_port, started
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.runtime import child_output
 from gptforge.runtime.run_context import env_tags
 from gptforge.training import launch
+from pretrain_support import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
 from test_cli import prefect_get
-from test_train import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
 
 # --------------------------------------------------------------------------------------------
 # The command line

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, free_port, last_error_line, run_cli
+from cli_support import REPO, cli_env, last_error_line, run_cli
+from process_support import free_port
 from gptforge.cli import main
 
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))

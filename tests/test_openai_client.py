@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import ChatEndpoint
+from chat_endpoint import ChatEndpoint
 from gptforge.openai_client import BadReply, ChatClient, EndpointError
 from gptforge.synthesize.generate import Unparseable, pair_fields, parse_pairs, parse_rating, parse_verdict
 

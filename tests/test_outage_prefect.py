@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (BIN, Paused, cli_env, free_port, prefect_home, records_delivered, run_cli, set_params,
-                      stage_params, wait_http)
+from cli_support import BIN, cli_env, run_cli, set_params, stage_params
+from process_support import Paused, free_port, prefect_home, records_delivered, wait_http
 
 
 class PrefectServer:
@@ -73,7 +73,7 @@ def prefect_server(tmp_path):
 def _repo_with_data(tmp_path: Path, name: str, small_tokenizer, sms_file, alpaca_file, **params) -> Path:
     repo = tmp_path / name
     repo.mkdir()
-    from conftest import REPO
+    from cli_support import REPO
 
     for f in ("dvc.yaml", "params.yaml"):
         shutil.copy(REPO / f, repo / f)

@@ -12,9 +12,11 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, cli_env, error_lines, free_port, last_error_line, run_cli, set_params, snapshot
+from cli_support import BIN, cli_env, error_lines, last_error_line, run_cli, set_params, snapshot
+from process_support import free_port
 from gptforge.errors import BadInput
-from gptforge.pipeline.run import PipelineReport, ReproOutcome, StageReport, check_stage_names, stage_reports
+from gptforge.pipeline.dvc import ReproOutcome, check_stage_names
+from gptforge.pipeline.run import PipelineReport, StageReport, stage_reports
 
 
 def test_stage_reports_follow_dvc_output():

@@ -15,7 +15,7 @@ from gptforge.data import sources
 from gptforge.data.classify import prepare_classify
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.runtime.steps import Steps
-from conftest import FakeRun
+from fixture_data import FakeRun
 
 METRIC_KEYS = {"total_lines", "bad_lines", "train_ham", "train_spam", "val_ham", "val_spam", "test_ham",
                "test_spam", "train", "val", "test"}

@@ -11,7 +11,7 @@ import pytest
 from gptforge.config.load import load_config
 from gptforge.data.instruct import prepare_instruct
 from gptforge.errors import BadInput, SourceUnreachable
-from conftest import FakeRun
+from fixture_data import FakeRun
 from test_sources import https_to_loopback, server  # noqa: F401  (fixtures: a counting loopback server)
 
 

@@ -11,7 +11,7 @@ import pytest
 from gptforge.config.load import load_config
 from gptforge.data.preference import prepare_preference
 from gptforge.errors import BadInput
-from conftest import FakeRun
+from fixture_data import FakeRun
 
 FIELDS = ["instruction", "input", "chosen", "rejected"]
 SPLITS = ("train", "val", "test")

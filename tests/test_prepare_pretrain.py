@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gptforge.data.pretrain as P
-from conftest import snapshot, write_tiktoken
+from cli_support import snapshot
+from fixture_data import write_tiktoken
 from gptforge import samples
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import REPO
+from cli_support import REPO
 from gptforge.config.load import load_config
 from gptforge.finetune.answer_quality import normalize
 from gptforge.rag import evaluate_qa as E

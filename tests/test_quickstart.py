@@ -15,7 +15,8 @@ import yaml
 from gptforge import samples
 from gptforge.config.load import load_config, validate
 from gptforge.errors import BadInput
-from gptforge.pipeline.run import check_start_folders, default_targets, dvc_stages
+from gptforge.pipeline.dvc import dvc_stages
+from gptforge.pipeline.run import check_start_folders, default_targets
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, error_lines, run_cli
+from cli_support import REPO, cli_env, error_lines, run_cli
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.rag import index as I

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gptforge.errors import BadInput
-from gptforge.finetune import classify as clf
+from gptforge.finetune import classifier as clf
 from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.register import gate, lineage
 from gptforge.runtime.tracking import start_run

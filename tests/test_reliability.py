@@ -8,7 +8,7 @@
   clear message and change nothing; so is a second run of the same stage.
 
 Where a test acts on a running pretraining, the run is paused after a checkpointed step
-(gptforge.runtime.pause, conftest.Paused) instead of raced: it is running, at a known step, however
+(gptforge.runtime.pause, process_support.Paused) instead of raced: it is running, at a known step, however
 fast or slow the machine.
 """
 
@@ -25,8 +25,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import (BIN, Paused, cli_env, error_lines, processes_in, records_delivered, run_cli, set_params,
-                      snapshot, stage_params, started)
+from cli_support import BIN, cli_env, error_lines, run_cli, set_params, snapshot, stage_params
+from process_support import Paused, processes_in, records_delivered, started
 from gptforge.runtime import locks
 LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
                  "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from cli_support import REPO
 
 SHIPPED = ["src", "flows", "tasks", "kernels", "benchmarks"]
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
@@ -117,7 +117,7 @@ def test_the_other_security_checks_exist():
         "tests/test_sources.py": ["test_unsafe_zip_members_are_refused", "test_zip_symlink_member_is_refused"],
         "tests/test_bad_inputs.py": ["http source", "ftp source"],
         "tests/test_tracking.py": ["test_is_secret", "test_run_records_status_name_tags_and_params"],
-        "tests/test_docker.py": ["127.0.0.1"],
+        "tests/test_docker_compose.py": ["127.0.0.1"],
         "tests/test_checkpoint.py": ["test_load_state_uses_weights_only"],
     }
     for path, names in where.items():

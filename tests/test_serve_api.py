@@ -4,40 +4,31 @@ classifier at once (with an API key, so every request below also passes the key 
 
 References are independent of the server: `gptforge generate` (the command line) for greedy
 answers, `class_probabilities` for the classifier, the tokenizer for the usage counts.
+
+Servers of their own (a full queue and a disconnect, the engine process killed or stopped,
+start failures): tests/test_serve_process.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
 import psutil
 import pytest
 
-from conftest import BIN, Paused, free_port
+from cli_support import BIN
 from hf_models import make_tiny_causal_lm
-from serve_support import PARAMS, Server, tiny_classifier, tiny_gpt
+from serve_api_support import PROMPT, folders, metric, running, wait_until  # noqa: F401  (folders: a fixture)
+from serve_support import PARAMS, Server
 
 pytestmark = pytest.mark.slow
 
 KEY = "test-key-123"
-PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
-    gpt = tiny_gpt(root / "tiny")
-    return {"tiny": gpt, "llama": make_tiny_causal_lm(root / "llama", "llama", max_positions=1024),
-            "spam": tiny_classifier(root / "spam", gpt), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +61,6 @@ def encode(text: str) -> list[int]:
     from gptforge.modeling.tokenizer import load_tokenizer
 
     return load_tokenizer(load_config(PARAMS).tokenizer.path).encode_ordinary(text)
-
-
-def running(server) -> float:
-    return metric(server, "gptforge_running_requests")
-
-
-def metric(server, name: str) -> float:
-    """A series of the server's /metrics, summed over its models."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf'^{name}\{{model="[^"]+"\}} (\S+)$', text, re.M))
-
-
-def wait_until(condition, what: str, timeout: float = 120) -> None:
-    """Poll `condition` until true. The timeout is a bound against a hang only: what is waited
-    for comes within a few steps of the model, seconds on a loaded machine."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.05)
 
 
 # -- the OpenAI client -----------------------------------------------------------------------
@@ -205,7 +177,7 @@ def test_a_shared_prompt_prefix_comes_from_the_prefix_cache_and_answers_are_unch
 
 def test_classify_gives_the_classifiers_probabilities(folders, server):
     from gptforge.config.load import load_config
-    from gptforge.finetune.classify import class_probabilities, load_classifier
+    from gptforge.finetune.classifier import class_probabilities, load_classifier
     from gptforge.modeling.tokenizer import load_tokenizer
 
     texts = ["WINNER!! Claim your prize now", "Ok lar, see you at lunch"]
@@ -222,7 +194,7 @@ def test_classify_gives_the_classifiers_probabilities(folders, server):
         assert row["probability"] == pytest.approx(max(probs), abs=1e-6)
 
 
-# -- streams, disconnects, queue ------------------------------------------------------------
+# -- streams ----------------------------------------------------------------------------------
 
 def test_sse_wire_format(server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
@@ -233,87 +205,6 @@ def test_sse_wire_format(server):
     events = [json.loads(line[6:]) for line in data[:-1]]
     assert events and all(e["object"] == "text_completion" for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
-
-
-def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes_the_slot(folders, tmp_path):
-    # The engine holds after its 2nd step (gptforge.runtime.pause): the first request's prefill and one
-    # decode step. The batch of one is full, and stays so until the test lets the engine go on.
-    paused = Paused(tmp_path, 2)
-    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1",
-                 env={**os.environ, **paused.env()})
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
-    try:
-        with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b:
-            first = a.send(a.build_request("POST", "/v1/completions", json=body), stream=True)
-            paused.wait(srv.proc, output=srv.log.read_text)
-            assert next(first.iter_lines()).startswith("data: ")  # decoding
-            # Its answer's headers come after the submission: waiting in the queue of one.
-            second = b.send(b.build_request("POST", "/v1/completions", json={**body, "max_tokens": 5}), stream=True)
-            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-            with pytest.raises(openai.RateLimitError, match="waiting"):
-                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
-            assert (running(srv), metric(srv, "gptforge_waiting_requests")) == (1, 1)
-            first.close()  # the client goes away mid-answer
-            paused.release()
-            # Its slot goes to the waiting request, which answers in full.
-            data = [line for line in second.iter_lines() if line]
-            assert data[-1] == "data: [DONE]" and json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
-        wait_until(lambda: running(srv) == 0, "the batch to empty")
-        # The first was cancelled, not run on to its 1000 tokens: what it generated is the
-        # total less the second's 5 (2 before the pause, and any step before its cancel landed).
-        first_tokens = metric(srv, "gptforge_generated_tokens_total") - 5
-        print(f"the disconnected request generated {first_tokens:.0f} tokens")
-        assert 2 <= first_tokens < 1000
-    finally:
-        paused.release()
-        srv.stop()
-
-
-def engine_process(srv) -> psutil.Process:
-    engines = [p for p in psutil.Process(srv.proc.pid).children()
-               if "gptforge.serve.engine_process" in " ".join(p.cmdline())]
-    assert len(engines) == 1, engines
-    return engines[0]
-
-
-def test_the_engine_process_killed_mid_stream_is_an_error_on_every_stream_and_a_non_zero_exit(folders, tmp_path):
-    paused = Paused(tmp_path, 3)  # three streams are answering when the engine dies
-    srv = Server([f"tiny={folders['tiny']}"], tmp_path, env={**os.environ, **paused.env()})
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True}
-    try:
-        with httpx.Client(base_url=srv.url, timeout=60) as http:
-            streams = [http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
-                       for _ in range(3)]
-            paused.wait(srv.proc, output=srv.log.read_text)
-            engine_process(srv).kill()
-            t0 = time.monotonic()
-            for stream in streams:
-                events = [line for line in stream.iter_lines() if line]
-                assert events[-1] == "data: [DONE]"
-                assert json.loads(events[-2][6:])["error"]["type"] == "server_error"
-        code = srv.proc.wait(timeout=30)
-        took = time.monotonic() - t0
-        print(f"the server exited {took:.1f} s after its engine was killed")
-        assert code == 1 and took < 20  # the stop bound gptforge keeps
-        last = srv.log.read_text().strip().splitlines()[-1]
-        assert re.fullmatch(r"gptforge: error: gptforge serve stopped: the engine process of tiny stopped "
-                            r"\(killed by SIGKILL\)", last), last
-    finally:
-        paused.release()
-        srv.stop()
-
-
-def test_sigterm_stops_the_server_and_its_engine_process_within_the_stop_bound(folders, tmp_path):
-    srv = Server([f"tiny={folders['tiny']}"], tmp_path)
-    engine = engine_process(srv)
-    t0 = time.monotonic()
-    os.killpg(srv.proc.pid, signal.SIGTERM)  # as a service manager stops the whole group
-    code = srv.proc.wait(timeout=30)
-    engine.wait(timeout=30)
-    took = time.monotonic() - t0
-    print(f"stopped in {took:.1f} s")
-    assert took < 20 and code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
-    assert "engine process" not in srv.log.read_text()  # no engine loss reported: it was asked to stop
 
 
 # -- bad requests -----------------------------------------------------------------------------
@@ -383,23 +274,6 @@ def test_the_page_is_open_and_sent_with_its_security_headers(server):
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
 
 
-def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
-    import socket
-
-    from conftest import error_lines
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", "--port", str(port),
-                               "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert error_lines(done.stderr) == [f"gptforge: error: --port {port}: cannot listen on 127.0.0.1:{port} "
-                                        "(Address already in use); pick another port"]
-    assert done.stderr.strip().splitlines()[-1].startswith("gptforge: error: --port")
-
-
 def test_accepted_connections_send_small_writes_at_once():
     """`serve.listen`'s socket makes asyncio (uvicorn's loop) turn Nagle's algorithm off on each
     accepted connection: otherwise a stream's first event after the headers waits for the
@@ -422,40 +296,6 @@ def test_accepted_connections_send_small_writes_at_once():
         return nodelay
 
     assert asyncio.run(main()) != 0
-
-
-@pytest.mark.parametrize("flag", [["--prefill-chunk", "0"], ["--prefix-cache-mb", "-1"]])
-def test_bad_engine_settings_are_one_line(folders, flag):
-    from conftest import last_error_line
-
-    done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", *flag,
-                           "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert last_error_line(done.stderr).startswith(f"gptforge: error: {flag[0]} must be >=")
-
-
-def test_a_model_the_engine_process_cannot_load_is_one_line_and_leaves_no_process(folders, tmp_path):
-    from conftest import last_error_line
-
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text((folders["tiny"] / "config.json").read_text())
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
-    t0 = time.time()
-    proc = subprocess.Popen([str(BIN / "gptforge"), "serve", f"b={broken}", "--port", str(free_port()),
-                             "--params", str(PARAMS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = set()
-    while proc.poll() is None:  # the engine processes it starts, while it runs
-        with contextlib.suppress(psutil.Error):
-            pids |= {c.pid for c in psutil.Process(proc.pid).children()}
-        time.sleep(0.05)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    assert re.fullmatch(rf"gptforge: error: {re.escape(str(broken))}/model.safetensors: not a readable "
-                        r"safetensors file \(.*\)", last_error_line(stderr))
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).create_time() >= t0 - 1]
-    assert not alive, "an engine process outlived the failed start"
 
 
 def test_the_engine_in_a_thread_of_the_api_process_answers_as_the_engine_process(folders, server, client, tmp_path):

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, Paused, cli_env, free_port, stop_process, wait_http
+from cli_support import BIN, REPO, cli_env
+from process_support import Paused, free_port, stop_process, wait_http
 from hf_models import make_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,7 @@ def models(tmp_path_factory) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gptforge.finetune import classify as clf
+    from gptforge.finetune import classifier as clf
     from gptforge.modeling.hf_causal import HFTokenizer
 
     root = tmp_path_factory.mktemp("serve-page")
@@ -144,7 +145,7 @@ def models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     """`gptforge serve chat=... loop=... spam=... --api-key KEY` on a free loopback port, its
-    engines to hold after step PAUSE_AT: `url`, `proc`, `paused` (conftest.Paused), `log`."""
+    engines to hold after step PAUSE_AT: `url`, `proc`, `paused` (process_support.Paused), `log`."""
     folder = tmp_path_factory.mktemp("serve-page-server")
     port = free_port()
     paused = Paused(folder, PAUSE_AT)

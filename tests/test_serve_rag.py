@@ -26,7 +26,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import REPO, cli_env, error_lines, free_port, run_cli
+from cli_support import REPO, cli_env, error_lines, run_cli
+from process_support import free_port
 from hf_models import make_tiny_causal_lm
 from serve_support import PARAMS, Server
 

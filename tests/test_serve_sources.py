@@ -17,13 +17,13 @@ import torch
 
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput, SourceUnreachable
-from gptforge.finetune import classify as clf
+from gptforge.finetune import classifier as clf
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.weights import save_model
 from gptforge.serve import sources
 from gptforge.serve.sources import ModelSource, resolve, resolve_all
 
-from conftest import free_port
+from process_support import free_port
 from hf_models import make_tiny_causal_lm
 
 BLOCK = 32

@@ -278,7 +278,7 @@ def test_sigterm_reaches_vllm(stub, tmp_path):
 
 @pytest.mark.slow  # the command line in a subprocess
 def test_cli_without_vllm_one_line(checkpoint, tmp_path):
-    from conftest import cli_env, last_error_line, run_cli
+    from cli_support import cli_env, last_error_line, run_cli
 
     env = cli_env(GPTFORGE_SERVE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop(vllm.PYTHON_ENV, None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.config.schema import DownloadConfig
+from gptforge.config.data_schema import DownloadConfig
 from gptforge.data import sources
 from gptforge.data.sources import (
     cache_name,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, prefect_home, run_cli
+from cli_support import cli_env, run_cli
+from process_support import prefect_home
 from gptforge.cli import main
 
 HEAVY = ("torch", "prefect", "mlflow", "transformers", "datasets", "pydantic")

@@ -14,16 +14,14 @@ import pytest
 
 from gptforge.synthesize.filters import (
     DEFAULTS,
-    EN_PATTERNS,
     REASONS,
-    ZH_PATTERNS,
     check_pair,
-    context_reference,
     deduplicate,
     grounding,
     near_duplicate_score,
-    normalize_question,
 )
+from gptforge.synthesize.references import EN_PATTERNS, ZH_PATTERNS, context_reference
+from gptforge.synthesize.text import normalize_question
 
 SETTINGS = types.SimpleNamespace(**DEFAULTS)
 CHUNK = (

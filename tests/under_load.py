@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["test_serve_api.py", "test_serve_engine.py", "test_serve_page.py", "test_serve_sources.py",
-           "test_serve_vllm.py", "test_bench_serve.py", "test_deploy.py", "test_stop.py", "test_outage_mlflow.py",
-           "test_outage_prefect.py", "test_reliability.py", "test_train.py", "test_launch.py"]
+MODULES = ["test_serve_api.py", "test_serve_process.py", "test_serve_engine.py", "test_serve_page.py",
+           "test_serve_sources.py", "test_serve_vllm.py", "test_bench_serve.py", "test_deploy.py", "test_stop.py",
+           "test_stop_pipeline.py",
+           "test_outage_mlflow.py", "test_outbox.py", "test_tracking_outage.py", "test_outage_prefect.py",
+           "test_reliability.py", "test_train.py", "test_train_distributed.py", "test_launch.py"]
 
 
 def main() -> int:

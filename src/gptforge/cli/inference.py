@@ -160,7 +160,7 @@ def pick_device(name: str):
 
 def cmd_classify(args) -> int:
     from gptforge.config.load import load_config
-    from gptforge.finetune.classify import classify_texts, load_classifier
+    from gptforge.finetune.classifier import classify_texts, load_classifier
     from gptforge.modeling.tokenizer import load_tokenizer
 
     cfg = load_config(params_file(args), args.set)

@@ -2,83 +2,22 @@
 
 Every knob lives in `params.yaml` (DVC tracks it); `Config` is its root. Unknown keys are
 rejected (`extra="forbid"`), each field says its type, bounds and default. Loading a file with
-overrides is `gptforge.config.load`.
+overrides is `gptforge.config.load`. The `data` section is declared in `data_schema`, the
+fine-tuning stages' sections in `finetune_schema`, and the field checks they share in `checks`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from gptforge import samples
+from gptforge.config.checks import NAME_PATTERN, _check_names, _check_source, _resolve_sample
+from gptforge.config.data_schema import DataConfig
 from gptforge.config.finetune_schema import ClassifyConfig, InstructConfig, PreferenceConfig, RewardConfig, RLConfig
 from gptforge.config.section import Section
 from gptforge.synthesize.filters import DEFAULTS as FILTER_DEFAULTS
-
-SMS_SPAM_URL = "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip"
-ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
-# LLMs-from-scratch ch. 7's preference pairs (the Alpaca-style records with chosen/rejected answers)
-PREFERENCE_URL = ("https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch07/04_preference-tuning-with-dpo/"
-                  "instruction-data-with-preference.json")
-def _resolve_sample(value: Any) -> Any:
-    """`sample://NAME` (a file the package embeds, see gptforge.samples) -> its local path."""
-    return samples.resolve(value) if samples.is_sample(value) else value
-
-
-def _check_source(value: str) -> str:
-    """A source is `hf://OWNER/NAME`, an `https://` URL, a local path (checked when used) or an
-    embedded sample, `sample://NAME` (resolved to its path before this check)."""
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("must be hf://OWNER/NAME, an https:// URL or a local path")
-    if "://" in value:
-        scheme = value.split("://", 1)[0].lower()
-        if scheme == "hf":
-            repo = value[len("hf://") :]
-            if repo.count("/") != 1 or not all(repo.split("/")):
-                raise ValueError(f"hf:// sources are hf://OWNER/NAME, got {value!r}")
-        elif scheme != "https":
-            raise ValueError(f"only https://, hf://, sample:// and local sources are accepted, got {value!r}")
-    return value
-
-
-def _check_instruct_source(value: str) -> str:
-    """The instruct source may also be `synthetic://NAME`: the kept pairs of stage synthesize@NAME."""
-    if isinstance(value, str) and value.startswith("synthetic://"):
-        if not re.fullmatch(NAME_PATTERN, value[len("synthetic://"):]):
-            raise ValueError(f"synthetic:// sources are synthetic://NAME, NAME an entry of synthesize.documents, "
-                             f"got {value!r}")
-        return value
-    return _check_source(value)
-
-
-# No '.': DVC reads the param `base.models.NAME` (`synthesize.documents.NAME`) with the dots as nesting.
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]*"
-
-
-def _check_names(value: dict[str, str], param: str, folder: str) -> dict[str, str]:
-    """Entry names of a foreach stage's mapping (they name its output folders) and non-empty values."""
-    for key, source in value.items():
-        if not re.fullmatch(NAME_PATTERN, key):
-            raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names the folder {folder} and "
-                             f"the DVC param {param}.{key}, where a '.' would nest)")
-        if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"{param}.{key}: expected a non-empty string, got {source!r}")
-    return value
-
-
-def _check_splits(value: list[float]) -> list[float]:
-    if len(value) != 3:
-        raise ValueError(f"needs 3 fractions (train, val, test), got {len(value)}")
-    if any(f < 0 for f in value):
-        raise ValueError(f"fractions must be >= 0, got {value}")
-    if not math.isclose(sum(value), 1.0, abs_tol=1e-6):
-        raise ValueError(f"fractions must sum to 1, got {sum(value):g} ({value})")
-    if value[0] <= 0:
-        raise ValueError(f"the train fraction must be > 0, got {value}")
-    return value
 
 
 class TokenizerConfig(Section):
@@ -88,77 +27,6 @@ class TokenizerConfig(Section):
     path: Optional[str] = None
 
     _path = field_validator("path", mode="before")(_resolve_sample)
-
-
-class DownloadConfig(Section):
-    retries: int = Field(3, ge=0, description="extra attempts after the first")
-    backoff: float = Field(2.0, ge=0, description="seconds before the first retry; doubles each time")
-    timeout: float = Field(30.0, gt=0, description="socket timeout in seconds")
-
-
-class PretrainData(Section):
-    source: str = "hf://HuggingFaceFW/fineweb-edu"
-    name: Optional[str] = "sample-10BT"  # hub dataset configuration
-    split: str = "train"  # hub dataset split
-    text_field: str = "text"
-    sha256: Optional[str] = None  # for https:// sources
-    max_tokens: int = Field(20_000_000, gt=0)
-    shard_tokens: int = Field(10_000_000, gt=0)
-    val_tokens: int = Field(1_000_000, ge=0)
-    workers: int = Field(0, ge=0, description="tokenizer threads; 0 = one per CPU core")
-
-    _sample = field_validator("source", mode="before")(_resolve_sample)
-    _source = field_validator("source")(_check_source)
-
-
-class ClassifyData(Section):
-    source: str = SMS_SPAM_URL
-    sha256: Optional[str] = None
-    splits: list[float] = [0.7, 0.1, 0.2]
-    max_bad_fraction: float = Field(0.01, ge=0, le=1)
-    balance: bool = True  # undersample the majority class
-    seed: int = 123
-
-    _sample = field_validator("source", mode="before")(_resolve_sample)
-    _source = field_validator("source")(_check_source)
-    _splits = field_validator("splits")(_check_splits)
-
-
-class InstructData(Section):
-    source: str = ALPACA_URL  # or synthetic://NAME: the pairs stage synthesize@NAME kept
-    sha256: Optional[str] = None
-    split: str = "train"  # for hf:// sources
-    splits: list[float] = [0.85, 0.05, 0.10]
-    seed: int = 123
-
-    _sample = field_validator("source", mode="before")(_resolve_sample)
-    _source = field_validator("source")(_check_instruct_source)
-    _splits = field_validator("splits")(_check_splits)
-
-
-class PreferenceData(Section):
-    # LLMs-from-scratch ch. 7's records (instruction, input, output, chosen, rejected) or Hugging
-    # Face's (prompt, chosen, rejected; chosen/rejected may be message lists), e.g. UltraFeedback.
-    source: str = PREFERENCE_URL
-    sha256: Optional[str] = None
-    split: str = "train_prefs"  # for hf:// sources
-    splits: list[float] = [0.85, 0.10, 0.05]
-    # records without chosen/rejected, with identical ones, or of another shape are dropped and
-    # counted; more than this fraction of them fails the stage
-    max_bad_fraction: float = Field(0.01, ge=0, le=1)
-    seed: int = 123
-
-    _sample = field_validator("source", mode="before")(_resolve_sample)
-    _source = field_validator("source")(_check_source)
-    _splits = field_validator("splits")(_check_splits)
-
-
-class DataConfig(Section):
-    download: DownloadConfig = DownloadConfig()
-    pretrain: PretrainData = PretrainData()
-    classify: ClassifyData = ClassifyData()
-    instruct: InstructData = InstructData()
-    preference: PreferenceData = PreferenceData()
 
 
 # GPT-2 sizes (n_layer, n_head, n_embd); all have 1024 positions.

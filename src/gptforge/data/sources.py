@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 import gptforge
-from gptforge.config.schema import DownloadConfig
+from gptforge.config.data_schema import DownloadConfig
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.io import atomic_dir, atomic_file, data_suffix, is_gzip, open_data, sha256_file
 from gptforge.runtime.steps import DIRECT, Retry, Steps, retryable

@@ -24,7 +24,7 @@ from gptforge.errors import BadInput, StageFailed
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.hf_convert import load_pretrained
 from gptforge.runtime.tracking import NullRun
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 from gptforge.training.optim import adamw
 
 log = logging.getLogger("gptforge")

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from gptforge.errors import BadInput
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 TRACE_ENV = "GPTFORGE_BATCH_TRACE"
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from gptforge.finetune.templates import IGNORE_INDEX, Example
 from gptforge.modeling.decoding import generate_hf
 from gptforge.modeling.hf_causal import HFTokenizer, stop_ids
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 

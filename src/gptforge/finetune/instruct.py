@@ -66,7 +66,7 @@ from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.modeling.weights import save_model
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 

@@ -31,12 +31,13 @@ What it writes:
 - `reports/preference_responses.jsonl`: the first test prompts with the chosen and rejected
   references and the SFT and the DPO model's greedy answers side by side.
 Per logged step the MLflow run gets loss, rewards chosen/rejected, reward accuracy and margin.
+
+The pairs are read and encoded in `preference_data.py`, the models loaded in
+`preference_models.py`; trl's logs go to the run through `trl_records.py`.
 """
 
 from __future__ import annotations
 
-import copy
-import csv
 import json
 import logging
 import os
@@ -50,204 +51,23 @@ import torch
 import torch.nn as nn
 
 from gptforge.config.schema import Config
-from gptforge.data.sources import read_records
-from gptforge.errors import BadInput
 from gptforge.finetune import trl_policy
-from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
-                                      model_positions, plot_curves, runtime, trainable_params)
+from gptforge.finetune.common import (check_max_length, check_whole_batch, model_positions, plot_curves, runtime,
+                                      trainable_params)
 from gptforge.finetune.hf_models import greedy_answers
-from gptforge.finetune.templates import Example, encode
+from gptforge.finetune.preference_data import Pairs, encode_splits, read_split
+from gptforge.finetune.preference_models import PARAM, Models, load_models
+from gptforge.finetune.templates import Example
+from gptforge.finetune.trl_records import records_callback, write_csv
 from gptforge.io import atomic_file
-from gptforge.modeling.hf_causal import HFTokenizer, hf_config_dict, hf_source
-from gptforge.modeling.weights import CONFIG_FILE
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 
 SPLITS = ("train", "val", "test")
-PARAM = "preference"
 FIELDS = ("instruction", "input", "chosen", "rejected")
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
-def read_split(path: str | os.PathLike) -> list[dict]:
-    """The {instruction, input, chosen, rejected} records of one split written by `gptforge
-    prepare preference`; BadInput naming the file when it is missing, empty or not such records."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"preference data: {path} not found; run `gptforge prepare preference` first")
-    records = []
-    for number, rec in enumerate(read_records(path, param="preference data"), 1):
-        if not (isinstance(rec, dict) and all(isinstance(rec.get(k), str) for k in ("instruction", "chosen", "rejected"))
-                and isinstance(rec.get("input") or "", str)):
-            raise BadInput(f"preference data: {path} record {number} is not an object with string \"instruction\", "
-                           "\"chosen\" and \"rejected\"")
-        records.append({"instruction": rec["instruction"], "input": rec.get("input") or "",
-                        "chosen": rec["chosen"], "rejected": rec["rejected"]})
-    if not records:
-        raise BadInput(f"preference data: {path} has no pairs (the {path.stem} split is empty)")
-    return records
-
-
-@dataclass
-class Pairs:
-    """Encoded pairs of one split: trl's columns, the record index of each, what was dropped."""
-
-    rows: list[dict] = field(default_factory=list)  # {"prompt_ids", "chosen_ids", "rejected_ids", "length"}
-    kept: list[int] = field(default_factory=list)
-    skipped_too_long: int = 0  # the prompt alone fills max_length
-    identical: int = 0  # chosen and rejected are the same sequence once cut to max_length
-
-    def prompts(self) -> list[Example]:
-        """(prompt_ids, chosen_ids) of each pair: what the answer functions take."""
-        return [(r["prompt_ids"], r["chosen_ids"]) for r in self.rows]
-
-
-def encode_pairs(records: Sequence[dict], template: str, enc, max_length: int) -> Pairs:
-    """Each record's prompt, chosen and rejected ids, encoded as the instruct stage encodes an
-    (instruction, input, output) record (`templates.encode`: the response ends in the end-of-text
-    id, or the chat template's end of turn)."""
-    out = Pairs()
-    for i, rec in enumerate(records):
-        prompt, chosen = encode({**rec, "output": rec["chosen"]}, template, enc)
-        _, rejected = encode({**rec, "output": rec["rejected"]}, template, enc)
-        if len(prompt) >= max_length:
-            out.skipped_too_long += 1
-        elif (prompt + chosen)[:max_length] == (prompt + rejected)[:max_length]:
-            out.identical += 1
-        else:
-            out.rows.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected,
-                             "length": len(prompt) + max(len(chosen), len(rejected))})
-            out.kept.append(i)
-    return out
-
-
-
-def encode_splits(records: dict[str, Sequence[dict]], template: str, enc, max_length: int, *, stage: str,
-                  param: str) -> dict[str, Pairs]:
-    """`encode_pairs` for every split: BadInput when a split keeps no pair at `param`.max_length,
-    a warning (naming `stage`) for the pairs dropped. Shared by the DPO and reward-model stages."""
-    pairs = {name: encode_pairs(recs, template, enc, max_length) for name, recs in records.items()}
-    for name, p in pairs.items():
-        if not p.rows:
-            raise BadInput(f"preference data: none of the {len(records[name])} {name} pairs is usable at "
-                           f"{param}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
-                           "pairs are identical once cut to it)")
-    skipped, identical = (sum(getattr(p, k) for p in pairs.values()) for k in ("skipped_too_long", "identical"))
-    if skipped or identical:
-        log.warning("%s: skipped %d pair(s) whose prompt fills max_length %d and dropped %d whose chosen and "
-                    "rejected are identical once cut to it", stage, skipped, max_length, identical)
-    return pairs
-
-# ---------------------------------------------------------------------------------------------
-# Models
-
-
-def model_family(path: str, *, param: str) -> tuple[str, int | None]:
-    """(architecture, vocabulary size) from a model's config.json without loading its weights:
-    gptforge checkpoints and Hugging Face GPT-2 folders are both "gpt2" (our GPT converts to and
-    from it); any other Hugging Face folder its `model_type`. A hub id (not a folder) is
-    (its id, None): checked after loading. BadInput when a folder has no readable config.json."""
-    if hf_source(path) is not None and not Path(path).is_dir():
-        return path, None
-    config = Path(path) / CONFIG_FILE
-    if not config.is_file():
-        raise BadInput(f"{param}: {path} is not a model folder (no {CONFIG_FILE}); run the stage that makes it "
-                       "first, or name a gptforge checkpoint or a Hugging Face causal-LM folder")
-    hf = hf_config_dict(config)
-    if hf is not None:
-        return hf["model_type"], hf.get("vocab_size")
-    try:
-        ours = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise BadInput(f"{param}: cannot read {config}") from None
-    return "gpt2", ours.get("n_vocab") if isinstance(ours, dict) else None
-
-
-def check_reference(init_from: str, reference: str) -> None:
-    """One line (BadInput) when the reference cannot score the policy's tokens: another
-    architecture or another vocabulary. The rewards are log-probability ratios of the same token
-    ids under both models, so both need the same tokenizer; a smaller or larger model of the same
-    family (GPT-2 124M as the reference of a 355M policy) is fine."""
-    policy_arch, policy_vocab = model_family(init_from, param=f"{PARAM}.init_from")
-    ref_arch, ref_vocab = model_family(reference, param=f"{PARAM}.reference")
-    if policy_vocab is None or ref_vocab is None:
-        return  # a hub id: compared after loading (`check_loaded_reference`)
-    if ref_arch != policy_arch:
-        raise BadInput(f"{PARAM}.reference: {reference} is a {ref_arch} model, the policy ({PARAM}.init_from "
-                       f"{init_from}) a {policy_arch} model; the reference must be of the policy's architecture "
-                       "and tokenizer")
-    if ref_vocab != policy_vocab:
-        raise BadInput(f"{PARAM}.reference: {reference} has a vocabulary of {ref_vocab} tokens, the policy "
-                       f"{init_from} {policy_vocab}; the reference must use the policy's tokenizer")
-
-
-def check_loaded_reference(policy: nn.Module, ref: nn.Module, reference: str) -> None:
-    """`check_reference` for models that came from the hub (no config.json to read first)."""
-    p, r = policy.config, ref.config
-    if p.model_type != r.model_type or p.vocab_size != r.vocab_size:
-        raise BadInput(f"{PARAM}.reference: {reference} is a {r.model_type} model with {r.vocab_size} tokens, the "
-                       f"policy a {p.model_type} model with {p.vocab_size}; the reference must be of the policy's "
-                       "architecture and tokenizer")
-
-
-@dataclass
-class Models:
-    """The policy trl trains (a transformers model), its frozen reference (None: the policy with
-    its LoRA adapter disabled), the encoder the templates use and the tokenizer trl is given."""
-
-    policy: nn.Module
-    reference: nn.Module | None
-    enc: Any  # tiktoken's Encoding (our GPT) or hf_causal.HFTokenizer
-    tokenizer: Any  # a transformers tokenizer: trl's processing_class (its pad id)
-    gpt: Any = None  # our GPT as loaded (None for a Hugging Face model): its config goes back out
-    hf_source: str | None = None
-
-
-def load_models(cfg: Config, rt: Runtime) -> Models:
-    """Policy, reference and tokenizers for `preference.init_from` / `preference.reference`."""
-    c = cfg.preference
-    if c.reference is not None:
-        check_reference(c.init_from, c.reference)
-    source = hf_source(c.init_from)
-    if source is None:  # our GPT: trained by trl as transformers' GPT-2 with the same weights
-        from gptforge.modeling.export import hf_tokenizer
-        from gptforge.modeling.hf_convert import to_hf
-        from gptforge.modeling.tokenizer import load_tokenizer
-
-        enc = load_tokenizer(cfg.tokenizer.path)
-        gpt = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
-        policy = to_hf(gpt).train()
-        tokenizer = hf_tokenizer(cfg.tokenizer.path, gpt.config.block_size)
-        ref = None
-        if c.reference is not None:
-            ref = to_hf(load_base(c.reference, enc.n_vocab, param=f"{PARAM}.reference"))
-    else:
-        policy, tokenizer = load_hf_base(source, rt, param=PARAM, lora=c.method == "lora")
-        enc, gpt = HFTokenizer(tokenizer), None
-        ref = None
-        if c.reference is not None:
-            ref_source = hf_source(c.reference)
-            if ref_source is None:
-                raise BadInput(f"{PARAM}.reference: {c.reference} is a gptforge GPT; the policy {c.init_from} is a "
-                               f"Hugging Face {policy.config.model_type} model: the reference must be of its "
-                               "architecture and tokenizer")
-            ref, _ = load_hf_base(ref_source, rt, param=f"{PARAM}.reference", lora=False)
-            check_loaded_reference(policy, ref, c.reference)
-    if ref is None and c.method == "full":
-        ref = copy.deepcopy(policy)  # the policy as it starts, frozen
-    if ref is not None:
-        ref.to(rt.device).eval().requires_grad_(False)
-    policy.to(rt.device)
-    if c.method == "lora":
-        torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
-        policy = apply_lora(policy, c.lora, task_type="CAUSAL_LM")
-    return Models(policy, ref, enc, tokenizer, gpt, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,59 +119,6 @@ def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runti
         callbacks=list(callbacks))
     trainer.remove_callback(ProgressCallback)  # it prints every log dict; Records shows a bar instead
     return trainer
-
-
-METRIC_NAMES = {"loss": "loss", "rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
-                "rewards/accuracies": "reward_accuracy", "rewards/margins": "reward_margin",
-                "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
-
-
-def records_callback(run, total_steps: int, *, names: dict[str, str] = METRIC_NAMES, desc: str = "preference",
-                     shown: tuple[str, str] = ("margin", "train_reward_margin"), last_eval: bool = True):
-    """A transformers TrainerCallback that sends trl's logs to the MLflow run under our names
-    (`names`: trl's -> ours, as train_<ours>, and val_<ours> at evaluations), keeps them for the
-    plots, and shows a progress bar (`desc`) with the loss and one more figure (`shown`: its
-    label and metric). `last_eval` False cancels the Trainer's evaluation at the last step, for a
-    stage that scores every validation pair itself after training (train_reward)."""
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
-
-    class Records(TrainerCallback):
-        def __init__(self) -> None:
-            self.train: list[dict] = []
-            self.val: list[dict] = []
-            self.bar = None
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:  # one bar under torchrun
-                self.bar = tqdm(total=state.max_steps or total_steps, desc=desc, unit="step", leave=False)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.update(state.global_step - self.bar.n)
-            if not last_eval and state.global_step >= state.max_steps:
-                control.should_evaluate = False
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = logs or {}
-            prefix = "val_" if "eval_loss" in logs else "train_" if "loss" in logs else None
-            if prefix is None:  # the end-of-training summary (train_runtime, ...)
-                return
-            key = (lambda k: f"eval_{k}") if prefix == "val_" else (lambda k: k)
-            row = {f"{prefix}{ours}": float(logs[key(theirs)]) for theirs, ours in names.items()
-                   if key(theirs) in logs}
-            run.log_metrics(row, step=state.global_step)
-            (self.val if prefix == "val_" else self.train).append({"step": state.global_step, **row})
-            if self.bar is not None and prefix == "train_":
-                self.bar.set_postfix({"loss": f"{row.get('train_loss', 0):.4f}",
-                                      shown[0]: f"{row.get(shown[1], 0):.4f}"}, refresh=False)
-
-    return Records()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,14 +284,6 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     log.info("preference done: %d steps over %d pairs in %.1f s; validation reward accuracy %.3f, margin %.4f",
              steps, train_pairs, s.train_seconds, metrics["val_reward_accuracy"], metrics["val_reward_margin"])
     return metrics
-
-
-def write_csv(path: str | os.PathLike, rows: Sequence[dict], fields: Sequence[str]) -> None:
-    with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(fields))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k, "") for k in fields})
 
 
 def finetune_preference(

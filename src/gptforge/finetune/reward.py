@@ -2,8 +2,8 @@
 
 RLHF's first half (Ouyang et al. 2022; LLMs-from-scratch's notes on it): a scalar head on the SFT
 model, trained so that a preferred answer scores above the rejected one. The pairs come from
-`gptforge prepare preference`, encoded exactly as the DPO stage encodes them (`preference.read_split`,
-`preference.encode_pairs`: the instruct stage's template, its end-of-text id) and cut to `max_length`
+`gptforge prepare preference`, encoded exactly as the DPO stage encodes them (`preference_data.read_split`,
+`preference_data.encode_pairs`: the instruct stage's template, its end-of-text id) and cut to `max_length`
 (keep the start); trl's `RewardTrainer` owns the loss, -log sigmoid(r_chosen - r_rejected) averaged
 over the pairs of a batch (plus `center_rewards_coefficient` x mean(r^2) when set).
 
@@ -43,12 +43,13 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, merge_lora,
                                       plot_curves, runtime, trainable_params)
-from gptforge.finetune.preference import Pairs, encode_splits, read_split, write_csv
+from gptforge.finetune.preference_data import Pairs, encode_splits, read_split
+from gptforge.finetune.trl_records import write_csv
 from gptforge.io import atomic_dir
 from gptforge.modeling.hf_causal import CONFIG_FILE, hf_config_dict, hf_source
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 
@@ -275,11 +276,11 @@ METRIC_NAMES = {"loss": "loss", "accuracy": "accuracy", "margin": "margin", "mea
 
 
 def records_callback(run, total_steps: int):
-    """The DPO stage's TrainerCallback (`preference.records_callback`) with trl's reward logs:
+    """The DPO stage's TrainerCallback (`trl_records.records_callback`) with trl's reward logs:
     train_loss, train_accuracy, train_margin, train_mean_reward (val_* at evaluations), a bar with
     the loss and the accuracy, and no Trainer evaluation at the last step: `train` scores every
     validation pair itself."""
-    from gptforge.finetune.preference import records_callback as trl_records
+    from gptforge.finetune.trl_records import records_callback as trl_records
 
     return trl_records(run, total_steps, names=METRIC_NAMES, desc="reward", shown=("acc", "train_accuracy"),
                        last_eval=False)

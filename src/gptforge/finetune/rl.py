@@ -35,6 +35,9 @@ What it writes:
 - `reports/rl_responses.jsonl`: the first `n_responses` test prompts with the reference and the
   SFT (checkpoints/instruct/final beside checkpoints/rl, else the starting model), the DPO
   (checkpoints/preference/final, when there) and the RL model's greedy answers side by side.
+
+The prompts are encoded in `rl_prompts.py`; the models loaded, and their greedy answers made, in
+`rl_models.py`; the rewards are in `rewards.py`.
 """
 
 from __future__ import annotations
@@ -56,207 +59,28 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
 from gptforge.finetune import trl_policy
-from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, load_hf_base,
-                                      model_positions, runtime, save_png, trainable_params)
+from gptforge.finetune.common import check_max_length, check_whole_batch, runtime, save_png, trainable_params
 from gptforge.finetune.instruct import read_split
-from gptforge.finetune.preference import model_family, records_callback as trl_records, write_csv
-from gptforge.finetune.templates import chat_template_tokenizer, encode, render, user_content
+from gptforge.finetune.preference_models import model_family
+from gptforge.finetune.rl_models import (PARAM, Models, answer, decode, greedy, load_models, load_other,
+                                         make_answers)
+from gptforge.finetune.rl_prompts import FIELDS, Prompts, encode_prompts
+from gptforge.finetune.templates import chat_template_tokenizer
+from gptforge.finetune.trl_records import records_callback as trl_records, write_csv
 from gptforge.io import atomic_file
-from gptforge.modeling.hf_causal import HFTokenizer, hf_source, stop_ids
+from gptforge.modeling.hf_causal import hf_source
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-from gptforge.training.loop import Runtime
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 
-PARAM = "rl"
-FIELDS = ("instruction", "input", "output")
 CURVES = ("train_reward", "train_reward_std", "train_kl", "train_answer_length", "train_clip_ratio",
           "train_truncated_ratio")
 # trl's log names -> ours, logged as train_<ours> (the rewards' own: rewards/NAME/mean -> train_NAME)
 METRIC_NAMES = {"reward": "reward", "reward_std": "reward_std", "kl": "kl", "completions/mean_length": "answer_length",
                 "clip_ratio/region_mean": "clip_ratio", "completions/clipped_ratio": "truncated_ratio",
                 "loss": "loss", "entropy": "entropy", "frac_reward_zero_std": "frac_reward_zero_std"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-
-
-@dataclass
-class Prompts:
-    """The prompts of one split that fit: their records, template ids and text."""
-
-    records: list[dict]
-    ids: list[list[int]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)  # record index of each
-    skipped_too_long: int = 0  # prompt + max_completion_length above max_length
-
-    def rows(self, n: int | None = None) -> list[dict]:
-        """trl's dataset rows: the prompt's text (a key to its ids) and the record's fields,
-        which trl hands to the reward functions."""
-        return [{"prompt": text, **{k: self.records[i][k] for k in FIELDS}}
-                for text, i in list(zip(self.texts, self.kept))[:n]]
-
-
-def prompt_text(record: Mapping[str, str], template: str, enc) -> str:
-    """The prompt as text: the template's (alpaca, phi3), or the chat template's rendering."""
-    if template == "chat":
-        conversation = [{"role": "user", "content": user_content(record)}]
-        return chat_template_tokenizer(enc).apply_chat_template(conversation, add_generation_prompt=True,
-                                                               tokenize=False)
-    return render({**record, "output": ""}, template)[0]
-
-
-def encode_prompts(records: list[dict], template: str, enc, max_prompt: int) -> Prompts:
-    out = Prompts(records)
-    for i, rec in enumerate(records):
-        ids, _ = encode(rec, template, enc)
-        if len(ids) > max_prompt:
-            out.skipped_too_long += 1
-            continue
-        out.ids.append(ids)
-        out.texts.append(prompt_text(rec, template, enc))
-        out.kept.append(i)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Models
-
-
-@dataclass
-class Models:
-    """The policy trl trains (a transformers model; a peft model under lora), the encoder the
-    templates use, the tokenizer trl is given, and our GPT as loaded (None for a Hugging Face
-    model): its config goes back out."""
-
-    policy: nn.Module
-    enc: Any
-    tokenizer: Any
-    gpt: Any = None
-    stops: list[int] = field(default_factory=list)
-
-
-def load_models(cfg: Config, rt: Runtime, workdir: str) -> Models:
-    """The policy for `rl.init_from`; under method full with beta > 0, the folder trl loads the
-    frozen reference from is set in `config._name_or_path`."""
-    c = cfg.rl
-    source = hf_source(c.init_from)
-    reference = c.method == "full" and c.beta > 0
-    if source is None:  # our GPT, trained by trl as transformers' GPT-2 with the same weights
-        from gptforge.modeling.export import hf_tokenizer
-        from gptforge.modeling.hf_convert import to_hf
-        from gptforge.modeling.tokenizer import load_tokenizer
-
-        enc = load_tokenizer(cfg.tokenizer.path)
-        gpt = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
-        policy = to_hf(gpt).train()
-        tokenizer = hf_tokenizer(cfg.tokenizer.path, gpt.config.block_size)
-    else:
-        policy, tokenizer = load_hf_base(source, rt, param=PARAM, lora=c.method == "lora")
-        enc, gpt = HFTokenizer(tokenizer), None
-    if reference and source is not None and Path(source).is_dir():
-        policy.config._name_or_path = str(source)
-    elif reference:  # our GPT has no Hugging Face folder; a hub id: the weights as loaded, not a second fetch
-        folder = write_reference(policy, Path(workdir) / "reference")
-        policy.config._name_or_path = str(folder)
-    if tokenizer.pad_token is None:  # trl's rule too: pad with eos (padding is masked out)
-        tokenizer.pad_token = tokenizer.eos_token
-    stops = stop_ids(tokenizer, policy)
-    policy.to(rt.device)
-    if c.method == "lora":
-        torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
-        policy = apply_lora(policy, c.lora, task_type="CAUSAL_LM")
-    return Models(policy, enc, tokenizer, gpt, stops)
-
-
-def write_reference(policy: nn.Module, folder: Path) -> Path:
-    """The starting model as the Hugging Face folder trl loads the frozen reference from, written
-    by this process into its own temporary folder: transformers' save_pretrained writes on
-    process 0 only once torch.distributed is up, which under torchrun left the other processes'
-    folders empty. The config and the weights (safetensors drops the tied head, which loading
-    ties again) are all from_pretrained needs."""
-    from safetensors.torch import save_model as save_safetensors
-
-    folder.mkdir(parents=True, exist_ok=True)
-    policy.config.save_pretrained(str(folder))
-    save_safetensors(policy, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
-def load_other(folder: Path, cfg: Config, models: Models, rt: Runtime) -> nn.Module | None:
-    """Another model of the pipeline (the SFT or the DPO model) in its transformers form, to
-    answer the same prompts; None (and a log line) when it is not of the policy's family."""
-    try:
-        family = model_family(str(folder), param=str(folder))
-        if family != model_family(cfg.rl.init_from, param=f"{PARAM}.init_from"):
-            log.warning("rl: %s is a %s model, not of the policy's family: its answers are left out", folder,
-                        family[0])
-            return None
-        if models.gpt is not None:
-            from gptforge.modeling.hf_convert import to_hf
-
-            return to_hf(load_base(str(folder), models.enc.n_vocab, param=str(folder))).to(rt.device)
-        return load_hf_base(str(folder), rt, param=str(folder), lora=False)[0]
-    except BadInput as e:
-        log.warning("rl: cannot load %s (%s): its answers are left out", folder, e)
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Answers
-
-
-@torch.no_grad()
-def greedy(model: nn.Module, prompt_ids: Sequence[list[int]], *, limit: int, stops: Sequence[int], pad_id: int,
-           rt: Runtime, batch_size: int = 64) -> list[list[int]]:
-    """Greedy answers' ids (cut after their first stop id, which they keep) to the prompts, in
-    batches of left-padded prompts (transformers' GPT-2 takes its positions from the attention
-    mask, so padding changes nothing), each up to `limit` new tokens and the model's positions."""
-    was_training = model.training
-    model.eval()
-    positions = model_positions(model)
-    answers: list[list[int]] = []
-    try:
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start:start + batch_size]
-            width = max(len(p) for p in chunk)
-            room = min(limit, positions - width)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, p in enumerate(chunk):
-                ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[row, width - len(p):] = 1
-            if room <= 0:
-                answers += [[] for _ in chunk]
-                continue
-            with rt.autocast():
-                out = model.generate(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device),
-                                     max_new_tokens=room, do_sample=False, num_beams=1, repetition_penalty=1.0,
-                                     no_repeat_ngram_size=0, eos_token_id=list(stops), pad_token_id=pad_id)
-            for row in out[:, width:].tolist():
-                end = next((i for i, t in enumerate(row) if t in stops), None)
-                answers.append(row if end is None else row[:end + 1])
-    finally:
-        model.train(was_training)
-    return answers
-
-
-def make_answers(prompts: Prompts, ids: Sequence[list[int]], models: Models) -> list[R.Answer]:
-    """Answers of the held-out prompts (in order) from their generated ids."""
-    return [answer(prompts.records[i], text, a, models)
-            for i, text, a in zip(prompts.kept, prompts.texts, ids)]
-
-
-def decode(ids: Sequence[int], models: Models) -> str:
-    """An answer's text: its ids without the stop id they end on, decoded."""
-    return models.enc.decode(list(ids[:-1] if ids and ids[-1] in models.stops else ids))
-
-
-def answer(record: Mapping[str, str], prompt: str, ids: Sequence[int], models: Models) -> R.Answer:
-    return R.answer_from_ids(record, prompt, decode(ids, models), ids, models.stops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +142,7 @@ def make_trainer(s: Session, cfg: Config, callbacks: Sequence[Any] = ()):
 
 
 def records_callback(run, reward_names: Sequence[str], total_steps: int):
-    """preference.records_callback with the RL stage's names (METRIC_NAMES, and each reward's
+    """trl_records.records_callback with the RL stage's names (METRIC_NAMES, and each reward's
     mean as train_NAME): trl's per-step logs to the MLflow run, kept for the plot, and a progress
     bar with the loss and the mean reward."""
 

@@ -22,7 +22,8 @@ from mlflow.models import infer_signature
 from mlflow.pyfunc import PythonModel, PythonModelContext
 
 from gptforge.errors import BadInput
-from gptforge.finetune.classify import HEAD_CONFIG, POSITIVE, class_probabilities, load_classifier
+from gptforge.finetune.classifier import HEAD_CONFIG, class_probabilities, load_classifier
+from gptforge.finetune.classify_data import POSITIVE
 from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.runtime.run_context import pinned_requirements
 

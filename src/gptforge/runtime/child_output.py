@@ -1,6 +1,6 @@
 """A child process's output, shown as it comes and sent line by line to the log handlers.
 
-The torchrun launcher (`gptforge.training.launch`) and the pipeline's `dvc repro` (`gptforge.pipeline.run`)
+The torchrun launcher (`gptforge.training.launch`) and the pipeline's `dvc repro` (`gptforge.pipeline.dvc`)
 both run children that print progress bars and gptforge log lines. The terminal should see
 them as if the child ran here; Prefect's UI (a log handler on the `gptforge` logger) should get
 whole lines at their own level, and a progress bar now and then rather than every redraw.

@@ -93,7 +93,7 @@ class ServedClassifier:
         return int(self.classifier.max_length)
 
     def classify(self, texts: list[str]) -> list[dict]:
-        from gptforge.finetune.classify import class_probabilities
+        from gptforge.finetune.classifier import class_probabilities
 
         probs = class_probabilities(self.classifier, texts, self.enc, self.device)
         labels = list(self.classifier.labels)
@@ -119,7 +119,7 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
     created = int(time.time())
     template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
     if source.kind == "classifier":
-        from gptforge.finetune.classify import load_classifier
+        from gptforge.finetune.classifier import load_classifier
         from gptforge.modeling.tokenizer import load_tokenizer
 
         classifier = load_classifier(source.path, map_location=device)

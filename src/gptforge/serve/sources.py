@@ -40,7 +40,7 @@ from typing import Literal, Sequence
 
 from gptforge.config.schema import variant_paths
 from gptforge.errors import BadInput, GptforgeError, SourceUnreachable
-from gptforge.finetune.classify import HEAD_CONFIG, HEAD_FILE
+from gptforge.finetune.classifier import HEAD_CONFIG, HEAD_FILE
 from gptforge.modeling.hf_causal import _CAUSAL_ARCHITECTURES, CONFIG_FILE, hf_config_dict, hf_source
 from gptforge.modeling.weights import WEIGHTS_FILE, load_config
 

@@ -50,7 +50,7 @@ def local_copy(source: str, *, split: str = "validation", sha256: str | None = N
     """A local rowanz-format jsonl for `source`: the path itself; an https:// URL downloaded once
     into `raw_dir` (resumable, checksum-verified: `data.sources.materialize`); or a hub dataset
     `hf://OWNER/NAME` whose `split` is written once to `raw_dir` as jsonl and reused from there."""
-    from gptforge.config.schema import DownloadConfig
+    from gptforge.config.data_schema import DownloadConfig
     from gptforge.data.sources import is_hf, load_hf, materialize
     from gptforge.io import atomic_file
 

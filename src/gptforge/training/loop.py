@@ -6,14 +6,12 @@ accumulation fills `pretrain.batch_tokens` per optimizer step; AdamW with weight
 matrices only; linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16
 autocast; optional torch.compile. Checkpoints hold everything a resumed run needs to continue
 bit for bit: weights (safetensors), optimizer and grad-scaler state, the data position, the
-step and every RNG state.
+step and every RNG state (gptforge.training.session saves them and picks the one to resume).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
@@ -21,7 +19,6 @@ import resource
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,7 @@ from gptforge.modeling import flops
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.tokenizer import describe, load_tokenizer
-from gptforge.modeling.weights import empty_model, load_config, load_model, save_model, write_model_config
+from gptforge.modeling.weights import empty_model, load_config, load_model, save_model
 from gptforge.runtime.pause import PausePoint
 from gptforge.runtime.signals import stop_requested
 from gptforge.runtime.steps import DIRECT, Steps
@@ -45,70 +42,14 @@ from gptforge.training.loader import ShardLoader
 from gptforge.training.loss_plot import plot_losses, write_plot_csv
 from gptforge.training import sharding
 from gptforge.training.optim import adamw, zero1_adamw
+from gptforge.training.runtime import Runtime, setup_runtime
+from gptforge.training.session import Session, check_resumable, find_resume, fingerprint, save_checkpoint
 
 log = logging.getLogger("gptforge")
 
-# Settings that change what the training computes: a checkpoint made under other values is
-# not this run's and must not be resumed (a different lr or max_steps changes every update).
-FINGERPRINT_KEYS = ("seed", "init_from", "batch_size", "batch_tokens", "max_steps", "lr", "min_lr",
-                    "warmup_steps", "weight_decay", "betas", "grad_clip", "precision")
-
 
 # ---------------------------------------------------------------------------------------------
-# Where and how we run
-
-
-@dataclass
-class Runtime:
-    device: torch.device
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    ddp: bool = False
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    compile: bool = False
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def setup_runtime(cfg: Config) -> Runtime:
-    from gptforge.training.processes import join
-
-    p = cfg.pretrain
-    if p.device == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device_type = p.device.split(":")[0]
-        if device_type not in ("cpu", "cuda"):
-            raise BadInput(f"pretrain.device: expected auto, cpu, cuda or cuda:N, got {p.device!r}")
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise BadInput("pretrain.device is cuda but no CUDA device is available")
-    rank, local_rank, world = join(device_type)
-    ddp = world > 1
-    if device_type == "cuda":
-        index = local_rank if ddp or ":" not in p.device else int(p.device.split(":")[1])
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-        # TF32 matmuls: ~8x the fp32 tensor throughput on Ampere+, 10-bit mantissa inputs.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    precision = p.precision if p.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    compile_ = p.compile if p.compile != "auto" else device.type == "cuda"
-    return Runtime(device, rank, local_rank, world, ddp, precision, bool(compile_))
+# The learning rate schedule and the batch
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -155,36 +96,6 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
         model.crop_block_size(m.block_size)
     log.info("initialised from %s", source)
     return model
-
-
-def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
-    keys = {k: getattr(cfg.pretrain, k) for k in FINGERPRINT_KEYS}
-    if cfg.pretrain.strategy != "ddp":  # (ddp runs keep the fingerprints they had before strategies)
-        keys["strategy"] = cfg.pretrain.strategy
-    blob = json.dumps({"model": cfg.model.model_dump(mode="json"), "pretrain": keys, "world": world,
-                       "shards": [s["sha256"] for s in manifest["shards"]]}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def find_resume(cfg: Config, out_dir: Path, fp: str) -> Path | None:
-    """The checkpoint to continue from, or None to start over (`pretrain.resume`)."""
-    resume = cfg.pretrain.resume
-    if resume == "never":
-        return None
-    if resume != "auto":
-        folder = Path(resume)
-        reason = ckpt.verify(folder) if folder.is_dir() else f"{folder} is not a folder"
-        if reason:
-            raise BadInput(f"pretrain.resume: cannot resume from {folder}: {reason}")
-        return folder
-    folder = ckpt.newest_good(out_dir)
-    if folder is None:
-        return None
-    made_by = ckpt.load_state(folder).get("fingerprint")
-    if made_by != fp:
-        log.warning("not resuming from %s: it was made with other model/pretrain params or data", folder)
-        return None
-    return folder
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,40 +177,6 @@ def sample_text(model: GPT, enc, prompt: str, n_tokens: int, seed: int, device: 
 # The recipe
 
 
-@dataclass
-class Session:
-    """What the training loop works on: built by `setup`, advanced by `train_loop`."""
-
-    cfg: Config
-    rt: Runtime
-    enc: Any
-    grad_accum: int
-    train_loader: ShardLoader
-    val_loader: ShardLoader
-    fingerprint: str
-    hellaswag: list | None
-    model: Any  # what runs the batches: the model, compiled and/or DDP-wrapped
-    raw_model: GPT  # what gets saved (under fsdp: the sharded model itself, see `plain_model`)
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    out_dir: Path
-    step: int = 0
-    last_ckpt: Path | None = None
-    train_loss: float = float("nan")
-    hellaswag_result: dict | None = None
-    history: list = field(default_factory=list)  # rows of plots/pretrain.csv
-    step_times: list = field(default_factory=list)
-    sharded: bool = False  # pretrain.strategy fsdp on several processes
-
-    def plain_model(self, everywhere: bool = True) -> GPT | None:
-        """The model as an ordinary GPT with whole weights: under fsdp a copy gathered from the
-        shards (a collective: every process calls it; `everywhere` False: on process 0 only, the
-        others get None), else the model itself."""
-        if not self.sharded:
-            return self.raw_model
-        return sharding.unsharded_copy(self.raw_model, self.rt.device, everywhere=everywhere)
-
-
 def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Session:
     """Runtime, data, model and optimizer; restored from the newest matching checkpoint."""
     p, out_dir = cfg.pretrain, Path(out_dir)
@@ -325,7 +202,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
                        "gradients): set pretrain.precision to bf16")
     resume_from = find_resume(cfg, out_dir, fp)
     if resume_from is not None:
-        _check_resumable(resume_from, sharded)
+        check_resumable(resume_from, sharded)
     # A resumed run takes the architecture and weights from its checkpoint (no hub access); under
     # fsdp only the architecture here: each process reads its shards of the weights below.
     if resume_from is None:
@@ -370,60 +247,6 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     return Session(cfg, rt, enc, grad_accum, train_loader, val_loader, fp, hellaswag, model, raw_model, optimizer,
                    scaler, out_dir, step=step, last_ckpt=resume_from, sharded=sharded)
-
-
-def _check_resumable(folder: Path, sharded: bool) -> None:
-    """A sharded checkpoint resumes under fsdp only, a whole one under ddp/zero1 only."""
-    has_shards = (folder / sharding.SHARDS_DIR).is_dir()
-    if has_shards != sharded:
-        made, now = ("fsdp", "ddp/zero1") if has_shards else ("ddp/zero1", "fsdp")
-        raise BadInput(f"pretrain.resume: {folder} was written under strategy {made} and this run is {now}: "
-                       f"resume it under {made}, or start from its weights with pretrain.init_from")
-
-
-def _rng_states(s: Session) -> dict:
-    """Process 0's RNG states, and every process's when there are several (a collective): each
-    resumes its own dropout stream."""
-    mine = ckpt.capture_rng()
-    if not s.rt.ddp:
-        return {"rng": mine}
-    every = [None] * s.rt.world_size
-    dist.all_gather_object(every, mine)
-    return {"rng": every[0], "rng_by_rank": every}
-
-
-def save_checkpoint(s: Session) -> Path | None:
-    """The step folder (see gptforge.training.checkpoint). Called on every process: under ddp and
-    zero1 process 0 writes it alone; under fsdp every process writes its shards into it first.
-    Returns the folder on process 0, None on the others."""
-    rng = _rng_states(s)
-    if not s.rt.master and not s.sharded:
-        return None
-    state = {"step": s.step, "scaler": s.scaler.state_dict(), "loader": s.train_loader.state_dict(), **rng,
-             "fingerprint": s.fingerprint}
-    keep_last = s.cfg.pretrain.keep_last
-    if not s.sharded:
-        state["optimizer"] = s.optimizer.state_dict()
-        return ckpt.save_checkpoint(s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state,
-                                    keep_last=keep_last)
-    # Every process writes its shards to one hidden folder beside the step folders; process 0 then
-    # moves it into the step folder it builds, which appears whole (checksums included) or not at all.
-    shards = s.out_dir / f".shards_step_{s.step:08d}"
-    if s.rt.master:
-        for leftover in s.out_dir.glob(".shards_step_*"):  # a kill's, between the shards and the rename
-            shutil.rmtree(leftover, ignore_errors=True)
-    dist.barrier()
-    sharding.save_sharded(shards, s.raw_model, s.optimizer)
-    dist.barrier()
-    folder = None
-    if s.rt.master:
-        def write_model(d: Path) -> None:
-            write_model_config(s.raw_model, d)
-            os.replace(shards, d / sharding.SHARDS_DIR)
-
-        folder = ckpt.save_checkpoint(s.out_dir, s.step, write_model=write_model, state=state, keep_last=keep_last)
-    dist.barrier()
-    return folder
 
 
 def train_loop(s: Session, run=NullRun()) -> None:

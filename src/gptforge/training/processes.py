@@ -2,7 +2,7 @@
 
 torchrun sets WORLD_SIZE, RANK and LOCAL_RANK in each worker. `join(device_type)` reads them and,
 above one process, initializes the default process group (nccl on CUDA, gloo on the CPU) once;
-pretraining (`training.loop.setup_runtime`) and the fine-tuning stages
+pretraining (`training.runtime.setup_runtime`) and the fine-tuning stages
 (`finetune.common.runtime`) both come through here.
 """
 

