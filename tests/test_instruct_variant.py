@@ -103,6 +103,37 @@ def test_a_bf16_lora_base_computes_what_the_float32_model_does_under_autocast(tm
 # The stage
 
 
+def test_length_grouped_batches_weigh_every_target_token_alike(llama, tmp_path, monkeypatch):
+    # Over an epoch of length-grouped batches, the weighted batch losses average to the per-token
+    # mean cross-entropy over the whole training split, computed here one example at a time; the
+    # plain mean of the batches' means (what grouping gave before) does not.
+    from gptforge.finetune import instruct
+    from test_finetune_instruct_hf import RECORDS
+
+    records = [{**r, "output": r["output"] * (1 + 6 * (i % 3 == 0))} for i, r in enumerate(RECORDS)]  # mixed lengths
+    cfg = config(llama, "instruct.group_by_length=true", "instruct.lora.dropout=0.0")
+    s = instruct.setup(cfg, write_splits(tmp_path / "data", records))
+    seen = {}
+    monkeypatch.setattr(instruct, "train_epochs", lambda model, opt, loss_fn, batches, **kw: seen.update(
+        loss_fn=loss_fn, batches=batches))
+    instruct.train(s, cfg)
+    shape = dict(pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=True)
+    batches = seen["batches"](0)
+    assert len({len(b) for b in batches}) <= 2 and len(batches) == math.ceil(len(s.data["train"]) / 4)
+    with torch.no_grad():
+        weighted = sum(seen["loss_fn"](b).item() for b in batches) / len(batches)
+        means = [instruct.batch_loss(s.model, *instruct.collate(b, **shape)).item() for b in batches]
+        total, count = 0.0, 0
+        for example in s.data["train"]:
+            inputs, targets = instruct.collate([example], **shape)
+            logits = s.model(input_ids=inputs).logits.double()
+            mask = targets != -100
+            total += torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum").item()
+            count += int(mask.sum())
+    assert weighted == pytest.approx(total / count, rel=1e-5)
+    assert abs(sum(means) / len(means) - total / count) > 1e-3
+
+
 def test_variant_stage_scores_the_start_and_the_result(llama, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
