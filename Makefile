@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # dvc runs each stage's `gptforge ...` cmd through a shell: it must find the venv's scripts.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test test-quick test-load install clean
+.PHONY: run lint test test-quick test-load install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,12 +33,18 @@ run: $(STAMP)
 # Two workers of one thread each (tests/conftest.py sets the threads): most of the suite's time
 # is single-threaded (CLI processes starting, Prefect and MLflow servers, dvc), so two workers
 # beat one worker with two threads on 2 cores. `worksteal` evens out the long tests.
+# ruff first (seconds): the lint rules and the formatting of pyproject.toml's [tool.ruff]. The
+# suite ends with its ten slowest tests and its time (docs/testing.md gives each module's share).
 PYTEST_WORKERS ?= 2
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+lint: $(STAMP)
+	$(BIN)/ruff check --quiet .
+	$(BIN)/ruff format --check --quiet .
 
-test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
+test: lint
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10
+
+test-quick: lint
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" --durations=10
 
 # The timing-heavy modules five times in a row beside a CPU-bound process (docs/testing.md).
 test-load: $(STAMP)

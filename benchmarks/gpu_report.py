@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gptforge.modeling import flops
 from gptforge.modeling.decoding import generate
@@ -117,7 +116,7 @@ def bench_train(dev, batch: int, steps: int, warmup: int) -> list[dict]:
                      "ms_per_step": med * 1000, "min_ms": min(times) * 1000, "max_ms": max(times) * 1000,
                      "tokens_per_sec": tps, "mfu": flops.mfu(tps, raw.flops_per_token(1024), peak),
                      "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30})
-        del model, raw, opt
+        model = raw = opt = None  # free the GPU memory before the next variant
         torch.cuda.empty_cache()
     return rows
 
