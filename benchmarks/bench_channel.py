@@ -8,10 +8,10 @@ when pyzmq is installed.
 The message is what the engine sends after a step of 16 rows: ("tokens", 16 (id, token) pairs,
 the scheduler's Stats); the echo is what the API side sends most ("cancel", id). Both pickled,
 as the engine does (`Connection.send`, pyzmq's `send_pyobj`): messages between two processes of
-one server over a channel no other process can reach. Per channel: the round trip's median over `--repeats` runs of `--messages`
-ping-pongs each (after one warm-up run), in microseconds. A model step on this project's 2-core
-CPU takes milliseconds (bench_serve.py), so either channel is a small part of it; the figures
-say how small.
+one server over a channel no other process can reach. Per channel: the round trip's median over
+`--repeats` runs of `--messages` ping-pongs each (after one warm-up run), in microseconds. A model
+step on this project's 2-core CPU takes milliseconds (bench_serve.py), so either channel is a small
+part of it; the figures say how small.
 """
 
 from __future__ import annotations
@@ -98,13 +98,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     print(f"message: {len(pickle.dumps(MESSAGE))} bytes pickled; {os.cpu_count()} CPUs")
-    for name, runs in (("multiprocessing.connection (socketpair)", time_pipe(args.messages, args.repeats)),
-                       ("pyzmq PAIR over ipc://", time_zmq(args.messages, args.repeats))):
+    for name, runs in (
+        ("multiprocessing.connection (socketpair)", time_pipe(args.messages, args.repeats)),
+        ("pyzmq PAIR over ipc://", time_zmq(args.messages, args.repeats)),
+    ):
         if isinstance(runs, str):
             print(f"{name}: {runs}")
         else:
-            print(f"{name}: round trip median {statistics.median(runs):.1f} us "
-                  f"(min {min(runs):.1f}, max {max(runs):.1f}; {args.repeats} runs of {args.messages})")
+            print(
+                f"{name}: round trip median {statistics.median(runs):.1f} us "
+                f"(min {min(runs):.1f}, max {max(runs):.1f}; {args.repeats} runs of {args.messages})"
+            )
     return 0
 
 

@@ -68,8 +68,7 @@ def timed_interleaved(fns: dict, repeats: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="rounds of timing (default: 15 for tiny, 5 for gpt2)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds of timing (default: 15 for tiny, 5 for gpt2)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1337)
@@ -89,8 +88,15 @@ def main() -> int:
         return generate(model, prompt, n, temperature=0)
 
     def theirs():  # generate() runs under torch.no_grad itself
-        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           max_new_tokens=n, min_new_tokens=n, pad_token_id=eos, eos_token_id=eos)
+        return hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )
 
     def ours_full_head():  # the same, with the greedy int8 head screen switched off
         with mock.patch.object(GreedyHead, "for_model", classmethod(lambda cls, m, build=True: None)):

@@ -62,15 +62,35 @@ def one(args) -> None:
     runs, out = [], None
     for _ in range(2):
         start = time.perf_counter()
-        out = generate_hf(model, tok, ids, args.new_tokens, temperature=0, stop=[],
-                          lean=args.one.startswith("gptforge"), quantize="int8" if args.one == "gptforge-int8" else None)
+        out = generate_hf(
+            model,
+            tok,
+            ids,
+            args.new_tokens,
+            temperature=0,
+            stop=[],
+            lean=args.one.startswith("gptforge"),
+            quantize="int8" if args.one == "gptforge-int8" else None,
+        )
         runs.append(time.perf_counter() - start)
-    new = out[0, ids.size(1):].tolist()
+    new = out[0, ids.size(1) :].tolist()
     assert len(new) == args.new_tokens
-    print(json.dumps({"side": args.one, "dtype": args.dtype, "first_s": runs[0], "warm_s": runs[1],
-                      "first_tokens_per_sec": args.new_tokens / runs[0], "warm_tokens_per_sec": args.new_tokens / runs[1],
-                      "tokens": new, "text": tok.decode(new, skip_special_tokens=True),
-                      "prompt_tokens": ids.size(1), "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "side": args.one,
+                "dtype": args.dtype,
+                "first_s": runs[0],
+                "warm_s": runs[1],
+                "first_tokens_per_sec": args.new_tokens / runs[0],
+                "warm_tokens_per_sec": args.new_tokens / runs[1],
+                "tokens": new,
+                "text": tok.decode(new, skip_special_tokens=True),
+                "prompt_tokens": ids.size(1),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def memory_bandwidth(repeats: int = 7) -> float:
@@ -104,8 +124,18 @@ def weight_bytes(folder: str) -> dict:
 
 
 def run_one(side: str, dtype: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--one", side, "--dtype", dtype, "--folder", args.folder,
-           "--new-tokens", str(args.new_tokens)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        side,
+        "--dtype",
+        dtype,
+        "--folder",
+        args.folder,
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"{side} {dtype} failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -141,45 +171,79 @@ def main() -> None:
                 for side in args.sides.split(","):
                     res = run_one(side, dtype, args)
                     runs.setdefault((side, dtype), []).append(res)
-                    print(f"{dtype:9s} {side:14s} first {res['first_tokens_per_sec']:6.1f} tok/s  "
-                          f"warm {res['warm_tokens_per_sec']:6.1f} tok/s", file=sys.stderr)
+                    print(
+                        f"{dtype:9s} {side:14s} first {res['first_tokens_per_sec']:6.1f} tok/s  "
+                        f"warm {res['warm_tokens_per_sec']:6.1f} tok/s",
+                        file=sys.stderr,
+                    )
     reference = runs[("transformers", "float32")][0]["tokens"] if ("transformers", "float32") in runs else None
     rows = []
     for (side, dtype), rs in runs.items():
         first = statistics.median(x["first_tokens_per_sec"] for x in rs)
         warm = statistics.median(x["warm_tokens_per_sec"] for x in rs)
         bound = bandwidth * 1e9 / sizes[("int8+" if side == "gptforge-int8" else "") + dtype]
-        rows.append({"side": side, "dtype": dtype, "first_call_tokens_per_sec": round(first, 2),
-                     "warm_tokens_per_sec": round(warm, 2), "bandwidth_bound_tokens_per_sec": round(bound, 1),
-                     "warm_share_of_bound": round(warm / bound, 3),
-                     "same_tokens_as_transformers_float32": [x["tokens"] == reference for x in rs],
-                     "first_call_runs": [round(x["first_tokens_per_sec"], 2) for x in rs],
-                     "warm_runs": [round(x["warm_tokens_per_sec"], 2) for x in rs], "text": rs[0]["text"]})
+        rows.append(
+            {
+                "side": side,
+                "dtype": dtype,
+                "first_call_tokens_per_sec": round(first, 2),
+                "warm_tokens_per_sec": round(warm, 2),
+                "bandwidth_bound_tokens_per_sec": round(bound, 1),
+                "warm_share_of_bound": round(warm / bound, 3),
+                "same_tokens_as_transformers_float32": [x["tokens"] == reference for x in rs],
+                "first_call_runs": [round(x["first_tokens_per_sec"], 2) for x in rs],
+                "warm_runs": [round(x["warm_tokens_per_sec"], 2) for x in rs],
+                "text": rs[0]["text"],
+            }
+        )
     by = {(r["side"], r["dtype"]): r for r in rows}
     ratios = {}
     for dtype in args.dtypes.split(","):
         ours, theirs = by.get(("gptforge", dtype)), by.get(("transformers", dtype))
         if ours and theirs:
-            ratios[dtype] = {k: round(ours[k] / theirs[k], 3) for k in ("first_call_tokens_per_sec", "warm_tokens_per_sec")}
+            ratios[dtype] = {
+                k: round(ours[k] / theirs[k], 3) for k in ("first_call_tokens_per_sec", "warm_tokens_per_sec")
+            }
     # each gptforge setting against transformers' fastest first call, whatever its dtype
     theirs = [r for r in rows if r["side"] == "transformers"]
     if theirs:
         best = max(theirs, key=lambda r: r["first_call_tokens_per_sec"])
-        ratios["over_fastest_transformers"] = {"transformers_dtype": best["dtype"], **{
-            f"{r['side']} {r['dtype']}": round(r["first_call_tokens_per_sec"] / best["first_call_tokens_per_sec"], 3)
-            for r in rows if r["side"] != "transformers"}}
+        ratios["over_fastest_transformers"] = {
+            "transformers_dtype": best["dtype"],
+            **{
+                f"{r['side']} {r['dtype']}": round(
+                    r["first_call_tokens_per_sec"] / best["first_call_tokens_per_sec"], 3
+                )
+                for r in rows
+                if r["side"] != "transformers"
+            },
+        }
     import torch
+
     from gptforge.finetune.common import cpu_has_native_bf16
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_meters import machine
 
-    result = {"benchmark": "generate_hf_batch1", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-              timespec="seconds"), "machine": {**machine(), "platform": platform.platform(),
-              "native_bf16": cpu_has_native_bf16(), "torch": torch.__version__, "memory_read_GBps": round(bandwidth, 2)},
-              "folder": args.folder, "weights": sizes, "question": QUESTION, "new_tokens": args.new_tokens,
-              "processes": args.processes, "rows": rows, "ratios": ratios,
-              "command": "python benchmarks/bench_generate_hf.py " + " ".join(sys.argv[1:])}
+    result = {
+        "benchmark": "generate_hf_batch1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            **machine(),
+            "platform": platform.platform(),
+            "native_bf16": cpu_has_native_bf16(),
+            "torch": torch.__version__,
+            "memory_read_GBps": round(bandwidth, 2),
+        },
+        "folder": args.folder,
+        "weights": sizes,
+        "question": QUESTION,
+        "new_tokens": args.new_tokens,
+        "processes": args.processes,
+        "rows": rows,
+        "ratios": ratios,
+        "command": "python benchmarks/bench_generate_hf.py " + " ".join(sys.argv[1:]),
+    }
     print(json.dumps({"ratios": ratios}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

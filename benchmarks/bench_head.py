@@ -51,13 +51,24 @@ def main() -> None:
                     fn()
                     times[name].append(time.perf_counter() - start)
             med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            results.append({"rows": rows, "head_logits_ms": round(med["head_logits"], 3),
-                            "mm_ms": round(med["head @ x.T"], 3),
-                            "speedup": round(med["head_logits"] / med["head @ x.T"], 2), "same_argmax": same})
-            print(f"rows {rows:3d}: head_logits {med['head_logits']:7.3f} ms   head @ x.T {med['head @ x.T']:7.3f} ms"
-                  f"   {results[-1]['speedup']:.2f}x   same argmax: {same}")
-    print(json.dumps({"n_embd": args.n_embd, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "results": results}))
+            results.append(
+                {
+                    "rows": rows,
+                    "head_logits_ms": round(med["head_logits"], 3),
+                    "mm_ms": round(med["head @ x.T"], 3),
+                    "speedup": round(med["head_logits"] / med["head @ x.T"], 2),
+                    "same_argmax": same,
+                }
+            )
+            print(
+                f"rows {rows:3d}: head_logits {med['head_logits']:7.3f} ms   head @ x.T {med['head @ x.T']:7.3f} ms"
+                f"   {results[-1]['speedup']:.2f}x   same argmax: {same}"
+            )
+    print(
+        json.dumps(
+            {"n_embd": args.n_embd, "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

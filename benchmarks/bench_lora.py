@@ -86,7 +86,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_meters import PeakRSS, StepClock, machine  # noqa: E402
 from lora_common import (  # noqa: E402
-    ROOT, build_model, digest, encode_split, heldout_loss, initial_heldout_loss, lora_checksum, write_splits)
+    ROOT,
+    build_model,
+    digest,
+    encode_split,
+    heldout_loss,
+    initial_heldout_loss,
+    lora_checksum,
+    write_splits,
+)
 from lora_report import TARGET, TARGET_REAL_MODEL, check_same, markdown, model_settings, summarize  # noqa: E402
 
 RECIPES = ("ours", "stock", "stock_grouped")
@@ -104,13 +112,26 @@ def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
     from gptforge.config.load import load_config
     from gptforge.finetune import instruct
 
-    overrides = [f"instruct.init_from={model_dir}", "instruct.method=lora", "instruct.lora.target_modules=auto",
-                 f"instruct.lora.r={args.lora_r}", "instruct.template=alpaca", "instruct.mask_prompt=true",
-                 "instruct.group_by_length=true", "tracking.enabled=false", "instruct.device=cpu",
-                 f"instruct.precision={args.precision}", "instruct.epochs=1", f"instruct.batch_size={args.batch_size}",
-                 f"instruct.lr={args.lr}", f"instruct.weight_decay={args.weight_decay}", f"instruct.seed={args.seed}",
-                 "instruct.eval_interval=1000000000", "instruct.eval_batches=1",
-                 "instruct.gradient_checkpointing=false"]
+    overrides = [
+        f"instruct.init_from={model_dir}",
+        "instruct.method=lora",
+        "instruct.lora.target_modules=auto",
+        f"instruct.lora.r={args.lora_r}",
+        "instruct.template=alpaca",
+        "instruct.mask_prompt=true",
+        "instruct.group_by_length=true",
+        "tracking.enabled=false",
+        "instruct.device=cpu",
+        f"instruct.precision={args.precision}",
+        "instruct.epochs=1",
+        f"instruct.batch_size={args.batch_size}",
+        f"instruct.lr={args.lr}",
+        f"instruct.weight_decay={args.weight_decay}",
+        f"instruct.seed={args.seed}",
+        "instruct.eval_interval=1000000000",
+        "instruct.eval_batches=1",
+        "instruct.gradient_checkpointing=false",
+    ]
     if args.lora_alpha is not None:
         overrides.append(f"instruct.lora.alpha={args.lora_alpha}")
     if args.lora_dropout is not None:
@@ -138,24 +159,35 @@ def run_ours(args, model_dir: Path, data_dir: Path) -> dict:
     loss, n = heldout_loss(s.model, heldout, tokenizer.eos_token_id, s.max_length, args.precision)
     eval_s = time.perf_counter() - t1
     lora = cfg.instruct.lora
-    return {**timing, "real_tokens": s.real_tokens, "positions": s.real_tokens + s.padded,
-            "padding_fraction": round(s.padded / (s.real_tokens + s.padded), 4),
-            "train_wall_s": round(wall, 3), "final_train_loss": round(s.history.train_loss[-1][1], 4),
-            **peak,
-            "heldout_loss": round(loss, 5), "heldout_tokens": n, "heldout_eval_s": round(eval_s, 2),
-            "lora_init_checksum": init,
-            "data_digest": digest(train),
-            "lora": {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
-                     "target_modules": sorted(s.model.peft_config["default"].target_modules)},
-            "trainable_params": sum(p.numel() for p in s.model.parameters() if p.requires_grad),
-            "total_params": sum(p.numel() for p in s.model.parameters()), "max_length": s.max_length}
+    return {
+        **timing,
+        "real_tokens": s.real_tokens,
+        "positions": s.real_tokens + s.padded,
+        "padding_fraction": round(s.padded / (s.real_tokens + s.padded), 4),
+        "train_wall_s": round(wall, 3),
+        "final_train_loss": round(s.history.train_loss[-1][1], 4),
+        **peak,
+        "heldout_loss": round(loss, 5),
+        "heldout_tokens": n,
+        "heldout_eval_s": round(eval_s, 2),
+        "lora_init_checksum": init,
+        "data_digest": digest(train),
+        "lora": {
+            "r": lora.r,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "target_modules": sorted(s.model.peft_config["default"].target_modules),
+        },
+        "trainable_params": sum(p.numel() for p in s.model.parameters() if p.requires_grad),
+        "total_params": sum(p.numel() for p in s.model.parameters()),
+        "max_length": s.max_length,
+    }
 
 
 def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     import peft
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainingArguments)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     from gptforge.config.load import load_config
     from gptforge.finetune.instruct import read_split
@@ -170,8 +202,9 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     tokenizer.pad_token = tokenizer.eos_token
     # float32 as ours (transformers 5 would keep a bf16 folder in bf16)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    lora_config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=dropout,
-                                  target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM")
+    lora_config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=alpha, lora_dropout=dropout, target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM"
+    )
     model = peft.get_peft_model(model, lora_config)
     max_length = model.config.max_position_embeddings
 
@@ -185,7 +218,7 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     features = [tokenize(r) for r in train_records]
     memory = PeakRSS()
     memory.loaded()
-    used = [(f["input_ids"][:f["labels"].count(-100)], f["input_ids"][f["labels"].count(-100):]) for f in features]
+    used = [(f["input_ids"][: f["labels"].count(-100)], f["input_ids"][f["labels"].count(-100) :]) for f in features]
     if used != encode_split(tokenizer, train_records, max_length):
         raise RuntimeError("bench_lora: the stock tokenization differs from gptforge's encoding")
     heldout = encode_split(tokenizer, read_split(data_dir / "val.jsonl"), max_length)
@@ -202,13 +235,32 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench_lora_trainer_") as out_dir:
         training_args = TrainingArguments(
-            output_dir=out_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=1,
-            learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
-            optim="adamw_torch_fused", max_grad_norm=0.0, seed=args.seed, report_to=[], eval_strategy="no",
-            save_strategy="no", dataloader_num_workers=0, use_cpu=True, bf16=args.precision == "bf16", fp16=False,
-            train_sampling_strategy="group_by_length" if grouped else "random")
-        trainer = Trainer(model=model, args=training_args, train_dataset=features, data_collator=counting_collator,
-                          processing_class=tokenizer)
+            output_dir=out_dir,
+            per_device_train_batch_size=args.batch_size,
+            num_train_epochs=1,
+            learning_rate=args.lr,
+            weight_decay=args.weight_decay,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            optim="adamw_torch_fused",
+            max_grad_norm=0.0,
+            seed=args.seed,
+            report_to=[],
+            eval_strategy="no",
+            save_strategy="no",
+            dataloader_num_workers=0,
+            use_cpu=True,
+            bf16=args.precision == "bf16",
+            fp16=False,
+            train_sampling_strategy="group_by_length" if grouped else "random",
+        )
+        trainer = Trainer(
+            model=model,
+            args=training_args,
+            train_dataset=features,
+            data_collator=counting_collator,
+            processing_class=tokenizer,
+        )
         clock = StepClock(next(p for p in model.parameters() if p.requires_grad))
         t0 = time.perf_counter()
         result = trainer.train()
@@ -221,17 +273,29 @@ def run_stock(args, model_dir: Path, data_dir: Path, grouped: bool) -> dict:
     eval_s = time.perf_counter() - t1
     real_tokens, processed = sum(real[:steps]), sum(positions[:steps])
     padded = processed - sum(len(f["input_ids"]) for f in features)
-    return {**timing, "real_tokens": real_tokens, "positions": processed,
-            "padding_fraction": round(padded / processed, 4), "train_wall_s": round(wall, 3),
-            "trainer_train_loss": round(result.training_loss, 4),
-            **peak,
-            "heldout_loss": round(loss, 5), "heldout_tokens": n, "heldout_eval_s": round(eval_s, 2),
-            "lora_init_checksum": init,
-            "data_digest": digest(used),
-            "lora": {"r": args.lora_r, "alpha": alpha, "dropout": dropout,
-                     "target_modules": sorted(model.peft_config["default"].target_modules)},
-            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "total_params": sum(p.numel() for p in model.parameters()), "max_length": max_length}
+    return {
+        **timing,
+        "real_tokens": real_tokens,
+        "positions": processed,
+        "padding_fraction": round(padded / processed, 4),
+        "train_wall_s": round(wall, 3),
+        "trainer_train_loss": round(result.training_loss, 4),
+        **peak,
+        "heldout_loss": round(loss, 5),
+        "heldout_tokens": n,
+        "heldout_eval_s": round(eval_s, 2),
+        "lora_init_checksum": init,
+        "data_digest": digest(used),
+        "lora": {
+            "r": args.lora_r,
+            "alpha": alpha,
+            "dropout": dropout,
+            "target_modules": sorted(model.peft_config["default"].target_modules),
+        },
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "max_length": max_length,
+    }
 
 
 def child(args) -> int:
@@ -253,10 +317,32 @@ def child(args) -> int:
 
 
 def child_command(args, recipe: str, model_dir: Path, data_dir: Path) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--recipe", recipe, "--model-dir", str(model_dir),
-           "--data-dir", str(data_dir), "--threads", str(args.threads), "--warmup", str(args.warmup),
-           "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay),
-           "--lora-r", str(args.lora_r), "--seed", str(args.seed), "--precision", args.precision]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--recipe",
+        recipe,
+        "--model-dir",
+        str(model_dir),
+        "--data-dir",
+        str(data_dir),
+        "--threads",
+        str(args.threads),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--lr",
+        repr(args.lr),
+        "--weight-decay",
+        repr(args.weight_decay),
+        "--lora-r",
+        str(args.lora_r),
+        "--seed",
+        str(args.seed),
+        "--precision",
+        args.precision,
+    ]
     if args.lora_alpha is not None:
         cmd += ["--lora-alpha", repr(args.lora_alpha)]
     if args.lora_dropout is not None:
@@ -265,8 +351,10 @@ def child_command(args, recipe: str, model_dir: Path, data_dir: Path) -> list[st
 
 
 def run_child(cmd: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -274,7 +362,7 @@ def run_child(cmd: list[str]) -> dict:
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"bench_lora: {' '.join(cmd[2:4])} failed (exit {proc.returncode})")
-    return {**json.loads(lines[-1][len(RESULT_MARK):]), "subprocess_s": round(wall, 2)}
+    return {**json.loads(lines[-1][len(RESULT_MARK) :]), "subprocess_s": round(wall, 2)}
 
 
 def parent(args) -> int:
@@ -299,24 +387,39 @@ def parent(args) -> int:
                 r = run_child(child_command(args, recipe, model_dir, data_dir))
                 r["repeat"] = repeat + 1
                 runs[recipe].append(r)
-                print(f"bench_lora: {recipe} run {repeat + 1}: {r['tokens_per_sec']:.0f} real tokens/s, padding "
-                      f"{100 * r['padding_fraction']:.1f}%, held-out loss {r['heldout_loss']:.4f}", file=sys.stderr)
+                print(
+                    f"bench_lora: {recipe} run {repeat + 1}: {r['tokens_per_sec']:.0f} real tokens/s, padding "
+                    f"{100 * r['padding_fraction']:.1f}%, held-out loss {r['heldout_loss']:.4f}",
+                    file=sys.stderr,
+                )
     first = next(iter(runs.values()))[0]
     result = {
         "benchmark": "lora_instruct_finetune",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],
-        "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
         "settings": {
             "model": model_settings(args, model_dir),
-            "total_params": first["total_params"], "trainable_params": first["trainable_params"],
-            "lora": first["lora"], "template": "alpaca", "mask_prompt": True, "batch_size": args.batch_size,
-            "steps": first["steps"], "warmup_steps": args.warmup, "lr": args.lr, "weight_decay": args.weight_decay,
+            "total_params": first["total_params"],
+            "trainable_params": first["trainable_params"],
+            "lora": first["lora"],
+            "template": "alpaca",
+            "mask_prompt": True,
+            "batch_size": args.batch_size,
+            "steps": first["steps"],
+            "warmup_steps": args.warmup,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
             "precision": args.precision,
-            "threads": args.threads, "repeats": args.repeats, "seed": args.seed, **sizes,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            **sizes,
             "timing": "perf_counter after each optimizer step; real tokens/s over the steps after the first "
-                      f"{args.warmup}; medians over the repeats",
+            f"{args.warmup}; medians over the repeats",
         },
         "heldout_loss_initial": initial,
         "recipes": summarize(runs, initial),
@@ -331,19 +434,26 @@ def parent(args) -> int:
         result["speedup"] = round(med["ours"]["tokens_per_sec"] / med["stock"]["tokens_per_sec"], 3)
         result["heldout_loss_ratio"] = round(med["ours"]["heldout_loss"] / med["stock"]["heldout_loss"], 4)
         result["heldout_loss_drop_ratio"] = round(
-            med["ours"]["heldout_loss_drop"] / med["stock"]["heldout_loss_drop"], 4)
+            med["ours"]["heldout_loss_drop"] / med["stock"]["heldout_loss_drop"], 4
+        )
         target = TARGET_REAL_MODEL if args.model else TARGET
         result["target"] = target
-        result["target_met"] = bool(result["speedup"] >= target["speedup_min"] and abs(
-            result["heldout_loss_ratio"] - 1) <= target["heldout_loss_rel_diff_max"])
+        result["target_met"] = bool(
+            result["speedup"] >= target["speedup_min"]
+            and abs(result["heldout_loss_ratio"] - 1) <= target["heldout_loss_rel_diff_max"]
+        )
     if "ours" in med and "stock_grouped" in med:
         result["speedup_vs_stock_grouped"] = round(
-            med["ours"]["tokens_per_sec"] / med["stock_grouped"]["tokens_per_sec"], 3)
+            med["ours"]["tokens_per_sec"] / med["stock_grouped"]["tokens_per_sec"], 3
+        )
         result["heldout_loss_ratio_vs_stock_grouped"] = round(
-            med["ours"]["heldout_loss"] / med["stock_grouped"]["heldout_loss"], 4)
+            med["ours"]["heldout_loss"] / med["stock_grouped"]["heldout_loss"], 4
+        )
     if not (result["same_real_tokens"] and result["same_data"] and result["same_lora_config"]):
-        raise SystemExit("bench_lora: the recipes did not train on the same tokens with the same LoRA config: "
-                         + json.dumps({k: result[k] for k in ("same_real_tokens", "same_data", "same_lora_config")}))
+        raise SystemExit(
+            "bench_lora: the recipes did not train on the same tokens with the same LoRA config: "
+            + json.dumps({k: result[k] for k in ("same_real_tokens", "same_data", "same_lora_config")})
+        )
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -356,8 +466,12 @@ def parent(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=None,
-                    help="train on steps x batch-size records (default: all 1,000 training records, 125 steps)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train on steps x batch-size records (default: all 1,000 training records, 125 steps)",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing (at least 1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -369,9 +483,13 @@ def main() -> int:
     ap.add_argument("--lora-alpha", type=float, default=None, help="default: params.yaml's instruct.lora.alpha")
     ap.add_argument("--lora-dropout", type=float, default=None, help="default: params.yaml's instruct.lora.dropout")
     ap.add_argument("--heldout", type=int, default=100, help="held-out records (of 1,100)")
-    ap.add_argument("--model", default=None, metavar="DIR",
-                    help="a Hugging Face Llama-family folder to fine-tune (checkpoints/base/smollm2) instead of "
-                    "the random Llama of --hidden ... --positions")
+    ap.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face Llama-family folder to fine-tune (checkpoints/base/smollm2) instead of "
+        "the random Llama of --hidden ... --positions",
+    )
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=688)
@@ -379,9 +497,13 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--seed", type=int, default=123)
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                    help="both recipes: fp32, or bf16 autocast (Trainer's bf16=True on a float32 model; ours "
-                    "keeps the frozen base in bf16, as its LoRA runs do)")
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="both recipes: fp32, or bf16 autocast (Trainer's bf16=True on a float32 model; ours "
+        "keeps the frozen base in bf16, as its LoRA runs do)",
+    )
     ap.add_argument("--out", default=None, help="also write this JSON and a markdown table next to it (.md)")
     ap.add_argument("--recipe", choices=RECIPES, default=None, help=argparse.SUPPRESS)  # a child run
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)

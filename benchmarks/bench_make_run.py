@@ -57,12 +57,14 @@ def main() -> int:
         clone, env = fresh_clone(tmp)
         print("bench_make_run: gptforge pipeline on a fresh clone ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        done = subprocess.run([str(BIN / "gptforge"), "pipeline"], cwd=clone, env=env, capture_output=True, text=True,
-                              timeout=3600)
+        done = subprocess.run(
+            [str(BIN / "gptforge"), "pipeline"], cwd=clone, env=env, capture_output=True, text=True, timeout=3600
+        )
         wall = time.perf_counter() - t0
         if done.returncode != 0:
-            raise SystemExit(f"bench_make_run: the pipeline failed ({done.returncode}):\n"
-                             f"{(done.stdout + done.stderr)[-3000:]}")
+            raise SystemExit(
+                f"bench_make_run: the pipeline failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
+            )
         after = delivered(clone)
         spans = stage_spans(clone)
         stop_recorder(clone)
@@ -71,17 +73,23 @@ def main() -> int:
         "benchmark": "make_run",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(),
-        "pipeline_s": round(wall, 1), "stages_work_s": {k: round(v, 1) for k, v in spans.items()},
-        "work_s": round(work, 1), "orchestration_s": round(wall - work, 1),
-        "orchestration_share": round((wall - work) / wall, 3), "records_delivered_after_s": round(after, 1),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "pipeline_s": round(wall, 1),
+        "stages_work_s": {k: round(v, 1) for k, v in spans.items()},
+        "work_s": round(work, 1),
+        "orchestration_s": round(wall - work, 1),
+        "orchestration_share": round((wall - work) / wall, 3),
+        "records_delivered_after_s": round(after, 1),
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"gptforge pipeline on a fresh clone ({result['machine']['processor']}, {result['machine']['cpu_count']} "
-          f"cores, {result['date']}, {result['commit']}):")
+    print(
+        f"gptforge pipeline on a fresh clone ({result['machine']['processor']}, {result['machine']['cpu_count']} "
+        f"cores, {result['date']}, {result['commit']}):"
+    )
     for stage, seconds in spans.items():
         print(f"  {stage:<22} {seconds:7.1f} s of its own work")
     print(f"  {'stages, in all':<22} {work:7.1f} s")

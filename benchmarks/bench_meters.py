@@ -52,11 +52,14 @@ class PeakRSS:
 
     def result(self) -> dict:
         peak = hwm_mb() if self.reset else maxrss_mb()
-        return {"rss_after_load_mb": round(self.rss_after_load, 1),
-                "peak_while_loading_mb": round(self.hwm_after_load or self.maxrss_after_load, 1),
-                "peak_rss_mb": round(peak, 1), "peak_rss_growth_mb": round(peak - self.rss_after_load, 1),
-                "ru_maxrss_mb": round(maxrss_mb(), 1),
-                "peak_source": "VmHWM reset after loading" if self.reset else "ru_maxrss (VmHWM not resettable)"}
+        return {
+            "rss_after_load_mb": round(self.rss_after_load, 1),
+            "peak_while_loading_mb": round(self.hwm_after_load or self.maxrss_after_load, 1),
+            "peak_rss_mb": round(peak, 1),
+            "peak_rss_growth_mb": round(peak - self.rss_after_load, 1),
+            "ru_maxrss_mb": round(maxrss_mb(), 1),
+            "peak_source": "VmHWM reset after loading" if self.reset else "ru_maxrss (VmHWM not resettable)",
+        }
 
 
 class StepClock:
@@ -90,8 +93,14 @@ class StepClock:
             raise SystemExit(f"{steps} steps leave none to time after --warmup {warmup}")
         seconds = self.times[-1] - self.times[warmup - 1]  # warmup >= 1: the first step's start is not stamped
         tokens = sum(per_step_tokens[warmup:])
-        return {"steps": steps, "warmup_steps": warmup, "timed_steps": steps - warmup, "timed_s": round(seconds, 4),
-                "timed_real_tokens": tokens, "tokens_per_sec": round(tokens / seconds, 2)}
+        return {
+            "steps": steps,
+            "warmup_steps": warmup,
+            "timed_steps": steps - warmup,
+            "timed_s": round(seconds, 4),
+            "timed_real_tokens": tokens,
+            "tokens_per_sec": round(tokens / seconds, 2),
+        }
 
 
 def machine() -> dict:

@@ -42,9 +42,10 @@ def make_chunks(n: int, words: int):
     stride = max(1, (len(text) - words) // n)
     chunks = []
     for i in range(n):
-        body = " ".join(text[i * stride:i * stride + words])
-        chunks.append(Chunk(id=f"fineweb#{i}", source="fineweb", headings=(), start=0, end=len(body), text=body,
-                            tokens=words))
+        body = " ".join(text[i * stride : i * stride + words])
+        chunks.append(
+            Chunk(id=f"fineweb#{i}", source="fineweb", headings=(), start=0, end=len(body), text=body, tokens=words)
+        )
     return chunks, text
 
 
@@ -61,8 +62,11 @@ def latencies(search, queries, rounds: int) -> dict:
         times.sort()
         medians.append(statistics.median(times))
         p95s.append(times[int(0.95 * (len(times) - 1))])
-    return {"p50_ms": 1000 * statistics.median(medians), "p95_ms": 1000 * statistics.median(p95s),
-            "p50_ms_rounds": [round(1000 * m, 4) for m in medians]}
+    return {
+        "p50_ms": 1000 * statistics.median(medians),
+        "p95_ms": 1000 * statistics.median(p95s),
+        "p50_ms_rounds": [round(1000 * m, 4) for m in medians],
+    }
 
 
 def main() -> int:
@@ -83,18 +87,27 @@ def main() -> int:
     queries = []
     for _ in range(args.queries):
         start = rng.randrange(len(words) - 12)
-        queries.append(" ".join(words[start:start + 12]))
+        queries.append(" ".join(words[start : start + 12]))
 
-    result: dict = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "chunks": len(chunks), "words_per_chunk": args.words,
-                    "queries": len(queries), "k": args.k, "rounds": args.rounds}
+    result: dict = {
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "chunks": len(chunks),
+        "words_per_chunk": args.words,
+        "queries": len(queries),
+        "k": args.k,
+        "rounds": args.rounds,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         idx = build(chunks, Path(tmp) / "index", name="bench", chunks_sha256="bench")
         result["gptforge_build_s"] = time.perf_counter() - t0
         result["gptforge"] = latencies(lambda q: idx.search(q, args.k), queries, args.rounds)
-    say(f"gptforge (bm25s): build {result['gptforge_build_s']:.2f} s; query p50 {result['gptforge']['p50_ms']:.3f} ms, "
-          f"p95 {result['gptforge']['p95_ms']:.3f} ms over {len(chunks):,} chunks")
+    say(
+        f"gptforge (bm25s): build {result['gptforge_build_s']:.2f} s; query p50 {result['gptforge']['p50_ms']:.3f} ms, "
+        f"p95 {result['gptforge']['p95_ms']:.3f} ms over {len(chunks):,} chunks"
+    )
     try:
         from rank_bm25 import BM25Okapi
     except ImportError:
@@ -104,10 +117,13 @@ def main() -> int:
         t0 = time.perf_counter()
         okapi = BM25Okapi([terms(c.text) for c in chunks])
         result["rank_bm25_build_s"] = time.perf_counter() - t0
-        result["rank_bm25"] = latencies(lambda q: okapi.get_top_n(terms(q), chunks, n=args.k), queries,
-                                        max(1, args.rounds // 5))
-        say(f"rank_bm25 (BM25Okapi): build {result['rank_bm25_build_s']:.2f} s; query p50 "
-              f"{result['rank_bm25']['p50_ms']:.3f} ms, p95 {result['rank_bm25']['p95_ms']:.3f} ms")
+        result["rank_bm25"] = latencies(
+            lambda q: okapi.get_top_n(terms(q), chunks, n=args.k), queries, max(1, args.rounds // 5)
+        )
+        say(
+            f"rank_bm25 (BM25Okapi): build {result['rank_bm25_build_s']:.2f} s; query p50 "
+            f"{result['rank_bm25']['p50_ms']:.3f} ms, p95 {result['rank_bm25']['p95_ms']:.3f} ms"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         say(f"written {args.out}")

@@ -110,20 +110,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_generate import CONFIGS  # noqa: E402
-from gptforge.config.load import load_config  # noqa: E402
-from gptforge.modeling.tokenizer import load_tokenizer  # noqa: E402
-from gptforge.modeling.weights import save_model  # noqa: E402
 from machine import cpu_model, git  # noqa: E402
 from serve_loads import shared_prefix  # noqa: E402
-from serve_measures import (LONG_MAX_TOKENS, PREFIX_METRICS, hf_measure, levels_measure, long_measure,  # noqa: E402
-                            pick_prompt, prefix_compare, prefix_measure, user_measure)
-from serve_models import (HF_TOP_K, SAMPLED_TEMPERATURE, direct_generate, make_llama_folder, step_alone,  # noqa: E402
-                          tiny_model)
+from serve_measures import (  # noqa: E402
+    LONG_MAX_TOKENS,
+    PREFIX_METRICS,
+    hf_measure,
+    levels_measure,
+    long_measure,
+    pick_prompt,
+    prefix_compare,
+    prefix_measure,
+    user_measure,
+)
+from serve_models import (  # noqa: E402
+    HF_TOP_K,
+    SAMPLED_TEMPERATURE,
+    direct_generate,
+    make_llama_folder,
+    step_alone,
+    tiny_model,
+)
 from serve_report import markdown, plot  # noqa: E402
 from serve_targets import issue30_targets, legacy_targets  # noqa: E402
 from servers import MODEL_NAME, note, run_session, serving  # noqa: E402
+
+from gptforge.config.load import load_config  # noqa: E402
+from gptforge.modeling.tokenizer import load_tokenizer  # noqa: E402
+from gptforge.modeling.weights import save_model  # noqa: E402
 
 LONG_NAME = "tiny-2048"
 HF_NAME = "llama"
@@ -142,58 +157,96 @@ def parse_measures(text: str) -> list[str]:
         return list(MEASURES)
     unknown = [m for m in names if m not in MEASURES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--measures: unknown {', '.join(unknown) or '(none)'}; "
-                                         f"choose from {', '.join(MEASURES)} or all")
+        raise argparse.ArgumentTypeError(
+            f"--measures: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(MEASURES)} or all"
+        )
     return [m for m in MEASURES if m in names]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--measures", type=parse_measures, default=list(MEASURES),
-                    help=f"comma-separated, from {', '.join(MEASURES)}, or all")
-    ap.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels (levels, hf; the top one "
-                    "is the number of streams of user and of clients of prefix)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--measures",
+        type=parse_measures,
+        default=list(MEASURES),
+        help=f"comma-separated, from {', '.join(MEASURES)}, or all",
+    )
+    ap.add_argument(
+        "--clients",
+        default="1,4,16",
+        help="comma-separated concurrency levels (levels, hf; the top one "
+        "is the number of streams of user and of clients of prefix)",
+    )
     ap.add_argument("--requests", type=int, default=8, help="requests per client per round (levels)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the levels in turn (levels)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (levels, user, hf)")
     ap.add_argument("--max-batch", type=int, default=16, help="gptforge serve --max-batch")
-    ap.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                    help="gptforge serve --prefill-chunk N for every gptforge server (default: not passed, the "
-                    "server's own)")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gptforge serve --prefill-chunk N for every gptforge server (default: not passed, the server's own)",
+    )
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--repeats", type=int, default=15, help="direct generate's timing rounds (ceiling)")
     ap.add_argument("--user-rounds", type=int, default=3, help="rounds of CLI, one stream, sampled streams (user)")
     ap.add_argument("--hf-requests", type=int, default=2, help="requests per client per round and mode (hf)")
     ap.add_argument("--hf-rounds", type=int, default=1, help="rounds of the levels and modes (hf)")
-    ap.add_argument("--context-models", default="gpt,llama",
-                    help="the 2,048-position models of prefix and long: gpt (tiny-2048), llama, or both")
+    ap.add_argument(
+        "--context-models",
+        default="gpt,llama",
+        help="the 2,048-position models of prefix and long: gpt (tiny-2048), llama, or both",
+    )
     ap.add_argument("--prefix-tokens", type=int, default=512, help="the shared system prompt's tokens (prefix)")
     ap.add_argument("--prefix-requests", type=int, default=4, help="requests per client (prefix)")
     ap.add_argument("--prefix-max-tokens", type=int, default=16, help="tokens per answer (prefix)")
     ap.add_argument("--long-prompt-tokens", type=int, default=1000, help="the long prompt's tokens (long)")
     ap.add_argument("--long-streams", type=int, default=8, help="streams decoding when it arrives (long)")
     ap.add_argument("--long-decode-tokens", type=int, default=256, help="tokens per decoding stream (long)")
-    ap.add_argument("--long-before", type=int, default=32,
-                    help="events every stream has had before the long prompt is sent (long)")
+    ap.add_argument(
+        "--long-before", type=int, default=32, help="events every stream has had before the long prompt is sent (long)"
+    )
     ap.add_argument("--long-rounds", type=int, default=3, help="rounds (long)")
     ap.add_argument("--seed", type=int, default=1337, help="the weights' seed (bench_generate's default)")
-    ap.add_argument("--tokenizer-path", default=None,
-                    help="default: params.yaml's tokenizer.path (resolved), else tiktoken's gpt2")
-    ap.add_argument("--server-threads", type=int, default=None,
-                    help="OMP_NUM_THREADS for the servers (default: torch's own choice)")
+    ap.add_argument(
+        "--tokenizer-path", default=None, help="default: params.yaml's tokenizer.path (resolved), else tiktoken's gpt2"
+    )
+    ap.add_argument(
+        "--server-threads", type=int, default=None, help="OMP_NUM_THREADS for the servers (default: torch's own choice)"
+    )
     ap.add_argument("--startup-timeout", type=float, default=180.0)
-    ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile every thread of the `tiny` server into DIR")
+    ap.add_argument(
+        "--profile", default=None, metavar="DIR", help="cProfile every thread of the `tiny` server into DIR"
+    )
     ap.add_argument("--out", default=None, help="also write this JSON, a markdown table (.md) and a plot (.png)")
     args = ap.parse_args()
     measures = args.measures
     levels = sorted({int(c) for c in args.clients.split(",")})
-    counts = (levels[0], args.requests, args.rounds, args.max_tokens, args.user_rounds, args.hf_requests, args.hf_rounds,
-              args.prefix_tokens, args.prefix_requests, args.prefix_max_tokens, args.long_prompt_tokens,
-              args.long_streams, args.long_decode_tokens, args.long_before, args.long_rounds)
+    counts = (
+        levels[0],
+        args.requests,
+        args.rounds,
+        args.max_tokens,
+        args.user_rounds,
+        args.hf_requests,
+        args.hf_rounds,
+        args.prefix_tokens,
+        args.prefix_requests,
+        args.prefix_max_tokens,
+        args.long_prompt_tokens,
+        args.long_streams,
+        args.long_decode_tokens,
+        args.long_before,
+        args.long_rounds,
+    )
     if min(counts) < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
-        ap.error("the counts (--clients, --requests, --rounds, --max-tokens, --*-rounds, --*-requests, --*-tokens, "
-                 "--long-*, --prefill-chunk) must be >= 1")
+        ap.error(
+            "the counts (--clients, --requests, --rounds, --max-tokens, --*-rounds, --*-requests, --*-tokens, "
+            "--long-*, --prefill-chunk) must be >= 1"
+        )
     if args.long_before >= args.long_decode_tokens:
         ap.error("--long-before must be below --long-decode-tokens (the streams must still decode after the prompt)")
     context_models = [m.strip() for m in args.context_models.split(",") if m.strip()]
@@ -212,9 +265,15 @@ def main() -> int:
         "config": "tiny",
         "measures": measures,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "machine": platform.machine(),
-                    "processor": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "client_torch_threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "processor": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "client_torch_threads": torch.get_num_threads(),
+        },
     }
     out: dict = {}
     direct, pieces, prompt, ids, model_info = {}, {}, args.prompt, enc.encode_ordinary(args.prompt), None
@@ -240,8 +299,9 @@ def main() -> int:
                 jobs.append(("levels", lambda s: levels_measure(s, args, prompt, levels, expected_text)))
             if "user" in measures:
                 jobs.append(("user", lambda s: user_measure(s, args, ckpt, prompt, top, tmp)))
-            run_session(lambda: serving("gptforge", ckpt, args, tmp, "gptforge-tiny", name=MODEL_NAME, profile=True),
-                        jobs, out)
+            run_session(
+                lambda: serving("gptforge", ckpt, args, tmp, "gptforge-tiny", name=MODEL_NAME, profile=True), jobs, out
+            )
         del model
 
         # tiny-2048 and llama: prefix, long; llama: hf
@@ -258,9 +318,19 @@ def main() -> int:
                 jobs.append(("long_gpt", lambda s: long_measure(s, args, encode, decode)))
             run_session(lambda: serving("gptforge", ckpt2, args, tmp, "gptforge-tiny-2048", name=LONG_NAME), jobs, out)
             if want_prefix:
-                run_session(lambda: serving("gptforge", ckpt2, args, tmp, "gptforge-tiny-2048-no-prefix-cache",
-                                            name=LONG_NAME, extra=no_cache),
-                            [("prefix_gpt_off", lambda s: prefix_measure(s, args, top, prefix_text))], out)
+                run_session(
+                    lambda: serving(
+                        "gptforge",
+                        ckpt2,
+                        args,
+                        tmp,
+                        "gptforge-tiny-2048-no-prefix-cache",
+                        name=LONG_NAME,
+                        extra=no_cache,
+                    ),
+                    [("prefix_gpt_off", lambda s: prefix_measure(s, args, top, prefix_text))],
+                    out,
+                )
         llama_ctx = (want_prefix or want_long) and "llama" in context_models
         if "hf" in measures or llama_ctx:
             folder = tmp / "llama"
@@ -280,30 +350,57 @@ def main() -> int:
                     jobs.append(("long_llama", lambda s: long_measure(s, args, encode, decode)))
                 run_session(lambda: serving("gptforge", folder, args, tmp, "gptforge-llama", name=HF_NAME), jobs, out)
                 if "hf" in measures:
-                    run_session(lambda: serving("transformers", folder, args, tmp, "transformers-llama"),
-                                [("hf_transformers", lambda s: hf_measure(s, args, levels, extra={}))], out)
+                    run_session(
+                        lambda: serving("transformers", folder, args, tmp, "transformers-llama"),
+                        [("hf_transformers", lambda s: hf_measure(s, args, levels, extra={}))],
+                        out,
+                    )
                 if llama_ctx and want_prefix:
-                    run_session(lambda: serving("gptforge", folder, args, tmp, "gptforge-llama-no-prefix-cache",
-                                                name=HF_NAME, extra=no_cache),
-                                [("prefix_llama_off", lambda s: prefix_measure(s, args, top, prefix_text))], out)
+                    run_session(
+                        lambda: serving(
+                            "gptforge",
+                            folder,
+                            args,
+                            tmp,
+                            "gptforge-llama-no-prefix-cache",
+                            name=HF_NAME,
+                            extra=no_cache,
+                        ),
+                        [("prefix_llama_off", lambda s: prefix_measure(s, args, top, prefix_text))],
+                        out,
+                    )
 
     # The report
     lv = out.get("levels") or {}
     summaries = lv.get("levels") or []
-    result.update({
-        "model": model_info,
-        "settings": {"clients": levels, "requests_per_client": args.requests, "rounds": args.rounds,
-                     "max_tokens": args.max_tokens, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
-                     "prompt": prompt, "prompt_tokens": len(ids), "temperature": 0, "endpoint": "/v1/completions",
-                     "stream": True, "repeats": args.repeats, "seed": args.seed,
-                     "tokenizer_path": _short(args.tokenizer_path), "server_threads_env": args.server_threads,
-                     "profiled": bool(args.profile),
-                     "client": "asyncio streams, HTTP/1.1 keep-alive, events parsed after each level"},
-        "server": lv.get("server") or {"omp_num_threads": args.server_threads or "unset (torch's default)"},
-        "direct_generate": direct,
-        "server_step_alone_ms": pieces,
-        "levels": summaries,
-    })
+    result.update(
+        {
+            "model": model_info,
+            "settings": {
+                "clients": levels,
+                "requests_per_client": args.requests,
+                "rounds": args.rounds,
+                "max_tokens": args.max_tokens,
+                "max_batch": args.max_batch,
+                "prefill_chunk": args.prefill_chunk,
+                "prompt": prompt,
+                "prompt_tokens": len(ids),
+                "temperature": 0,
+                "endpoint": "/v1/completions",
+                "stream": True,
+                "repeats": args.repeats,
+                "seed": args.seed,
+                "tokenizer_path": _short(args.tokenizer_path),
+                "server_threads_env": args.server_threads,
+                "profiled": bool(args.profile),
+                "client": "asyncio streams, HTTP/1.1 keep-alive, events parsed after each level",
+            },
+            "server": lv.get("server") or {"omp_num_threads": args.server_threads or "unset (torch's default)"},
+            "direct_generate": direct,
+            "server_step_alone_ms": pieces,
+            "levels": summaries,
+        }
+    )
     if "levels" in measures and "error" in lv:
         result["levels_error"] = lv["error"]
     result["targets"] = legacy_targets(summaries, direct)
@@ -311,26 +408,42 @@ def main() -> int:
     if "user" in measures:
         result["user"] = out.get("user") or {"error": "not run"}
     if "hf" in measures:
-        hf = {"model": llama_info, "endpoint": "/v1/completions", "max_tokens": args.max_tokens,
-              "temperature": SAMPLED_TEMPERATURE, "top_k": HF_TOP_K, "requests_per_client": args.hf_requests,
-              "rounds": args.hf_rounds, "gptforge": out.get("hf_gptforge") or {"error": "not run"},
-              "transformers": out.get("hf_transformers") or {"error": "not run"},
-              "transformers_command": "transformers serve FOLDER --continuous-batching --host 127.0.0.1 --port PORT "
-                                      f"--device {'cuda' if torch.cuda.is_available() else 'cpu'} "
-                                      "(HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1)"}
+        hf = {
+            "model": llama_info,
+            "endpoint": "/v1/completions",
+            "max_tokens": args.max_tokens,
+            "temperature": SAMPLED_TEMPERATURE,
+            "top_k": HF_TOP_K,
+            "requests_per_client": args.hf_requests,
+            "rounds": args.hf_rounds,
+            "gptforge": out.get("hf_gptforge") or {"error": "not run"},
+            "transformers": out.get("hf_transformers") or {"error": "not run"},
+            "transformers_command": "transformers serve FOLDER --continuous-batching --host 127.0.0.1 --port PORT "
+            f"--device {'cuda' if torch.cuda.is_available() else 'cpu'} "
+            "(HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1)",
+        }
         if llama_info is None:
             hf["error"] = (out.get("hf_gptforge") or {}).get("error", "the Llama folder was not made")
         ratios = []
-        rows = {srv: {(r["mode"], r["clients"]): r for r in (hf[srv].get("levels") or [])}
-                for srv in ("gptforge", "transformers")}
+        rows = {
+            srv: {(r["mode"], r["clients"]): r for r in (hf[srv].get("levels") or [])}
+            for srv in ("gptforge", "transformers")
+        }
         for mode in ("plain", "stream"):
             for c in levels:
                 g, t = rows["gptforge"].get((mode, c)), rows["transformers"].get((mode, c))
                 if g and t:
-                    ratios.append({"mode": mode, "clients": c, "gptforge": g["aggregate_tokens_per_sec"],
-                                   "transformers": t["aggregate_tokens_per_sec"],
-                                   "ratio": round(g["aggregate_tokens_per_sec"] / t["aggregate_tokens_per_sec"], 3)
-                                   if t["aggregate_tokens_per_sec"] else None})
+                    ratios.append(
+                        {
+                            "mode": mode,
+                            "clients": c,
+                            "gptforge": g["aggregate_tokens_per_sec"],
+                            "transformers": t["aggregate_tokens_per_sec"],
+                            "ratio": round(g["aggregate_tokens_per_sec"] / t["aggregate_tokens_per_sec"], 3)
+                            if t["aggregate_tokens_per_sec"]
+                            else None,
+                        }
+                    )
         hf["ratios"] = ratios
         result["hf"] = hf
     names = {"gpt": LONG_NAME, "llama": HF_NAME}
@@ -343,24 +456,38 @@ def main() -> int:
             on.pop("texts", None)
             off.pop("texts", None)
             models[names[m]] = {"with_cache": on, "without_cache": off, **cmp}
-        result["prefix"] = {"prefix_tokens": args.prefix_tokens, "clients": top,
-                            "requests_per_client": args.prefix_requests, "max_tokens": args.prefix_max_tokens,
-                            "metrics": list(PREFIX_METRICS), "models": models}
+        result["prefix"] = {
+            "prefix_tokens": args.prefix_tokens,
+            "clients": top,
+            "requests_per_client": args.prefix_requests,
+            "max_tokens": args.prefix_max_tokens,
+            "metrics": list(PREFIX_METRICS),
+            "models": models,
+        }
     if "long" in measures:
-        result["long"] = {"streams": args.long_streams, "decode_tokens": args.long_decode_tokens,
-                          "before": args.long_before, "prompt_tokens": args.long_prompt_tokens,
-                          "rounds": args.long_rounds, "prefill_chunk": args.prefill_chunk,
-                          "models": {names[m]: out.get(f"long_{m}") or {"error": "not run"} for m in context_models}}
+        result["long"] = {
+            "streams": args.long_streams,
+            "decode_tokens": args.long_decode_tokens,
+            "before": args.long_before,
+            "prompt_tokens": args.long_prompt_tokens,
+            "rounds": args.long_rounds,
+            "prefill_chunk": args.prefill_chunk,
+            "models": {names[m]: out.get(f"long_{m}") or {"error": "not run"} for m in context_models},
+        }
     result["issue30_targets"] = issue30_targets(result)
     judged = [t["met"] for t in result["issue30_targets"] if t["met"] is not None]
-    result["targets"]["issue30_all_met"] = bool(judged) and all(judged) and len(judged) == len(result["issue30_targets"])
-    result.update({
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],
-        "command": "python benchmarks/bench_serve.py " + " ".join(sys.argv[1:]),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_server_changes": bool(git("status", "--porcelain", "--", "src/gptforge")),
-    })
+    result["targets"]["issue30_all_met"] = (
+        bool(judged) and all(judged) and len(judged) == len(result["issue30_targets"])
+    )
+    result.update(
+        {
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],
+            "command": "python benchmarks/bench_serve.py " + " ".join(sys.argv[1:]),
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted_server_changes": bool(git("status", "--porcelain", "--", "src/gptforge")),
+        }
+    )
     text = json.dumps(result, indent=2)
     if args.out:
         out_path = Path(args.out)
@@ -371,6 +498,7 @@ def main() -> int:
             result["plot"] = str(out_path.with_suffix(".png"))
     print(text)
     return 0
+
 
 def _short(path: str | None) -> str | None:
     if path is None:

@@ -48,8 +48,10 @@ from servers import ServerFailed, note, serving  # noqa: E402
 
 # A text prompt whose continuation by SmolLM2 runs past 64 tokens without an end of text, greedy
 # and sampled (checked by the `tokens per request` of the result: every answer at max_tokens).
-PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-          "combined movable metal type with an oil-based ink and a screw press. Over the following decades")
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type with an oil-based ink and a screw press. Over the following decades"
+)
 TEMPERATURE, TOP_K = 0.8, 50
 
 
@@ -69,12 +71,29 @@ def level_rows(s, args, mode: str, levels: list[int]) -> dict:
 
     def bodies(clients: int, r: int) -> list[list[bytes]]:
         if mode == "greedy":
-            return [[completion_body(s.model, PROMPT, args.max_tokens, temperature=0, stream=False)
-                     for _ in range(args.requests)] for _ in range(clients)]
+            return [
+                [
+                    completion_body(s.model, PROMPT, args.max_tokens, temperature=0, stream=False)
+                    for _ in range(args.requests)
+                ]
+                for _ in range(clients)
+            ]
         extra = {"top_k": TOP_K} if gptforge else {}
-        return [[completion_body(s.model, PROMPT, args.max_tokens, temperature=TEMPERATURE, stream=False,
-                                 seed=1000 * (r + 1) + 100 * i + j, **extra)
-                 for j in range(args.requests)] for i in range(clients)]
+        return [
+            [
+                completion_body(
+                    s.model,
+                    PROMPT,
+                    args.max_tokens,
+                    temperature=TEMPERATURE,
+                    stream=False,
+                    seed=1000 * (r + 1) + 100 * i + j,
+                    **extra,
+                )
+                for j in range(args.requests)
+            ]
+            for i in range(clients)
+        ]
 
     top = max(levels)
     warm_up(s, bodies(1, -1)[0][0], bodies(top, -1), top, parse_plain)
@@ -87,14 +106,17 @@ def level_rows(s, args, mode: str, levels: list[int]) -> dict:
         parsed = [p for r in rs for p in r["parsed"]]
         ok = [p for p in parsed if "error" not in p]
         tokens = [p["completion_tokens"] for p in ok]
-        out[str(c)] = {"tokens_per_sec": round(statistics.median(r["tokens"] / r["wall_s"] for r in rs), 2),
-                       "rounds": [round(r["tokens"] / r["wall_s"], 2) for r in rs],
-                       "tokens_per_request": [min(tokens, default=None), max(tokens, default=None)],
-                       "distinct_texts": len({p["text"] for p in ok}),
-                       "errors": len(parsed) - len(ok),
-                       "error_examples": sorted({p["error"] for p in parsed if "error" in p})[:2],
-                       "server_cores_busy": round(sum(sum(r["server_cpu_s"].values()) for r in rs)
-                                                  / sum(r["wall_s"] for r in rs), 3)}
+        out[str(c)] = {
+            "tokens_per_sec": round(statistics.median(r["tokens"] / r["wall_s"] for r in rs), 2),
+            "rounds": [round(r["tokens"] / r["wall_s"], 2) for r in rs],
+            "tokens_per_request": [min(tokens, default=None), max(tokens, default=None)],
+            "distinct_texts": len({p["text"] for p in ok}),
+            "errors": len(parsed) - len(ok),
+            "error_examples": sorted({p["error"] for p in parsed if "error" in p})[:2],
+            "server_cores_busy": round(
+                sum(sum(r["server_cpu_s"].values()) for r in rs) / sum(r["wall_s"] for r in rs), 3
+            ),
+        }
         if c == 1 and ok:
             out[str(c)]["text"] = ok[0]["text"]
     return out
@@ -114,9 +136,14 @@ def user_rows(s, args, folder: Path, dtype: str, cwd: Path) -> dict:
             return {"error": one["error"]}
         stream.append(one["completion_tokens"] / one["total_seconds"])
     cli_tps = statistics.median(r["tokens_per_sec"] for r in cli)
-    return {"generate_cli_tokens_per_sec": round(cli_tps, 2), "generate_cli_runs": [r["tokens_per_sec"] for r in cli],
-            "stream_tokens_per_sec": round(statistics.median(stream), 2), "stream_runs": [round(x, 2) for x in stream],
-            "stream_over_generate": round(statistics.median(stream) / cli_tps, 3), "generate_text": cli[0]["text"]}
+    return {
+        "generate_cli_tokens_per_sec": round(cli_tps, 2),
+        "generate_cli_runs": [r["tokens_per_sec"] for r in cli],
+        "stream_tokens_per_sec": round(statistics.median(stream), 2),
+        "stream_runs": [round(x, 2) for x in stream],
+        "stream_over_generate": round(statistics.median(stream) / cli_tps, 3),
+        "generate_text": cli[0]["text"],
+    }
 
 
 def main() -> None:
@@ -134,10 +161,18 @@ def main() -> None:
     # what bench_serve's server helpers read
     args.prefill_chunk = args.profile = args.tokenizer_path = args.server_threads = None
     levels = [int(c) for c in args.clients.split(",")]
-    result = {"benchmark": "serve_hf_model", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-              timespec="seconds"), "folder": args.folder, "prompt": PROMPT, "max_tokens": args.max_tokens,
-              "requests_per_client": args.requests, "rounds": args.rounds, "sampling": {"temperature": TEMPERATURE,
-              "top_k": TOP_K}, "dtypes": {}, "command": "python benchmarks/bench_serve_model.py " + " ".join(sys.argv[1:])}
+    result = {
+        "benchmark": "serve_hf_model",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "folder": args.folder,
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests,
+        "rounds": args.rounds,
+        "sampling": {"temperature": TEMPERATURE, "top_k": TOP_K},
+        "dtypes": {},
+        "command": "python benchmarks/bench_serve_model.py " + " ".join(sys.argv[1:]),
+    }
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         folder = Path(args.folder).resolve()
@@ -153,9 +188,12 @@ def main() -> None:
             flags = ("--dtype", dtype)
             with _guard(res, "gptforge"):
                 with serving("gptforge", folder, args, tmp, f"gptforge-{dtype}", name="smollm2", extra=flags) as s:
-                    res["gptforge"] = {"startup_s": s.startup_s, "greedy": level_rows(s, args, "greedy", levels),
-                                       "sampled": level_rows(s, args, "sampled", levels),
-                                       "user": user_rows(s, args, folder, dtype, tmp)}
+                    res["gptforge"] = {
+                        "startup_s": s.startup_s,
+                        "greedy": level_rows(s, args, "greedy", levels),
+                        "sampled": level_rows(s, args, "sampled", levels),
+                        "user": user_rows(s, args, folder, dtype, tmp),
+                    }
             res["transformers"] = {}
             for mode, path in (("greedy", folder), ("sampled", sampled_folder)):
                 with _guard(res["transformers"], mode):
@@ -167,8 +205,12 @@ def main() -> None:
 
     from gptforge.finetune.common import cpu_has_native_bf16
 
-    result["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                         "native_bf16": cpu_has_native_bf16()}
+    result["machine"] = {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "native_bf16": cpu_has_native_bf16(),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -61,8 +61,9 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.Compl
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - t0
     if done.returncode != 0:
-        raise SystemExit(f"bench_startup: {' '.join(cmd)} failed ({done.returncode}):\n"
-                         f"{(done.stdout + done.stderr)[-3000:]}")
+        raise SystemExit(
+            f"bench_startup: {' '.join(cmd)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
+        )
     return seconds, done
 
 
@@ -71,8 +72,10 @@ def delivered(cwd: Path, timeout: float = 300.0) -> float:
     t0 = time.perf_counter()
     while list((cwd / ".gptforge" / "records").glob("*.jsonl")):
         if time.perf_counter() - t0 > timeout:
-            raise SystemExit(f"bench_startup: journals not delivered within {timeout:.0f} s "
-                             f"(see {cwd}/.gptforge/recorder/recorder.log)")
+            raise SystemExit(
+                f"bench_startup: journals not delivered within {timeout:.0f} s "
+                f"(see {cwd}/.gptforge/recorder/recorder.log)"
+            )
         time.sleep(0.02)
     return time.perf_counter() - t0
 
@@ -108,11 +111,24 @@ def fresh_clone(tmp: Path) -> tuple[Path, dict]:
     no servers configured (no PREFECT_API_URL, no MLFLOW_TRACKING_URI, PREFECT_HOME in `tmp`)."""
     clone = tmp / "gptforge"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME",
-                        "GPTFORGE_WAIT_FOR_RECORDS")}
-    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PREFECT_HOME=str(tmp / "prefect-home"),
-               DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PREFECT_API_URL",
+            "MLFLOW_TRACKING_URI",
+            "GPTFORGE_PREFECT",
+            "PREFECT_HOME",
+            "GPTFORGE_WAIT_FOR_RECORDS",
+        )
+    }
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        PREFECT_HOME=str(tmp / "prefect-home"),
+        DVC_NO_ANALYTICS="1",
+        DO_NOT_TRACK="1",
+    )
     return clone, env
 
 
@@ -148,8 +164,12 @@ def main() -> int:
         cases["prefect_only"] = median_of(dvc, clone, base_env, args.repeats)
         cases["command_off"] = median_of(command, clone, no_prefect, args.repeats)
         cases["python"] = median_of([py, "-c", "pass"], clone, no_prefect, args.repeats)
-        cases["imports"] = median_of([py, "-c", "import gptforge.cli, gptforge.pipeline.stages, gptforge.data.classify"],
-                                     clone, no_prefect, args.repeats)
+        cases["imports"] = median_of(
+            [py, "-c", "import gptforge.cli, gptforge.pipeline.stages, gptforge.data.classify"],
+            clone,
+            no_prefect,
+            args.repeats,
+        )
 
         set_tracking(clone, True)
         print("bench_startup: gptforge pipeline prepare_classify --force ...", file=sys.stderr, flush=True)
@@ -159,15 +179,20 @@ def main() -> int:
             seconds, done = timed(pipeline, clone, base_env)
             found = re.search(r"prepare_classify\s+ran in ([0-9.]+) s", done.stdout + done.stderr)
             if not found:
-                raise SystemExit("bench_startup: the pipeline did not report prepare_classify's duration:\n"
-                                 + (done.stdout + done.stderr)[-3000:])
+                raise SystemExit(
+                    "bench_startup: the pipeline did not report prepare_classify's duration:\n"
+                    + (done.stdout + done.stderr)[-3000:]
+                )
             if i:  # the first run is unmeasured, as for the other cases
                 inside.append(float(found.group(1)))
                 whole.append(seconds)
             delivered(clone)
         stop_recorder(clone)
-        cases["inside_pipeline"] = {"median_s": round(statistics.median(inside), 3), "runs_s": inside,
-                                    "pipeline_median_s": round(statistics.median(whole), 3)}
+        cases["inside_pipeline"] = {
+            "median_s": round(statistics.median(inside), 3),
+            "runs_s": inside,
+            "pipeline_median_s": round(statistics.median(whole), 3),
+        }
 
     m = {name: case["median_s"] for name, case in cases.items()}
     breakdown = {
@@ -181,28 +206,42 @@ def main() -> int:
     result = {
         "benchmark": "startup",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
-        "repeats": args.repeats, "cases": cases, "breakdown_s": {k: round(v, 3) for k, v in breakdown.items()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "repeats": args.repeats,
+        "cases": cases,
+        "breakdown_s": {k: round(v, 3) for k, v in breakdown.items()},
         "on_over_off": round(m["on"] / m["off"], 2),
         "inside_pipeline_over_off": round(m["inside_pipeline"] / m["off"], 2),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"prepare_classify, medians of {args.repeats} runs ({result['machine']['processor']}, "
-          f"{result['machine']['cpu_count']} cores, {result['date']}):")
+    print(
+        f"prepare_classify, medians of {args.repeats} runs ({result['machine']['processor']}, "
+        f"{result['machine']['cpu_count']} cores, {result['date']}):"
+    )
     for name in ("on", "tracking_only", "prefect_only", "off", "command_off", "imports", "python"):
         print(f"  {name:<16} {m[name]:7.2f} s")
-    print(f"  inside the pipeline (its report): {m['inside_pipeline']:.2f} s "
-          f"({result['inside_pipeline_over_off']}x off; the pipeline run: {cases['inside_pipeline']['pipeline_median_s']:.1f} s)")
+    print(
+        f"  inside the pipeline (its report): {m['inside_pipeline']:.2f} s "
+        f"({result['inside_pipeline_over_off']}x off; "
+        f"the pipeline run: {cases['inside_pipeline']['pipeline_median_s']:.1f} s)"
+    )
     print("breakdown of the typed case with both on:")
     for name, seconds in breakdown.items():
         print(f"  {name:<58} {seconds:6.2f} s")
-    print(f"records delivered by the recorder (median, after the command returned): "
-          f"{cases['on'].get('records_delivered_after_s', 0):.2f} s with both on")
+    print(
+        f"records delivered by the recorder (median, after the command returned): "
+        f"{cases['on'].get('records_delivered_after_s', 0):.2f} s with both on"
+    )
     print(f"median with tracking and Prefect on: {m['on']:.2f} s")
     print(f"median with both off: {m['off']:.2f} s")
     return 0

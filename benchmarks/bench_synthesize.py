@@ -12,7 +12,8 @@ cache, so every chunk is a request. The levels take turns for `--rounds` rounds 
 and each figure is the median over the rounds.
 
 - The fixed-delay endpoint is the tests' scripted server (tests/chat_endpoint.py, threaded, in
-  this process) sleeping `--delay` s (200 ms) per request, answering three well-formed pairs: at concurrency 1 the stage can do
+  this process) sleeping `--delay` s (200 ms) per request, answering three well-formed pairs: at
+  concurrency 1 the stage can do
   at most 60/delay requests a minute, at 8 eight times that; the ratio shows what the stage's
   own work costs (the target: 8 requests in flight give at least 6x the pairs/min of 1).
 - `gptforge serve` on bench_generate's tiny model (1,024 positions, random weights, continuous batching, in a
@@ -44,8 +45,9 @@ from chat_endpoint import ChatEndpoint  # noqa: E402
 from machine import cpu_model, git  # noqa: E402
 from servers import free_port, start_server, stop_server, wait_healthy  # noqa: E402
 
-PAIRS = json.dumps([{"question": f"What does step {i} of the pipeline do?", "answer": f"Step {i} runs a stage."}
-                    for i in range(3)])
+PAIRS = json.dumps(
+    [{"question": f"What does step {i} of the pipeline do?", "answer": f"Step {i} runs a stage."} for i in range(3)]
+)
 
 
 class FixedDelayEndpoint(ChatEndpoint):
@@ -66,8 +68,12 @@ def docs_chunks(n: int, tokenizer_path: str | None) -> list:
     from gptforge.synthesize.documents import read_documents
 
     enc = load_tokenizer(tokenizer_path)
-    chunks = chunk_documents(read_documents(ROOT / "docs", param="docs"), chunk_tokens=512, overlap=64,
-                             count_tokens=lambda text: len(enc.encode_ordinary(text)))
+    chunks = chunk_documents(
+        read_documents(ROOT / "docs", param="docs"),
+        chunk_tokens=512,
+        overlap=64,
+        count_tokens=lambda text: len(enc.encode_ordinary(text)),
+    )
     return [c for c in chunks if c.tokens >= 32][:n]
 
 
@@ -77,31 +83,48 @@ def measure(url: str, model: str, chunks: list, concurrency: int, max_tokens: in
     from gptforge.synthesize.generate import Asker, ResponseCache
     from gptforge.synthesize.stage import generate_pairs
 
-    settings = types.SimpleNamespace(concurrency=concurrency, pairs_per_chunk=3, temperature=0.0,
-                                     max_tokens=max_tokens, seed=123)
+    settings = types.SimpleNamespace(
+        concurrency=concurrency, pairs_per_chunk=3, temperature=0.0, max_tokens=max_tokens, seed=123
+    )
     with tempfile.TemporaryDirectory(prefix="bench_synthesize_cache_") as cache:
         asker = Asker(ChatClient(url, model, timeout=600, retries=0), ResponseCache(cache))
         t0 = time.perf_counter()
         got = generate_pairs(chunks, asker, settings)
         wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "wall_s": round(wall, 3), "requests": asker.sent, "pairs": len(got.pairs),
-            "unparseable": got.unparseable, "pairs_per_min": round(len(got.pairs) / wall * 60, 1),
-            "requests_per_min": round(asker.sent / wall * 60, 1),
-            "completion_tokens_per_sec": round(got.completion_tokens / wall, 1)}
+    return {
+        "concurrency": concurrency,
+        "wall_s": round(wall, 3),
+        "requests": asker.sent,
+        "pairs": len(got.pairs),
+        "unparseable": got.unparseable,
+        "pairs_per_min": round(len(got.pairs) / wall * 60, 1),
+        "requests_per_min": round(asker.sent / wall * 60, 1),
+        "completion_tokens_per_sec": round(got.completion_tokens / wall, 1),
+    }
 
 
 def rounds(url: str, model: str, chunks: list, levels: list[int], n_rounds: int, max_tokens: int) -> list[dict]:
     runs: dict[int, list[dict]] = {c: [] for c in levels}
-    measure(url, model, chunks[:max(levels)], max(levels), max_tokens)  # warm-up: connections, imports
+    measure(url, model, chunks[: max(levels)], max(levels), max_tokens)  # warm-up: connections, imports
     for _ in range(n_rounds):
         for c in levels:
             runs[c].append(measure(url, model, chunks, c, max_tokens))
     out = []
     for c in levels:
-        med = {k: statistics.median(r[k] for r in runs[c]) for k in
-               ("wall_s", "pairs_per_min", "requests_per_min", "completion_tokens_per_sec")}
-        out.append({"concurrency": c, **med, "requests": runs[c][0]["requests"], "pairs": runs[c][0]["pairs"],
-                    "unparseable": runs[c][0]["unparseable"], "rounds": runs[c]})
+        med = {
+            k: statistics.median(r[k] for r in runs[c])
+            for k in ("wall_s", "pairs_per_min", "requests_per_min", "completion_tokens_per_sec")
+        }
+        out.append(
+            {
+                "concurrency": c,
+                **med,
+                "requests": runs[c][0]["requests"],
+                "pairs": runs[c][0]["pairs"],
+                "unparseable": runs[c][0]["unparseable"],
+                "rounds": runs[c],
+            }
+        )
     return out
 
 
@@ -118,6 +141,7 @@ def main() -> int:
     args = ap.parse_args()
     levels = sorted({int(c) for c in args.levels.split(",")})
     from gptforge.config.load import load_config
+
     tokenizer_path = load_config(ROOT / "params.yaml").tokenizer.path if (ROOT / "params.yaml").is_file() else None
     chunks = docs_chunks(args.chunks, tokenizer_path)
 
@@ -131,15 +155,24 @@ def main() -> int:
     result = {
         "benchmark": "synthesize",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
-        "chunks": len(chunks), "rounds": args.rounds,
-        "fixed_delay": {"delay_s": args.delay, "levels": fixed_levels, "speedup": round(speedup, 2),
-                        "ideal_pairs_per_min_at_1": round(3 * 60 / args.delay, 1),
-                        "target_met": speedup >= 6},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "chunks": len(chunks),
+        "rounds": args.rounds,
+        "fixed_delay": {
+            "delay_s": args.delay,
+            "levels": fixed_levels,
+            "speedup": round(speedup, 2),
+            "ideal_pairs_per_min_at_1": round(3 * 60 / args.delay, 1),
+            "target_met": speedup >= 6,
+        },
     }
     if not args.no_serve:
-        result["serve"] = serve_levels(args, chunks[:args.serve_chunks], levels, tokenizer_path)
+        result["serve"] = serve_levels(args, chunks[: args.serve_chunks], levels, tokenizer_path)
     result["command"] = "python benchmarks/bench_synthesize.py " + " ".join(sys.argv[1:])
     result["commit"] = git("rev-parse", "--short", "HEAD")
     text = json.dumps(result, indent=2)
@@ -154,8 +187,8 @@ def main() -> int:
 
 def serve_levels(args, chunks: list, levels: list[int], tokenizer_path: str | None) -> dict:
     import torch
-
     from bench_generate import CONFIGS
+
     from gptforge.modeling.gpt import GPT
     from gptforge.modeling.weights import save_model
 
@@ -173,25 +206,38 @@ def serve_levels(args, chunks: list, levels: list[int], tokenizer_path: str | No
             got = rounds(f"http://127.0.0.1:{port}/v1", "tiny", chunks, levels, args.rounds, args.serve_max_tokens)
         finally:
             stop_server(proc)
-    return {"model": "bench_generate's tiny (4x4x128, 1,024 positions, random weights)", "max_tokens": args.serve_max_tokens,
-            "chunks": len(chunks), "levels": got}
+    return {
+        "model": "bench_generate's tiny (4x4x128, 1,024 positions, random weights)",
+        "max_tokens": args.serve_max_tokens,
+        "chunks": len(chunks),
+        "levels": got,
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# bench_synthesize ({result['date']}, {result['machine']['processor']}, "
-             f"{result['machine']['cpu_count']} cores)", "",
-             f"{result['chunks']} chunks of docs/, median of {result['rounds']} rounds.", "",
-             "| endpoint | concurrency | pairs/min | requests/min | completion tokens/s | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# bench_synthesize ({result['date']}, {result['machine']['processor']}, "
+        f"{result['machine']['cpu_count']} cores)",
+        "",
+        f"{result['chunks']} chunks of docs/, median of {result['rounds']} rounds.",
+        "",
+        "| endpoint | concurrency | pairs/min | requests/min | completion tokens/s | wall s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     parts = [(f"fixed {result['fixed_delay']['delay_s'] * 1000:.0f} ms", result["fixed_delay"]["levels"])]
     if "serve" in result:
         parts.append(("gptforge serve, tiny", result["serve"]["levels"]))
     for name, levels in parts:
         for lv in levels:
-            lines.append(f"| {name} | {lv['concurrency']} | {lv['pairs_per_min']:g} | {lv['requests_per_min']:g} | "
-                         f"{lv['completion_tokens_per_sec']:g} | {lv['wall_s']:g} |")
-    lines += ["", f"Fixed-delay speedup at the top level: {result['fixed_delay']['speedup']}x "
-                  f"(target 6x: {'met' if result['fixed_delay']['target_met'] else 'NOT met'})."]
+            lines.append(
+                f"| {name} | {lv['concurrency']} | {lv['pairs_per_min']:g} | {lv['requests_per_min']:g} | "
+                f"{lv['completion_tokens_per_sec']:g} | {lv['wall_s']:g} |"
+            )
+    lines += [
+        "",
+        f"Fixed-delay speedup at the top level: {result['fixed_delay']['speedup']}x "
+        f"(target 6x: {'met' if result['fixed_delay']['target_met'] else 'NOT met'}).",
+    ]
     return "\n".join(lines) + "\n"
 
 

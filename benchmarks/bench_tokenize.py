@@ -124,9 +124,40 @@ if __name__ == "__main__":
             write_datafile(filename, all_tokens_np[:token_count])
 '''
 
-WORDS = ["the", "model", "learns", "from", "data", "and", "tokens", "of", "text", "in", "a", "language",
-         "training", "loss", "is", "computed", "over", "batches", "gradient", "step", "students", "energy",
-         "history", "water", "cells", "research", "children", "science", "(1998)", "3.5%", "naïve", "café"]
+WORDS = [
+    "the",
+    "model",
+    "learns",
+    "from",
+    "data",
+    "and",
+    "tokens",
+    "of",
+    "text",
+    "in",
+    "a",
+    "language",
+    "training",
+    "loss",
+    "is",
+    "computed",
+    "over",
+    "batches",
+    "gradient",
+    "step",
+    "students",
+    "energy",
+    "history",
+    "water",
+    "cells",
+    "research",
+    "children",
+    "science",
+    "(1998)",
+    "3.5%",
+    "naïve",
+    "café",
+]
 
 
 def source_lines(seed: int) -> tuple[list[str], str]:
@@ -135,8 +166,7 @@ def source_lines(seed: int) -> tuple[list[str], str]:
         lines = [line for line in sample.read_text(encoding="utf-8").split("\n") if line]
         return lines, f"lines of {sample}"
     rng = random.Random(seed)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))).capitalize() + "."
-             for _ in range(4000)]
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))).capitalize() + "." for _ in range(4000)]
     return lines, "seeded pseudo-English (no FineWeb-Edu sample found)"
 
 
@@ -184,8 +214,9 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, float]:
     seconds = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
-        raise SystemExit(f"bench_tokenize: {' '.join(cmd)} failed ({done.returncode}):\n"
-                         f"{(done.stdout + done.stderr)[-3000:]}")
+        raise SystemExit(
+            f"bench_tokenize: {' '.join(cmd)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
+        )
     return seconds, (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
 
 
@@ -195,9 +226,13 @@ def read_shards(folder: Path, names: list[str]) -> np.ndarray:
 
 def summary(times: list[float], tokens: int, cpu: list[float] | None = None) -> dict:
     rates = [tokens / t for t in times]
-    out = {"median_s": round(statistics.median(times), 3), "runs_s": [round(t, 3) for t in times],
-           "median_tokens_per_sec": round(statistics.median(rates)), "min_tokens_per_sec": round(min(rates)),
-           "max_tokens_per_sec": round(max(rates))}
+    out = {
+        "median_s": round(statistics.median(times), 3),
+        "runs_s": [round(t, 3) for t in times],
+        "median_tokens_per_sec": round(statistics.median(rates)),
+        "min_tokens_per_sec": round(min(rates)),
+        "max_tokens_per_sec": round(max(rates)),
+    }
     if cpu:
         out["median_cpu_s"] = round(statistics.median(cpu), 3)
     return out
@@ -207,13 +242,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=100, help="size of the JSONL file to build")
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds, after one warm-up round")
-    ap.add_argument("--prefect", choices=("on", "off", "both"), default="on",
-                    help="the stage with Prefect on (the default), off (GPTFORGE_PREFECT=0), or both")
+    ap.add_argument(
+        "--prefect",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the stage with Prefect on (the default), off (GPTFORGE_PREFECT=0), or both",
+    )
     ap.add_argument("--shard-tokens", type=int, default=10_000_000, help="shard size of both")
     ap.add_argument("--val-tokens", type=int, default=20_000, help="the stage's val split (params.yaml's)")
     ap.add_argument("--workers", type=int, default=0, help="data.pretrain.workers of the stage (0: one per core)")
-    ap.add_argument("--max-noise", type=float, default=0.15,
-                    help="run a round again when other processes used more than this many cores during it")
+    ap.add_argument(
+        "--max-noise",
+        type=float,
+        default=0.15,
+        help="run a round again when other processes used more than this many cores during it",
+    )
     ap.add_argument("--max-redo", type=int, default=20, help="at most this many rounds run again for noise")
     ap.add_argument("--no-loop", action="store_true", help="skip the in-process tokenize_to_shards timing")
     ap.add_argument("--corpus", type=Path, default=None, help="use this JSONL (a 'text' field) instead of building one")
@@ -237,21 +280,49 @@ def main() -> int:
             built = make_jsonl(corpus_path, args.mb)
         pool_script = tmp / "fineweb_pool.py"
         pool_script.write_text(POOL_SCRIPT, encoding="utf-8")
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GPTFORGE_PREFECT", "PREFECT_HOME",
-                            "GPTFORGE_WAIT_FOR_RECORDS")}
-        env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([env["PYTHONPATH"]]
-                                                                                if env.get("PYTHONPATH") else [])),
-                   PREFECT_HOME=str(tmp / "prefect-home"), DO_NOT_TRACK="1")
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k
+            not in (
+                "PREFECT_API_URL",
+                "MLFLOW_TRACKING_URI",
+                "GPTFORGE_PREFECT",
+                "PREFECT_HOME",
+                "GPTFORGE_WAIT_FOR_RECORDS",
+            )
+        }
+        env.update(
+            PYTHONPATH=os.pathsep.join(
+                [str(ROOT / "src"), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            ),
+            PREFECT_HOME=str(tmp / "prefect-home"),
+            DO_NOT_TRACK="1",
+        )
         envs = {"on": env, "off": {**env, "GPTFORGE_PREFECT": "0"}}
         work = tmp / "work"  # the stage's folder: data/pretrain, metrics/ (no params.yaml: -S only)
         work.mkdir()
-        stage_cmd = [sys.executable, "-m", "gptforge.cli", "prepare", "pretrain",
-                     "-S", f"data.pretrain.source={corpus_path}", "-S", "tracking.enabled=false",
-                     "-S", "tokenizer.path=sample://gpt2_tokenizer", "-S", "data.pretrain.max_tokens=1000000000000",
-                     "-S", f"data.pretrain.shard_tokens={args.shard_tokens}",
-                     "-S", f"data.pretrain.val_tokens={args.val_tokens}",
-                     "-S", f"data.pretrain.workers={args.workers}"]
+        stage_cmd = [
+            sys.executable,
+            "-m",
+            "gptforge.cli",
+            "prepare",
+            "pretrain",
+            "-S",
+            f"data.pretrain.source={corpus_path}",
+            "-S",
+            "tracking.enabled=false",
+            "-S",
+            "tokenizer.path=sample://gpt2_tokenizer",
+            "-S",
+            "data.pretrain.max_tokens=1000000000000",
+            "-S",
+            f"data.pretrain.shard_tokens={args.shard_tokens}",
+            "-S",
+            f"data.pretrain.val_tokens={args.val_tokens}",
+            "-S",
+            f"data.pretrain.workers={args.workers}",
+        ]
         pool_out = tmp / "pool_out"
         pool_cmd = [sys.executable, str(pool_script), str(corpus_path), str(pool_out), tok_dir, str(args.shard_tokens)]
         corpus = find_corpus(str(corpus_path), name=None, split="train", text_field="text", param="--corpus")
@@ -278,8 +349,9 @@ def main() -> int:
                     ours = read_shards(work / "data/pretrain", [s["file"] for s in manifest["shards"]])
                     theirs = read_shards(pool_out, pool_files)
                     if not np.array_equal(ours, theirs):
-                        raise SystemExit(f"bench_tokenize: the stage's {ours.size} tokens differ from the pool's "
-                                         f"{theirs.size}")
+                        raise SystemExit(
+                            f"bench_tokenize: the stage's {ours.size} tokens differ from the pool's {theirs.size}"
+                        )
                     tokens = int(ours.size)
                 if manifest["tokens"]["val"] + manifest["tokens"]["train"] != tokens:
                     raise SystemExit("bench_tokenize: the stage wrote a different number of tokens")
@@ -288,19 +360,33 @@ def main() -> int:
                 out = tmp / "loop_out"
                 out.mkdir()
                 t0, c0 = time.perf_counter(), time.process_time()
-                stats = tokenize_to_shards(corpus, out, tokenizer_path=tok_dir, max_tokens=10**12,
-                                           shard_tokens=args.shard_tokens, val_tokens=args.val_tokens,
-                                           workers=args.workers)
+                stats = tokenize_to_shards(
+                    corpus,
+                    out,
+                    tokenizer_path=tok_dir,
+                    max_tokens=10**12,
+                    shard_tokens=args.shard_tokens,
+                    val_tokens=args.val_tokens,
+                    workers=args.workers,
+                )
                 seconds["loop"], cpu["loop"] = time.perf_counter() - t0, time.process_time() - c0
                 assert stats.total_tokens == tokens
                 for f in out.iterdir():
                     f.unlink()
                 out.rmdir()
             # Other processes' CPU during the round, in cores: another job on the machine shows here.
-            noise = (None if r_busy is None else
-                     max(0.0, (busy_seconds() - r_busy) - (own_cpu() - r_own)) / (time.perf_counter() - r_t))
-            print("  " + ", ".join(f"{k} {v:.2f} s (cpu {cpu[k]:.2f} s)" for k, v in seconds.items())
-                  + ("" if noise is None else f"; other processes: {noise:.2f} cores"), file=sys.stderr, flush=True)
+            noise = (
+                None
+                if r_busy is None
+                else max(0.0, (busy_seconds() - r_busy) - (own_cpu() - r_own)) / (time.perf_counter() - r_t)
+            )
+            print(
+                "  "
+                + ", ".join(f"{k} {v:.2f} s (cpu {cpu[k]:.2f} s)" for k, v in seconds.items())
+                + ("" if noise is None else f"; other processes: {noise:.2f} cores"),
+                file=sys.stderr,
+                flush=True,
+            )
             if round_ and noise is not None and noise > args.max_noise and redone < args.max_redo:
                 redone += 1
                 print(f"  a noisy round (above --max-noise {args.max_noise}): run again", file=sys.stderr, flush=True)
@@ -326,19 +412,32 @@ def main() -> int:
     result = {
         "benchmark": "tokenize",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"processor": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "commit": git("rev-parse", "--short", "HEAD") + ("+uncommitted changes" if git("status", "--porcelain") else ""),
+        "machine": {
+            "processor": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "commit": git("rev-parse", "--short", "HEAD")
+        + ("+uncommitted changes" if git("status", "--porcelain") else ""),
         "corpus": {**built, "mb": corpus_mb, "tokens": tokens},
-        "other_processes_cpu_s": None if others is None else round(others, 1), "bench_wall_s": round(wall, 1),
-        "rounds_run_again_for_noise": redone, "max_noise_cores": args.max_noise,
-        "repeats": args.repeats, "shard_tokens": args.shard_tokens, "val_tokens": args.val_tokens,
+        "other_processes_cpu_s": None if others is None else round(others, 1),
+        "bench_wall_s": round(wall, 1),
+        "rounds_run_again_for_noise": redone,
+        "max_noise_cores": args.max_noise,
+        "repeats": args.repeats,
+        "shard_tokens": args.shard_tokens,
+        "val_tokens": args.val_tokens,
         "workers": args.workers,
         "pool_processes": max(1, (os.cpu_count() or 2) // 2),
         "cases": cases,
-        "acceptance": {m: {"tokens_per_sec": cases[f"stage_prefect_{m}"]["median_tokens_per_sec"],
-                           "over_pool": round(cases[f"stage_prefect_{m}"]["median_tokens_per_sec"] / pool_rate, 2)}
-                       for m in modes},
+        "acceptance": {
+            m: {
+                "tokens_per_sec": cases[f"stage_prefect_{m}"]["median_tokens_per_sec"],
+                "over_pool": round(cases[f"stage_prefect_{m}"]["median_tokens_per_sec"] / pool_rate, 2),
+            }
+            for m in modes
+        },
     }
     lines = report_lines(result)
     print("\n".join(lines))
@@ -347,9 +446,17 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         command = "python benchmarks/bench_tokenize.py " + " ".join(sys.argv[1:])
-        md = [f"# bench_tokenize ({result['machine']['processor']}, {result['machine']['cpu_count']} cores, "
-              f"{result['date'][:10]})", "",
-              f"`{command}` at {result['commit']}, its output:", "", "```", *lines, "```", ""]
+        md = [
+            f"# bench_tokenize ({result['machine']['processor']}, {result['machine']['cpu_count']} cores, "
+            f"{result['date'][:10]})",
+            "",
+            f"`{command}` at {result['commit']}, its output:",
+            "",
+            "```",
+            *lines,
+            "```",
+            "",
+        ]
         out.with_suffix(".md").write_text("\n".join(md), encoding="utf-8")
     return 0
 
@@ -358,44 +465,62 @@ def report_lines(r: dict) -> list[str]:
     c, m = r["cases"], r["machine"]
     M = lambda x: f"{x / 1e6:5.2f} M tokens/s"  # noqa: E731
     corpus = r["corpus"]
-    lines = [f"corpus: {corpus.get('mb')} MB JSONL, {corpus.get('documents', '?')} documents, {corpus['tokens']:,} "
-             f"GPT-2 tokens ({corpus['source']})",
-             f"machine: {m['processor']}, {m['cpu_count']} cores, Python {m['python']}; {r['date']}",
-             f"whole processes (python start to exit), medians of {r['repeats']} after a warm-up round (min-max):"]
-    names = {"pool": f"pool: build-nanogpt fineweb.py, Pool({r['pool_processes']}), imap chunksize=16",
-             "stage_prefect_on": "gptforge prepare pretrain, Prefect on",
-             "stage_prefect_off": "gptforge prepare pretrain, GPTFORGE_PREFECT=0",
-             "loop": "tokenize_to_shards, in the benchmark's process"}
+    lines = [
+        f"corpus: {corpus.get('mb')} MB JSONL, {corpus.get('documents', '?')} documents, {corpus['tokens']:,} "
+        f"GPT-2 tokens ({corpus['source']})",
+        f"machine: {m['processor']}, {m['cpu_count']} cores, Python {m['python']}; {r['date']}",
+        f"whole processes (python start to exit), medians of {r['repeats']} after a warm-up round (min-max):",
+    ]
+    names = {
+        "pool": f"pool: build-nanogpt fineweb.py, Pool({r['pool_processes']}), imap chunksize=16",
+        "stage_prefect_on": "gptforge prepare pretrain, Prefect on",
+        "stage_prefect_off": "gptforge prepare pretrain, GPTFORGE_PREFECT=0",
+        "loop": "tokenize_to_shards, in the benchmark's process",
+    }
     pool = c["pool"]["median_tokens_per_sec"]
     for key in ("pool", "stage_prefect_on", "stage_prefect_off"):
         if key in c:
             x = c[key]
-            lines.append(f"  {names[key]:<62} {x['median_s']:6.2f} s  {M(x['median_tokens_per_sec'])} "
-                         f"({x['min_tokens_per_sec'] / 1e6:.2f}-{x['max_tokens_per_sec'] / 1e6:.2f})  "
-                         f"{x['median_tokens_per_sec'] / pool:4.2f}x pool  cpu {x['median_cpu_s']:5.2f} s")
+            lines.append(
+                f"  {names[key]:<62} {x['median_s']:6.2f} s  {M(x['median_tokens_per_sec'])} "
+                f"({x['min_tokens_per_sec'] / 1e6:.2f}-{x['max_tokens_per_sec'] / 1e6:.2f})  "
+                f"{x['median_tokens_per_sec'] / pool:4.2f}x pool  cpu {x['median_cpu_s']:5.2f} s"
+            )
     lines.append("the tokenizing loop alone (read, tokenize, write shards):")
-    loops = {"stage_prefect_on": "in those stage runs (manifest's seconds), Prefect on",
-             "stage_prefect_off": "in those stage runs (manifest's seconds), GPTFORGE_PREFECT=0"}
+    loops = {
+        "stage_prefect_on": "in those stage runs (manifest's seconds), Prefect on",
+        "stage_prefect_off": "in those stage runs (manifest's seconds), GPTFORGE_PREFECT=0",
+    }
     for key in ("stage_prefect_on", "stage_prefect_off"):
         if key in c:
             x = c[key]["loop_in_stage"]
-            lines.append(f"  {loops[key]:<62} {x['median_s']:6.2f} s  "
-                         f"{M(x['median_tokens_per_sec'])}  {x['median_tokens_per_sec'] / pool:4.2f}x pool")
+            lines.append(
+                f"  {loops[key]:<62} {x['median_s']:6.2f} s  "
+                f"{M(x['median_tokens_per_sec'])}  {x['median_tokens_per_sec'] / pool:4.2f}x pool"
+            )
     if "loop" in c:
         x = c["loop"]
-        lines.append(f"  {names['loop']:<62} {x['median_s']:6.2f} s  {M(x['median_tokens_per_sec'])}  "
-                     f"{x['median_tokens_per_sec'] / pool:4.2f}x pool  cpu {x['median_cpu_s']:5.2f} s")
+        lines.append(
+            f"  {names['loop']:<62} {x['median_s']:6.2f} s  {M(x['median_tokens_per_sec'])}  "
+            f"{x['median_tokens_per_sec'] / pool:4.2f}x pool  cpu {x['median_cpu_s']:5.2f} s"
+        )
     if r["other_processes_cpu_s"] is not None:
-        lines.append(f"other processes on the machine used {r['other_processes_cpu_s']:.1f} CPU s during the "
-                     f"{r['bench_wall_s']:.0f} s of the benchmark (near 0: a quiet machine); "
-                     f"{r['rounds_run_again_for_noise']} round(s) run again for using over "
-                     f"{r['max_noise_cores']} cores")
+        lines.append(
+            f"other processes on the machine used {r['other_processes_cpu_s']:.1f} CPU s during the "
+            f"{r['bench_wall_s']:.0f} s of the benchmark (near 0: a quiet machine); "
+            f"{r['rounds_run_again_for_noise']} round(s) run again for using over "
+            f"{r['max_noise_cores']} cores"
+        )
     for mode, a in r["acceptance"].items():
         label = "Prefect on" if mode == "on" else "GPTFORGE_PREFECT=0"
-        lines.append(f"ACCEPTANCE ({label}) throughput: {a['tokens_per_sec'] / 1e6:.2f} M tokens/s, needs >= 2.0: "
-                     f"{'PASS' if a['tokens_per_sec'] >= 2.0e6 else 'FAIL'}")
-        lines.append(f"ACCEPTANCE ({label}) vs the pool: {a['over_pool']:.2f}x, needs >= 1.5x: "
-                     f"{'PASS' if a['over_pool'] >= 1.5 else 'FAIL'}")
+        lines.append(
+            f"ACCEPTANCE ({label}) throughput: {a['tokens_per_sec'] / 1e6:.2f} M tokens/s, needs >= 2.0: "
+            f"{'PASS' if a['tokens_per_sec'] >= 2.0e6 else 'FAIL'}"
+        )
+        lines.append(
+            f"ACCEPTANCE ({label}) vs the pool: {a['over_pool']:.2f}x, needs >= 1.5x: "
+            f"{'PASS' if a['over_pool'] >= 1.5 else 'FAIL'}"
+        )
     return lines
 
 

@@ -22,8 +22,8 @@ import torch
 from gptforge.config.load import load_config
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.training.loop import grad_accum_steps, lr_at, train_step
-from gptforge.training.runtime import setup_runtime
 from gptforge.training.optim import adamw
+from gptforge.training.runtime import setup_runtime
 
 
 class RandomTokens:
@@ -51,7 +51,9 @@ def main() -> int:
     torch.manual_seed(p.seed)
     model = GPT(GPTConfig.from_model_config(cfg.model, 50257)).to(rt.device)
     raw = model
-    optimizer = adamw(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
+    optimizer = adamw(
+        model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
+    )
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     if rt.compile:
         model = torch.compile(model)
@@ -65,16 +67,31 @@ def main() -> int:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    print(json.dumps({
-        "device": str(rt.device) if rt.device.type == "cpu" else torch.cuda.get_device_name(rt.device),
-        "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),
-        "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
-                                                      "attention")},
-        "batch_size": p.batch_size, "grad_accum": grad_accum, "precision": rt.precision, "compile": rt.compile,
-        "warmup_steps": args.warmup, "timed_steps": args.steps,
-        "median_step_s": med, "min_step_s": min(times), "max_step_s": max(times),
-        "tokens_per_sec": p.batch_tokens / med,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "device": str(rt.device) if rt.device.type == "cpu" else torch.cuda.get_device_name(rt.device),
+                "cpu_threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "model": {
+                    k: getattr(cfg.model, k)
+                    for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "attention")
+                },
+                "batch_size": p.batch_size,
+                "grad_accum": grad_accum,
+                "precision": rt.precision,
+                "compile": rt.compile,
+                "warmup_steps": args.warmup,
+                "timed_steps": args.steps,
+                "median_step_s": med,
+                "min_step_s": min(times),
+                "max_step_s": max(times),
+                "tokens_per_sec": p.batch_tokens / med,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -112,10 +112,21 @@ def bench_train(dev, batch: int, steps: int, warmup: int) -> list[dict]:
         med = statistics.median(times)
         tps = batch * 1024 / med
         peak = flops.peak_flops(dev, "fp32" if precision == "tf32" else precision, None)
-        rows.append({"precision": precision, "compile": compiled, "attention": "sdpa", "batch": batch, "T": 1024,
-                     "ms_per_step": med * 1000, "min_ms": min(times) * 1000, "max_ms": max(times) * 1000,
-                     "tokens_per_sec": tps, "mfu": flops.mfu(tps, raw.flops_per_token(1024), peak),
-                     "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30})
+        rows.append(
+            {
+                "precision": precision,
+                "compile": compiled,
+                "attention": "sdpa",
+                "batch": batch,
+                "T": 1024,
+                "ms_per_step": med * 1000,
+                "min_ms": min(times) * 1000,
+                "max_ms": max(times) * 1000,
+                "tokens_per_sec": tps,
+                "mfu": flops.mfu(tps, raw.flops_per_token(1024), peak),
+                "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30,
+            }
+        )
         model = raw = opt = None  # free the GPU memory before the next variant
         torch.cuda.empty_cache()
     return rows
@@ -130,8 +141,13 @@ def bench_generate(dev, repeats: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         m = model.to(dtype)
         times = timed(lambda: generate(m, prompt, 128, temperature=0), repeats, 2)
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "new_tokens": 128,
-                     "tokens_per_sec": 128 / statistics.median(times)})
+        rows.append(
+            {
+                "dtype": str(dtype).replace("torch.", ""),
+                "new_tokens": 128,
+                "tokens_per_sec": 128 / statistics.median(times),
+            }
+        )
     return rows
 
 
@@ -147,27 +163,55 @@ def main() -> int:
         return 2
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
-    report = {"date": dt.date.today().isoformat(), "device": name, "torch": torch.__version__,
-              "cuda": torch.version.cuda, "python": platform.python_version(),
-              "correctness": check_correctness(dev),
-              "train_step_gpt2_124m": bench_train(dev, args.batch, args.steps, args.warmup),
-              "generate_gpt2_124m_batch1": bench_generate(dev, 5)}
-    lines = [f"# GPU report {report['date']}: {name}", "",
-             f"torch {report['torch']}, CUDA {report['cuda']}. Produced by `benchmarks/gpu_report.py`.", "",
-             "## Correctness", "", *(f"- {k}: {v}" for k, v in report["correctness"].items()), "",
-             f"## GPT-2 124M training step, T=1024, batch {args.batch} (median of {args.steps} after "
-             f"{args.warmup} warm-up, CUDA synchronised)", "",
-             "| precision | compile | ms/step | tokens/s | MFU | peak memory GB |", "| --- | --- | --- | --- | --- | --- |"]
+    report = {
+        "date": dt.date.today().isoformat(),
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "correctness": check_correctness(dev),
+        "train_step_gpt2_124m": bench_train(dev, args.batch, args.steps, args.warmup),
+        "generate_gpt2_124m_batch1": bench_generate(dev, 5),
+    }
+    lines = [
+        f"# GPU report {report['date']}: {name}",
+        "",
+        f"torch {report['torch']}, CUDA {report['cuda']}. Produced by `benchmarks/gpu_report.py`.",
+        "",
+        "## Correctness",
+        "",
+        *(f"- {k}: {v}" for k, v in report["correctness"].items()),
+        "",
+        f"## GPT-2 124M training step, T=1024, batch {args.batch} (median of {args.steps} after "
+        f"{args.warmup} warm-up, CUDA synchronised)",
+        "",
+        "| precision | compile | ms/step | tokens/s | MFU | peak memory GB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["train_step_gpt2_124m"]:
         if "error" in r:
             lines.append(f"| {r['precision']} | {r['compile']} | {r['error']} | | | |")
         else:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-            lines.append(f"| {r['precision']} | {r['compile']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec']:,.0f} "
-                         f"| {mfu} | {r['peak_memory_gb']:.1f} |")
-    lines += ["", "## Batch-1 greedy decoding, GPT-2 124M, 128 new tokens", "", "| dtype | tokens/s |", "| --- | --- |",
-              *(f"| {r['dtype']} | {r['tokens_per_sec']:.1f} |" for r in report["generate_gpt2_124m_batch1"]),
-              "", "## Raw", "", "```json", json.dumps(report, indent=2), "```", ""]
+            lines.append(
+                f"| {r['precision']} | {r['compile']} | {r['ms_per_step']:.1f} | {r['tokens_per_sec']:,.0f} "
+                f"| {mfu} | {r['peak_memory_gb']:.1f} |"
+            )
+    lines += [
+        "",
+        "## Batch-1 greedy decoding, GPT-2 124M, 128 new tokens",
+        "",
+        "| dtype | tokens/s |",
+        "| --- | --- |",
+        *(f"| {r['dtype']} | {r['tokens_per_sec']:.1f} |" for r in report["generate_gpt2_124m_batch1"]),
+        "",
+        "## Raw",
+        "",
+        "```json",
+        json.dumps(report, indent=2),
+        "```",
+        "",
+    ]
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{report['date']}-{slug}.md"

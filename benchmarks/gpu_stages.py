@@ -39,6 +39,7 @@ def main() -> int:
     import torch
 
     from gptforge.config.load import load_config
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("gpu_stages: error: no CUDA device", file=sys.stderr)
@@ -47,18 +48,42 @@ def main() -> int:
     common = ["tokenizer.path=sample://gpt2_tokenizer", "tracking.enabled=false"]
     if args.stage == "benchmark":
         from gptforge.bench.stage import benchmark
+
         cfg = load_config(CONFIG, common)
-        benchmark(cfg, metrics_path=args.out / "benchmark.json", report_path=args.out / "benchmark.md",
-                  plots_dir=args.out, trace_dir=args.out / "traces")
+        benchmark(
+            cfg,
+            metrics_path=args.out / "benchmark.json",
+            report_path=args.out / "benchmark.md",
+            plots_dir=args.out,
+            trace_dir=args.out / "traces",
+        )
         return 0
     from gptforge.training.loop import pretrain
-    cfg = load_config(CONFIG, common + [
-        f"pretrain.max_steps={args.steps}", "pretrain.batch_size=16", "pretrain.batch_tokens=65536",
-        "pretrain.warmup_steps=5", "pretrain.eval_interval=10", "pretrain.eval_steps=1",
-        "pretrain.ckpt_interval=1000", "pretrain.hellaswag.source=sample://hellaswag_val_1000.jsonl.gz",
-        "pretrain.hellaswag_interval=0", "pretrain.sample_interval=0", "pretrain.nproc_per_node=1"])
-    metrics = pretrain(cfg, data_dir=args.data, out_dir=args.out / "ckpt", metrics_path=args.out / "pretrain.json",
-                       plots_path=args.out / "pretrain.csv")
+
+    cfg = load_config(
+        CONFIG,
+        common
+        + [
+            f"pretrain.max_steps={args.steps}",
+            "pretrain.batch_size=16",
+            "pretrain.batch_tokens=65536",
+            "pretrain.warmup_steps=5",
+            "pretrain.eval_interval=10",
+            "pretrain.eval_steps=1",
+            "pretrain.ckpt_interval=1000",
+            "pretrain.hellaswag.source=sample://hellaswag_val_1000.jsonl.gz",
+            "pretrain.hellaswag_interval=0",
+            "pretrain.sample_interval=0",
+            "pretrain.nproc_per_node=1",
+        ],
+    )
+    metrics = pretrain(
+        cfg,
+        data_dir=args.data,
+        out_dir=args.out / "ckpt",
+        metrics_path=args.out / "pretrain.json",
+        plots_path=args.out / "pretrain.csv",
+    )
     print(metrics)
     return 0
 

@@ -23,10 +23,18 @@ def build_model(folder: Path, args) -> Path:
     spec = importlib.util.spec_from_file_location("_bench_hf_models", ROOT / "tests" / "hf_models.py")
     hf_models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf_models)
-    config = LlamaConfig(vocab_size=50257, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.positions,
-                         bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=50257,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.positions,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)
     folder.mkdir(parents=True, exist_ok=True)
     LlamaForCausalLM(config).save_pretrained(str(folder))
@@ -41,15 +49,18 @@ def write_splits(data_dir: Path, args) -> dict:
     from gptforge.data.sources import read_records
     from gptforge.samples import resolve
 
-    records = [{"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"]}
-               for r in read_records(resolve(SAMPLE), param="bench_lora")]
+    records = [
+        {"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"]}
+        for r in read_records(resolve(SAMPLE), param="bench_lora")
+    ]
     random.Random(args.seed).shuffle(records)
-    heldout, train = records[:args.heldout], records[args.heldout:]
+    heldout, train = records[: args.heldout], records[args.heldout :]
     if args.steps is not None:
         if args.steps * args.batch_size > len(train):
-            raise SystemExit(f"--steps {args.steps} x --batch-size {args.batch_size} is more than the "
-                             f"{len(train)} training records")
-        train = train[:args.steps * args.batch_size]
+            raise SystemExit(
+                f"--steps {args.steps} x --batch-size {args.batch_size} is more than the {len(train)} training records"
+            )
+        train = train[: args.steps * args.batch_size]
     data_dir.mkdir(parents=True, exist_ok=True)
     # test: a few records only, which `setup` wants and nothing here uses
     for name, recs in (("train", train), ("val", heldout), ("test", heldout[:8])):
@@ -67,8 +78,9 @@ def encode_split(tokenizer, records, max_length: int):
     examples, kept = encode_all(records, "alpaca", HFTokenizer(tokenizer), max_length)
     longest = max(len(p) + len(r) for p, r in examples)
     if len(kept) != len(records) or longest > max_length:
-        raise SystemExit(f"bench_lora: an example does not fit {max_length} positions (longest {longest}); "
-                         "raise --positions")
+        raise SystemExit(
+            f"bench_lora: an example does not fit {max_length} positions (longest {longest}); raise --positions"
+        )
     return examples
 
 
@@ -84,8 +96,15 @@ def heldout_loss(model, examples, pad_id: int, max_length: int, precision: str) 
     from gptforge.finetune.common import runtime
     from gptforge.finetune.instruct import split_loss
 
-    loss = split_loss(model, examples, batch_size=8, pad_id=pad_id, max_length=max_length, mask_prompt=True,
-                      rt=runtime("cpu", precision, param="bench_lora"))
+    loss = split_loss(
+        model,
+        examples,
+        batch_size=8,
+        pad_id=pad_id,
+        max_length=max_length,
+        mask_prompt=True,
+        rt=runtime("cpu", precision, param="bench_lora"),
+    )
     return loss, sum(len(r) for _, r in examples)
 
 

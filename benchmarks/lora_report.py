@@ -18,18 +18,40 @@ TARGET_REAL_MODEL = {"speedup_min": 1.5, "heldout_loss_rel_diff_max": 0.01}
 def model_settings(args, model_dir: Path) -> dict:
     """The model's shape for the JSON: the random Llama's flags, or the folder's config."""
     if not args.model:
-        return {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
-                "heads": args.heads, "kv_heads": args.kv_heads, "positions": args.positions, "vocab": 50257}
+        return {
+            "arch": "llama",
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "intermediate": args.intermediate,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "positions": args.positions,
+            "vocab": 50257,
+        }
     cfg = json.loads((model_dir / "config.json").read_text())
-    return {"folder": args.model, "arch": cfg.get("model_type"), "hidden": cfg.get("hidden_size"),
-            "layers": cfg.get("num_hidden_layers"), "intermediate": cfg.get("intermediate_size"),
-            "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
-            "vocab": cfg.get("vocab_size"), "saved_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
-            "trained_in": f"{args.precision} (both recipes)"}
+    return {
+        "folder": args.model,
+        "arch": cfg.get("model_type"),
+        "hidden": cfg.get("hidden_size"),
+        "layers": cfg.get("num_hidden_layers"),
+        "intermediate": cfg.get("intermediate_size"),
+        "heads": cfg.get("num_attention_heads"),
+        "kv_heads": cfg.get("num_key_value_heads"),
+        "vocab": cfg.get("vocab_size"),
+        "saved_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+        "trained_in": f"{args.precision} (both recipes)",
+    }
 
 
-MEDIAN_KEYS = ("tokens_per_sec", "padding_fraction", "peak_rss_growth_mb", "peak_rss_mb", "heldout_loss",
-               "timed_s", "train_wall_s")
+MEDIAN_KEYS = (
+    "tokens_per_sec",
+    "padding_fraction",
+    "peak_rss_growth_mb",
+    "peak_rss_mb",
+    "heldout_loss",
+    "timed_s",
+    "train_wall_s",
+)
 
 
 def summarize(runs: dict[str, list[dict]], initial: float) -> dict:
@@ -84,17 +106,26 @@ def markdown(result: dict) -> str:
     for name, r in rec.items():
         m = r["median"]
         vs = f"{m['tokens_per_sec'] / base:.2f}x" if base else "-"
-        lines.append(f"| {name} | {m['tokens_per_sec']:.0f} | {vs} | {100 * m['padding_fraction']:.1f}% | "
-                     f"{m['peak_rss_growth_mb']:.0f} | {m['heldout_loss']:.4f} | {m['heldout_loss_drop']:.4f} | "
-                     f"{r['real_tokens']} |")
-    lines += ["", f"Speedup (ours / stock real tokens/s): {result.get('speedup')}; held-out loss ratio (ours / stock): "
-              f"{result.get('heldout_loss_ratio')} (ratio of the drops: {result.get('heldout_loss_drop_ratio')}); "
-              f"same real tokens in every run: {result['same_real_tokens']}; "
-              f"target (>= {result.get('target', TARGET)['speedup_min']}x, loss within "
-              f"{100 * result.get('target', TARGET)['heldout_loss_rel_diff_max']:.0f}%) "
-              f"met: {result.get('target_met')}.", ""]
+        lines.append(
+            f"| {name} | {m['tokens_per_sec']:.0f} | {vs} | {100 * m['padding_fraction']:.1f}% | "
+            f"{m['peak_rss_growth_mb']:.0f} | {m['heldout_loss']:.4f} | {m['heldout_loss_drop']:.4f} | "
+            f"{r['real_tokens']} |"
+        )
+    lines += [
+        "",
+        f"Speedup (ours / stock real tokens/s): {result.get('speedup')}; held-out loss ratio (ours / stock): "
+        f"{result.get('heldout_loss_ratio')} (ratio of the drops: {result.get('heldout_loss_drop_ratio')}); "
+        f"same real tokens in every run: {result['same_real_tokens']}; "
+        f"target (>= {result.get('target', TARGET)['speedup_min']}x, loss within "
+        f"{100 * result.get('target', TARGET)['heldout_loss_rel_diff_max']:.0f}%) "
+        f"met: {result.get('target_met')}.",
+        "",
+    ]
     if "stock_grouped" in rec:
-        lines += [f"`stock_grouped` is the stock recipe with `train_sampling_strategy=\"group_by_length\"`: ours / "
-                  f"stock_grouped = {result.get('speedup_vs_stock_grouped')}.", ""]
+        lines += [
+            f'`stock_grouped` is the stock recipe with `train_sampling_strategy="group_by_length"`: ours / '
+            f"stock_grouped = {result.get('speedup_vs_stock_grouped')}.",
+            "",
+        ]
     lines += [f"Command: `{result['command']}`", ""]
     return "\n".join(lines)

@@ -73,8 +73,10 @@ class Connection:
         if self.writer is None or self.writer.is_closing():
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = self.reader, self.writer
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         t0 = time.perf_counter()
         writer.write(head + body)
         status_line = await reader.readline()
@@ -124,12 +126,14 @@ def _body(bodies: Bodies, client: int, request: int) -> bytes:
     return bodies if isinstance(bodies, bytes) else bodies[client][request]
 
 
-async def run_level(port: int, clients: int, requests: int, body: Bodies,
-                    path: str = "/v1/completions") -> tuple[float, list]:
+async def run_level(
+    port: int, clients: int, requests: int, body: Bodies, path: str = "/v1/completions"
+) -> tuple[float, list]:
     """`clients` clients at once, each sending `requests` requests in turn on its own connection;
     `body` is one request body for all, or `body[client][request]` (built before the timing).
     Returns the wall time and the raw results in client order (client 0's requests first; an
     exception's text in place of a failed one)."""
+
     async def client(i: int) -> list:
         conn, out = Connection(port), []
         for j in range(requests):
@@ -191,12 +195,18 @@ def parse(raw: dict, require_done: bool = True) -> dict:
     if error is not None:
         return {"error": error}
     gaps = [b - a for a, b in zip(text_times, text_times[1:])]
-    return {"ttft": (text_times[0] - raw["sent"]) if text_times else None, "gaps": gaps,
-            "events": len(text_times), "completion_tokens": usage.get("completion_tokens"),
-            "prompt_tokens": usage.get("prompt_tokens"), "text": "".join(pieces),
-            "seconds": (text_times[-1] - raw["sent"]) if text_times else None,
-            "total_seconds": (raw["events"][-1][0] - raw["sent"]) if raw["events"] else None,
-            "sent": raw["sent"], "times": text_times}
+    return {
+        "ttft": (text_times[0] - raw["sent"]) if text_times else None,
+        "gaps": gaps,
+        "events": len(text_times),
+        "completion_tokens": usage.get("completion_tokens"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "text": "".join(pieces),
+        "seconds": (text_times[-1] - raw["sent"]) if text_times else None,
+        "total_seconds": (raw["events"][-1][0] - raw["sent"]) if raw["events"] else None,
+        "sent": raw["sent"],
+        "times": text_times,
+    }
 
 
 def parse_plain(raw: dict) -> dict:
@@ -217,20 +227,42 @@ def parse_plain(raw: dict) -> dict:
     text = choice.get("text")
     if text is None:
         text = (choice.get("message") or {}).get("content") or ""
-    return {"completion_tokens": usage["completion_tokens"], "prompt_tokens": usage.get("prompt_tokens"),
-            "text": text, "seconds": raw["end"] - raw["sent"], "ttft": None, "gaps": [], "events": 1}
+    return {
+        "completion_tokens": usage["completion_tokens"],
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "text": text,
+        "seconds": raw["end"] - raw["sent"],
+        "ttft": None,
+        "gaps": [],
+        "events": 1,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Request bodies and /metrics
 
 
-def completion_body(model: str, prompt: str, max_tokens: int, *, temperature: float = 0.0, stream: bool = True,
-                    seed: int | None = None, usage: bool = True, **extra) -> bytes:
+def completion_body(
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    stream: bool = True,
+    seed: int | None = None,
+    usage: bool = True,
+    **extra,
+) -> bytes:
     """A `/v1/completions` body. `usage` asks a stream for its usage chunk
     (`stream_options.include_usage`); a server that ignores it may still send one."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": stream, **extra}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": stream,
+        **extra,
+    }
     if stream and usage:
         body["stream_options"] = {"include_usage": True}
     if seed is not None:
@@ -274,8 +306,28 @@ _RULES = [
     "Keep answers short, polite and exact, and say so when you do not know something.",
     "The archive in the basement opens on Tuesdays and Thursdays, by appointment only.",
 ]
-_TOPICS = ["birds", "ships", "bridges", "rivers", "stars", "gardens", "trains", "castles", "bees", "clocks",
-           "maps", "forests", "kites", "whales", "storms", "mountains", "bread", "music", "glass", "coins"]
+_TOPICS = [
+    "birds",
+    "ships",
+    "bridges",
+    "rivers",
+    "stars",
+    "gardens",
+    "trains",
+    "castles",
+    "bees",
+    "clocks",
+    "maps",
+    "forests",
+    "kites",
+    "whales",
+    "storms",
+    "mountains",
+    "bread",
+    "music",
+    "glass",
+    "coins",
+]
 
 
 def exact_tokens(encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], text: str, n: int) -> str:
@@ -286,7 +338,7 @@ def exact_tokens(encode: Callable[[str], list[int]], decode: Callable[[list[int]
     if len(ids) < n:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than {n}")
     m = n
-    while m > 0 and not decode(ids[m:m + 1]).startswith(" "):
+    while m > 0 and not decode(ids[m : m + 1]).startswith(" "):
         m -= 1
     cut = decode(ids[:m]) + " a" * (n - m)
     if len(encode(cut)) != n:
@@ -305,8 +357,10 @@ def shared_prefix(encode, decode, n: int) -> str:
 
 def questions(count: int, offset: int = 0) -> list[str]:
     """`count` short distinct questions (appended to the shared prefix)."""
-    return [f"\n\nQuestion {offset + k + 1}: where are the books about {_TOPICS[(offset + k) % len(_TOPICS)]}?"
-            f"\nAnswer:" for k in range(count)]
+    return [
+        f"\n\nQuestion {offset + k + 1}: where are the books about {_TOPICS[(offset + k) % len(_TOPICS)]}?\nAnswer:"
+        for k in range(count)
+    ]
 
 
 def long_document(encode, decode, n: int, round_index: int) -> str:
@@ -324,8 +378,9 @@ def long_document(encode, decode, n: int, round_index: int) -> str:
 # The long-prompt load
 
 
-async def run_long_prompt(port: int, stream_body: bytes, long_body: bytes, streams: int, before: int,
-                          timeout: float = 300.0) -> dict:
+async def run_long_prompt(
+    port: int, stream_body: bytes, long_body: bytes, streams: int, before: int, timeout: float = 300.0
+) -> dict:
     """`streams` streaming requests at once (each on its own connection); once every one has
     had `before` events, the long prompt's request is sent on another connection. Returns the
     raw results of the streams, the long request's, and when it was sent."""
@@ -337,6 +392,7 @@ async def run_long_prompt(port: int, stream_body: bytes, long_body: bytes, strea
             counts[i] = n
             if not go.is_set() and min(counts) >= before:
                 go.set()
+
         return on_event
 
     async def stream(i: int) -> dict:
@@ -364,8 +420,10 @@ async def run_long_prompt(port: int, stream_body: bytes, long_body: bytes, strea
     if not go.is_set():  # the streams ended (or failed) before the trigger: no long request
         long_task.cancel()
         raws = [t.result() if t in done else {"error": "timed out"} for t in tasks]
-        return {"streams": raws, "long": {"error": f"the streams ended before each had {before} events "
-                                                   f"(counts {counts})"}}
+        return {
+            "streams": raws,
+            "long": {"error": f"the streams ended before each had {before} events (counts {counts})"},
+        }
     raws = [t.result() if t in done else {"error": "timed out"} for t in tasks]
     return {"streams": raws, "long": await asyncio.wait_for(long_task, timeout)}
 
@@ -393,5 +451,10 @@ def long_prompt_gaps(streams: list[dict], long: dict) -> dict:
                 during.append(b - a)
             elif a >= first:
                 after.append(b - a)
-    return {"window_s": first - sent, "before": before, "during": during, "after": after,
-            "streams_ended_before_prefill_done": ended_early}
+    return {
+        "window_s": first - sent,
+        "before": before,
+        "during": during,
+        "after": after,
+        "streams_ended_before_prefill_done": ended_early,
+    }

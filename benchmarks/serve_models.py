@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_generate import CONFIGS, timed_interleaved
+
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT
 
@@ -37,6 +37,7 @@ def tokenizer_folder(args) -> Path:
     if args.tokenizer_path and (Path(args.tokenizer_path) / "encoder.json").is_file():
         return Path(args.tokenizer_path)
     from gptforge.samples import resolve
+
     return Path(resolve("sample://gpt2_tokenizer"))
 
 
@@ -47,9 +48,18 @@ def make_llama_folder(folder: Path, args) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
-    shape = dict(vocab_size=50257, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                 bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=True)
+    shape = dict(
+        vocab_size=50257,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     # Sampling settings of the folder: transformers serve samples only where the generation
     # config says do_sample (a request's temperature alone does not switch it on).
@@ -65,8 +75,12 @@ def make_llama_folder(folder: Path, args) -> dict:
         shutil.copy(src / "vocab.bpe", Path(tmp) / "merges.txt")
         (Path(tmp) / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         AutoTokenizer.from_pretrained(tmp).save_pretrained(str(folder))
-    return {**shape, "architecture": "LlamaForCausalLM", "params": sum(p.numel() for p in model.parameters()),
-            "generation_config": {"do_sample": True, "top_k": HF_TOP_K}}
+    return {
+        **shape,
+        "architecture": "LlamaForCausalLM",
+        "params": sum(p.numel() for p in model.parameters()),
+        "generation_config": {"do_sample": True, "top_k": HF_TOP_K},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,9 +96,13 @@ def direct_generate(model: GPT, ids: list[int], args, batch_sizes: list[int]) ->
     out = {}
     for name, (median, times, tokens) in res.items():
         b = int(name[1:])
-        out[name] = {"batch": b, "tokens_per_sec": round(b * n / median, 2), "median_s": round(median, 4),
-                     "times_s": [round(t, 4) for t in times]}
-    out["new_ids"] = res["b1"][2][0, len(ids):].tolist()
+        out[name] = {
+            "batch": b,
+            "tokens_per_sec": round(b * n / median, 2),
+            "median_s": round(median, 4),
+            "times_s": [round(t, 4) for t in times],
+        }
+    out["new_ids"] = res["b1"][2][0, len(ids) :].tolist()
     return out
 
 
@@ -117,6 +135,7 @@ def step_alone(model: GPT, ids: list[int], args, batch_sizes: list[int]) -> dict
 
     def decode(backend, toks: list[int]) -> torch.Tensor:  # one token per row: (rows, vocab) logits
         return backend.forward([(i, [t]) for i, t in enumerate(toks)])
+
     out: dict = {}
     for b in batch_sizes:
         row: dict = {}
@@ -138,8 +157,9 @@ def step_alone(model: GPT, ids: list[int], args, batch_sizes: list[int]) -> dict
             for kind in ("aligned", "ragged") if b > 1 else ("aligned",):
                 backend = GPTBackend(model, max(args.max_batch, b))
                 # ragged: prompts of different lengths, so the rows sit at different positions
-                toks = [int(add(backend, ids + ids[:r % len(ids)] if kind == "ragged" else ids).argmax())
-                        for r in range(b)]
+                toks = [
+                    int(add(backend, ids + ids[: r % len(ids)] if kind == "ragged" else ids).argmax()) for r in range(b)
+                ]
                 state = {"toks": toks}
 
                 def step():
@@ -148,6 +168,7 @@ def step_alone(model: GPT, ids: list[int], args, batch_sizes: list[int]) -> dict
                         state["toks"] = [backend.decode_greedy(state["toks"][0])]
                     else:
                         state["toks"] = decode(backend, state["toks"]).argmax(dim=-1).tolist()
+
                 row[f"step_{kind}_ms"] = median_ms(step)
         except Exception as e:  # noqa: BLE001 (the server's API moved: say so in the report)
             row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -45,23 +45,33 @@ def plot(result: dict, path: Path) -> bool:
     nrows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
     axes = [ax for row in axes for ax in row]
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.axis("off")
     for ax, panel in zip(axes, panels):
         if panel == "levels":
             xs = [lv["clients"] for lv in levels]
-            ax.plot(xs, [lv["aggregate_tokens_per_sec"] for lv in levels], "o-", label="gptforge serve (streamed, greedy)")
+            ax.plot(
+                xs, [lv["aggregate_tokens_per_sec"] for lv in levels], "o-", label="gptforge serve (streamed, greedy)"
+            )
             direct = result.get("direct_generate") or {}
             bs = sorted(v["batch"] for k, v in direct.items() if k.startswith("b") and isinstance(v, dict))
             if bs:
-                ax.plot(bs, [direct[f"b{b}"]["tokens_per_sec"] for b in bs], "s--",
-                        label="direct generate, batch = clients (ceiling)")
+                ax.plot(
+                    bs,
+                    [direct[f"b{b}"]["tokens_per_sec"] for b in bs],
+                    "s--",
+                    label="direct generate, batch = clients (ceiling)",
+                )
             u = result.get("user") or {}
             if u.get("cli_tokens_per_sec"):
                 ax.axhline(u["cli_tokens_per_sec"], color="gray", lw=0.8, ls=":", label="`gptforge generate` (CLI)")
                 if u.get("sampled_streams_tokens_per_sec"):
-                    ax.plot([u["streams"]], [u["sampled_streams_tokens_per_sec"]], "^",
-                            label=f"{u['streams']} sampled streams (T {SAMPLED_TEMPERATURE})")
+                    ax.plot(
+                        [u["streams"]],
+                        [u["sampled_streams_tokens_per_sec"]],
+                        "^",
+                        label=f"{u['streams']} sampled streams (T {SAMPLED_TEMPERATURE})",
+                    )
             _clients_axis(ax, xs, "aggregate tokens/s")
             ax.set_title(f"gptforge GPT `tiny`, {result['settings']['max_tokens']} tokens/request", fontsize=9)
         elif panel == "ttft":
@@ -79,8 +89,11 @@ def plot(result: dict, path: Path) -> bool:
                     pts = [(r["clients"], r["aggregate_tokens_per_sec"]) for r in rows if r["mode"] == mode]
                     if pts:
                         xs |= {x for x, _ in pts}
-                        ax.plot(*zip(*pts), style + ls, label=f"{server} serve, "
-                                f"{'non-streamed' if mode == 'plain' else 'streamed'}")
+                        ax.plot(
+                            *zip(*pts),
+                            style + ls,
+                            label=f"{server} serve, {'non-streamed' if mode == 'plain' else 'streamed'}",
+                        )
             _clients_axis(ax, sorted(xs), "aggregate tokens/s")
             ax.set_title(f"Llama folder (random, 2048 positions), sampled T {SAMPLED_TEMPERATURE}", fontsize=9)
         else:
@@ -103,11 +116,17 @@ def _latency_bars(result: dict) -> list[tuple[str, float]]:
     for model, r in ((result.get("prefix") or {}).get("models") or {}).items():
         on, off = r.get("with_cache") or {}, r.get("without_cache") or {}
         if "ttft_ms" in on and "ttft_ms" in off and on["ttft_ms"]["p50"] and off["ttft_ms"]["p50"]:
-            bars += [(f"{model} prefix, cache", on["ttft_ms"]["p50"]), (f"{model} prefix, no cache", off["ttft_ms"]["p50"])]
+            bars += [
+                (f"{model} prefix, cache", on["ttft_ms"]["p50"]),
+                (f"{model} prefix, no cache", off["ttft_ms"]["p50"]),
+            ]
     for model, r in ((result.get("long") or {}).get("models") or {}).items():
         itl = r.get("itl_ms") or {}
         if (itl.get("before") or {}).get("p95") and (itl.get("during") or {}).get("p95"):
-            bars += [(f"{model} ITL before long", itl["before"]["p95"]), (f"{model} ITL during long", itl["during"]["p95"])]
+            bars += [
+                (f"{model} ITL before long", itl["before"]["p95"]),
+                (f"{model} ITL during long", itl["during"]["p95"]),
+            ]
     return bars
 
 
@@ -122,38 +141,52 @@ def where_the_time_goes(result: dict) -> str:
         t_srv = 1000 / one["aggregate_tokens_per_sec"]
         t_dir = 1000 / direct["b1"]["tokens_per_sec"]
         a1 = alone.get("b1") or {}
-        text = (f"**One client**: {t_srv:.2f} ms per token through the server against {t_dir:.2f} ms in direct "
-                f"`generate` (same weights, prompt and greedy tokens, prefill included in both): the server adds "
-                f"{t_srv - t_dir:.2f} ms per token.")
+        text = (
+            f"**One client**: {t_srv:.2f} ms per token through the server against {t_dir:.2f} ms in direct "
+            f"`generate` (same weights, prompt and greedy tokens, prefill included in both): the server adds "
+            f"{t_srv - t_dir:.2f} ms per token."
+        )
         if a1.get("step_aligned_ms") is not None:
-            head = ("the int8 screen of the head (`GreedyHead`, as direct `generate` uses at batch 1)"
-                    if a1.get("head", "").startswith("int8") else
-                    "the float32 50257-row head's product (direct `generate` reads an int8 copy, `GreedyHead`)")
-            text += (f" The server's model step alone (its backend's decode and greedy pick, no HTTP, in this "
-                     f"process) takes {a1['step_aligned_ms']:.2f} ms at one row, of which {head} is "
-                     f"{a1['head_ms']:.2f} ms. The rest, "
-                     f"{t_srv - a1['step_aligned_ms']:.2f} ms per token, is the serving around the step: each "
-                     f"step's tokens crossing from the engine process to the API process, detokenizing, the JSON "
-                     f"chunk, the SSE write (a send to the socket per token), the two processes sharing the "
-                     f"machine's cores, and the request's time to first text ({one['ttft_ms']['p50']:.1f} ms p50 per "
-                     f"{n}-token request: {one['ttft_ms']['p50'] / n:.2f} ms per token).")
-        text += (f" Server threads: {_threads(one)}; {one['server_cores_busy']:.2f} cores busy, the client "
-                 f"{one['client_cores_busy']:.2f}.")
+            head = (
+                "the int8 screen of the head (`GreedyHead`, as direct `generate` uses at batch 1)"
+                if a1.get("head", "").startswith("int8")
+                else "the float32 50257-row head's product (direct `generate` reads an int8 copy, `GreedyHead`)"
+            )
+            text += (
+                f" The server's model step alone (its backend's decode and greedy pick, no HTTP, in this "
+                f"process) takes {a1['step_aligned_ms']:.2f} ms at one row, of which {head} is "
+                f"{a1['head_ms']:.2f} ms. The rest, "
+                f"{t_srv - a1['step_aligned_ms']:.2f} ms per token, is the serving around the step: each "
+                f"step's tokens crossing from the engine process to the API process, detokenizing, the JSON "
+                f"chunk, the SSE write (a send to the socket per token), the two processes sharing the "
+                f"machine's cores, and the request's time to first text ({one['ttft_ms']['p50']:.1f} ms p50 per "
+                f"{n}-token request: {one['ttft_ms']['p50'] / n:.2f} ms per token)."
+            )
+        text += (
+            f" Server threads: {_threads(one)}; {one['server_cores_busy']:.2f} cores busy, the client "
+            f"{one['client_cores_busy']:.2f}."
+        )
         lines.append(text)
     top = max(levels)
     hi, ref, at = levels[top], direct.get(f"b{top}"), alone.get(f"b{top}") or {}
     if ref and top != 1:
-        text = (f"**{top} clients**: {hi['aggregate_tokens_per_sec']:.0f} tokens/s against "
-                f"{ref['tokens_per_sec']:.0f} for direct `generate` at batch {top} "
-                f"({1000 * ref['median_s'] / n:.2f} ms per step of {top} tokens).")
+        text = (
+            f"**{top} clients**: {hi['aggregate_tokens_per_sec']:.0f} tokens/s against "
+            f"{ref['tokens_per_sec']:.0f} for direct `generate` at batch {top} "
+            f"({1000 * ref['median_s'] / n:.2f} ms per step of {top} tokens)."
+        )
         if at.get("step_ragged_ms") is not None:
-            text += (f" The server's step alone at {top} rows takes {at['step_aligned_ms']:.2f} ms with rows of one "
-                     f"length and {at['step_ragged_ms']:.2f} ms with rows at different positions (what staggered "
-                     f"clients give: a mask per row), of which the head's product (the float32 head) is "
-                     f"{at['head_ms']:.2f} ms: a "
-                     f"ceiling of {top * 1000 / at['step_ragged_ms']:.0f} tokens/s before any HTTP.")
-        text += (f" Server threads: {_threads(hi)}; {hi['server_cores_busy']:.2f} cores busy, the client "
-                 f"{hi['client_cores_busy']:.2f}, of the machine's {result['machine']['cpu_count']}.")
+            text += (
+                f" The server's step alone at {top} rows takes {at['step_aligned_ms']:.2f} ms with rows of one "
+                f"length and {at['step_ragged_ms']:.2f} ms with rows at different positions (what staggered "
+                f"clients give: a mask per row), of which the head's product (the float32 head) is "
+                f"{at['head_ms']:.2f} ms: a "
+                f"ceiling of {top * 1000 / at['step_ragged_ms']:.0f} tokens/s before any HTTP."
+            )
+        text += (
+            f" Server threads: {_threads(hi)}; {hi['server_cores_busy']:.2f} cores busy, the client "
+            f"{hi['client_cores_busy']:.2f}, of the machine's {result['machine']['cpu_count']}."
+        )
         lines.append(text)
     roles = [(c, lv["server_cores_by_role"]) for c, lv in sorted(levels.items())]
     lines.append(
@@ -164,7 +197,8 @@ def where_the_time_goes(result: dict) -> str:
         + " and torch's other intra-op threads there "
         + ", ".join(f"{r['rest']:.2f}" for _, r in roles)
         + ". The two no longer share an interpreter lock, but on a machine of two cores the API process's "
-          "work per token takes some of the core that the engine's second intra-op thread would use.")
+        "work per token takes some of the core that the engine's second intra-op thread would use."
+    )
     return "\n\n".join(lines)
 
 
@@ -175,8 +209,10 @@ def _threads(level: dict) -> str:
     total = sum(cpu.values()) or 1.0
     api = sum(v for k, v in cpu.items() if not k.startswith("child "))
     engine = sorted((v for k, v in cpu.items() if k.startswith("child ")), reverse=True)
-    return (f"the API process {100 * api / total:.0f}% of the server's CPU time, the engine process's "
-            f"{len(engine)} busy thread(s) " + "/".join(f"{100 * v / total:.0f}%" for v in engine[:3]))
+    return (
+        f"the API process {100 * api / total:.0f}% of the server's CPU time, the engine process's "
+        f"{len(engine)} busy thread(s) " + "/".join(f"{100 * v / total:.0f}%" for v in engine[:3])
+    )
 
 
 def _alone_row(alone: dict) -> str:
@@ -184,8 +220,9 @@ def _alone_row(alone: dict) -> str:
         return f"not measured ({alone['error']})"
     parts = []
     for key, row in alone.items():
-        steps = " / ".join(f"{row[k]:.2f} {k.split('_')[1]}" for k in ("step_aligned_ms", "step_ragged_ms")
-                           if row.get(k) is not None)
+        steps = " / ".join(
+            f"{row[k]:.2f} {k.split('_')[1]}" for k in ("step_aligned_ms", "step_ragged_ms") if row.get(k) is not None
+        )
         if "error" in row:
             parts.append(f"batch {key[1:]}: not measured ({row['error']})")
             continue
@@ -209,21 +246,31 @@ def _pair(d: dict | None, k1: str = "p50", k2: str = "p95") -> str:
 def levels_markdown(result: dict) -> list[str]:
     s, t = result["settings"], result["targets"]
     direct = result.get("direct_generate") or {}
-    rows = ["| clients | requests | tokens/request | aggregate tokens/s | vs 1 client | TTFT p50 / p95 (ms) "
-            "| ITL p50 / p95 (ms) | tokens/event | errors | server cores | client cores |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| clients | requests | tokens/request | aggregate tokens/s | vs 1 client | TTFT p50 / p95 (ms) "
+        "| ITL p50 / p95 (ms) | tokens/event | errors | server cores | client cores |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base = result["levels"][0]["aggregate_tokens_per_sec"] or 1.0
     for lv in result["levels"]:
         tpr = lv["completion_tokens_per_request"]
         tpr = str(tpr["min"]) if tpr["min"] == tpr["max"] else f"{tpr['min']}-{tpr['max']}"
-        rows.append(f"| {lv['clients']} | {lv['requests']} | {tpr} | {lv['aggregate_tokens_per_sec']:.0f} | "
-                    f"{lv['aggregate_tokens_per_sec'] / base:.2f}x | {lv['ttft_ms']['p50']} / {lv['ttft_ms']['p95']} | "
-                    f"{lv['itl_ms']['p50']} / {lv['itl_ms']['p95']} | {lv['tokens_per_event']} | {lv['errors']} | "
-                    f"{lv['server_cores_busy']} | {lv['client_cores_busy']} |")
-    drow = ", ".join(f"batch {v['batch']} {v['tokens_per_sec']:.0f}" for k, v in direct.items()
-                     if k.startswith("b") and isinstance(v, dict))
-    single = (f"1 client / direct batch-1 greedy = {t['single_vs_generate']:.3f} (>= 0.5: {_met(t['single_met'])})"
-              if t.get("single_vs_generate") is not None else "1 client / direct batch 1: not measured (no ceiling)")
+        rows.append(
+            f"| {lv['clients']} | {lv['requests']} | {tpr} | {lv['aggregate_tokens_per_sec']:.0f} | "
+            f"{lv['aggregate_tokens_per_sec'] / base:.2f}x | {lv['ttft_ms']['p50']} / {lv['ttft_ms']['p95']} | "
+            f"{lv['itl_ms']['p50']} / {lv['itl_ms']['p95']} | {lv['tokens_per_event']} | {lv['errors']} | "
+            f"{lv['server_cores_busy']} | {lv['client_cores_busy']} |"
+        )
+    drow = ", ".join(
+        f"batch {v['batch']} {v['tokens_per_sec']:.0f}"
+        for k, v in direct.items()
+        if k.startswith("b") and isinstance(v, dict)
+    )
+    single = (
+        f"1 client / direct batch-1 greedy = {t['single_vs_generate']:.3f} (>= 0.5: {_met(t['single_met'])})"
+        if t.get("single_vs_generate") is not None
+        else "1 client / direct batch 1: not measured (no ceiling)"
+    )
     return [
         "## Streaming clients (levels) and direct `generate` (ceiling)",
         "",
@@ -234,8 +281,12 @@ def levels_markdown(result: dict) -> list[str]:
         "",
         *rows,
         "",
-        (f"Direct `generate` (bench_generate's warm greedy measurement, same weights and prompt, {s['repeats']} "
-         f"repeats, median), tokens/s: {drow}." if drow else "Direct `generate`: not measured (`ceiling` not run)."),
+        (
+            f"Direct `generate` (bench_generate's warm greedy measurement, same weights and prompt, {s['repeats']} "
+            f"repeats, median), tokens/s: {drow}."
+            if drow
+            else "Direct `generate`: not measured (`ceiling` not run)."
+        ),
         "",
         f"The server's model step alone (its backend's decode + argmax in this process, no HTTP; median ms): "
         f"{_alone_row(result.get('server_step_alone_ms') or {'error': 'ceiling not run'})}.",
@@ -265,7 +316,8 @@ def user_markdown(u: dict, s: dict) -> list[str]:
         f"{SAMPLED_TEMPERATURE}, usage tokens) {_f(u['sampled_streams_tokens_per_sec'], '.1f')} tokens/s together = "
         f"{_f(u['sampled_vs_cli'], '.2f')}x (target >= 1.0). The CLI's greedy text equals the server's: "
         f"{u['cli_same_text_as_server']}." + (f" CLI errors: {'; '.join(u['cli_errors'])}." if u["cli_errors"] else ""),
-        ""]
+        "",
+    ]
     return out
 
 
@@ -274,29 +326,41 @@ def hf_markdown(hf: dict) -> list[str]:
     if "error" in hf:
         return out + [f"Not measured: {hf['error']}", ""]
     m = hf["model"]
-    out += [f"A random Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} "
-            f"heads / {m['num_key_value_heads']} key-value heads, MLP {m['intermediate_size']}, "
-            f"{m['max_position_embeddings']} positions, {m['params'] / 1e6:.1f}M parameters), each server alone; "
-            f"`POST /v1/completions`, temperature {SAMPLED_TEMPERATURE}, top_k {HF_TOP_K}, a seed per request, "
-            f"max_tokens {hf['max_tokens']}, {hf['requests_per_client']} requests per client, {hf['rounds']} round(s); "
-            f"tokens = `usage.completion_tokens`.", "",
-            "| server | mode | clients | aggregate tokens/s | tokens/request (mean) | TTFT p50 / p95 (ms) "
-            "| distinct answers | errors | server cores |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [
+        f"A random Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} "
+        f"heads / {m['num_key_value_heads']} key-value heads, MLP {m['intermediate_size']}, "
+        f"{m['max_position_embeddings']} positions, {m['params'] / 1e6:.1f}M parameters), each server alone; "
+        f"`POST /v1/completions`, temperature {SAMPLED_TEMPERATURE}, top_k {HF_TOP_K}, a seed per request, "
+        f"max_tokens {hf['max_tokens']}, {hf['requests_per_client']} requests per client, {hf['rounds']} round(s); "
+        f"tokens = `usage.completion_tokens`.",
+        "",
+        "| server | mode | clients | aggregate tokens/s | tokens/request (mean) | TTFT p50 / p95 (ms) "
+        "| distinct answers | errors | server cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for server in ("gptforge", "transformers"):
         sec = hf.get(server) or {}
         if "error" in sec:
             out.append(f"| {server} serve | - | - | not measured: {sec['error'][:200]} | | | | | |")
             continue
         for r in sec.get("levels") or []:
-            out.append(f"| {server} serve | {'non-streamed' if r['mode'] == 'plain' else 'streamed'} | {r['clients']} "
-                       f"| {r['aggregate_tokens_per_sec']:.0f} | {_f(r['completion_tokens_per_request']['mean'], '.1f')} "
-                       f"| {_pair(r.get('ttft_ms')) if r['mode'] == 'stream' else '-'} "
-                       f"| {r['distinct_texts']}/{r['requests'] - r['errors']} | {r['errors']} "
-                       f"| {_f(r['server_cores_busy'], '.2f')} |")
+            out.append(
+                f"| {server} serve | {'non-streamed' if r['mode'] == 'plain' else 'streamed'} | {r['clients']} "
+                f"| {r['aggregate_tokens_per_sec']:.0f} | {_f(r['completion_tokens_per_request']['mean'], '.1f')} "
+                f"| {_pair(r.get('ttft_ms')) if r['mode'] == 'stream' else '-'} "
+                f"| {r['distinct_texts']}/{r['requests'] - r['errors']} | {r['errors']} "
+                f"| {_f(r['server_cores_busy'], '.2f')} |"
+            )
     if hf.get("ratios"):
-        out += ["", "gptforge / transformers: " + "; ".join(
-            f"{'non-streamed' if r['mode'] == 'plain' else 'streamed'} at {r['clients']} "
-            f"{_f(r['ratio'], '.2f')}x" for r in hf["ratios"]) + " (targets: >= 1.5 at 16 clients, >= 1.0 at 1)."]
+        out += [
+            "",
+            "gptforge / transformers: "
+            + "; ".join(
+                f"{'non-streamed' if r['mode'] == 'plain' else 'streamed'} at {r['clients']} {_f(r['ratio'], '.2f')}x"
+                for r in hf["ratios"]
+            )
+            + " (targets: >= 1.5 at 16 clients, >= 1.0 at 1).",
+        ]
     out += ["", f"transformers serve: `{hf.get('transformers_command', '')}`"]
     return out + [""]
 
@@ -305,11 +369,15 @@ def prefix_markdown(p: dict) -> list[str]:
     out = ["## A shared system prompt (prefix)", ""]
     if "error" in p:
         return out + [f"Not measured: {p['error']}", ""]
-    out += [f"{p['clients']} clients, {p['requests_per_client']} requests each in turn, every prompt the same "
-            f"{p['prefix_tokens']}-token system prompt + a short distinct question; greedy, streamed, "
-            f"max_tokens {p['max_tokens']}.", "",
-            "| model | prefix cache | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | aggregate tokens/s | cache hit rate "
-            "| errors |", "|---|---|---:|---:|---:|---:|---:|"]
+    out += [
+        f"{p['clients']} clients, {p['requests_per_client']} requests each in turn, every prompt the same "
+        f"{p['prefix_tokens']}-token system prompt + a short distinct question; greedy, streamed, "
+        f"max_tokens {p['max_tokens']}.",
+        "",
+        "| model | prefix cache | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | aggregate tokens/s | cache hit rate "
+        "| errors |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for model, r in p["models"].items():
         for key, label in (("with_cache", "on (default)"), ("without_cache", "off (`--prefix-cache-mb 0`)")):
             x = r.get(key) or {}
@@ -317,17 +385,26 @@ def prefix_markdown(p: dict) -> list[str]:
                 out.append(f"| {model} | {label} | not measured: {x['error'][:200]} | | | | |")
                 continue
             c = x.get("prefix_cache_metrics")
-            rate = (f"{100 * c['hit_rate']:.0f}%" if isinstance(c, dict) and c.get("hit_rate") is not None
-                    else "-" if isinstance(c, dict) else "n/a")
-            out.append(f"| {model} | {label} | {_pair(x.get('ttft_ms'))} | {_pair(x.get('itl_ms'))} "
-                       f"| {_f(x.get('aggregate_tokens_per_sec'))} | {rate} | {x.get('errors')} |")
+            rate = (
+                f"{100 * c['hit_rate']:.0f}%"
+                if isinstance(c, dict) and c.get("hit_rate") is not None
+                else "-"
+                if isinstance(c, dict)
+                else "n/a"
+            )
+            out.append(
+                f"| {model} | {label} | {_pair(x.get('ttft_ms'))} | {_pair(x.get('itl_ms'))} "
+                f"| {_f(x.get('aggregate_tokens_per_sec'))} | {rate} | {x.get('errors')} |"
+            )
     out.append("")
     for model, r in p["models"].items():
         if "error" in r:
             out.append(f"- {model}: {r['error'][:300]}")
         else:
-            out.append(f"- {model}: p50 TTFT without / with the cache {_f(r.get('ttft_p50_off_over_on'), '.2f')}x "
-                       f"(target >= 4); greedy answers the same: {r.get('same_answers')}")
+            out.append(
+                f"- {model}: p50 TTFT without / with the cache {_f(r.get('ttft_p50_off_over_on'), '.2f')}x "
+                f"(target >= 4); greedy answers the same: {r.get('same_answers')}"
+            )
     return out + [""]
 
 
@@ -335,27 +412,38 @@ def long_markdown(lg: dict) -> list[str]:
     out = ["## A long prompt arriving while streams decode (long)", ""]
     if "error" in lg:
         return out + [f"Not measured: {lg['error']}", ""]
-    out += [f"{lg['streams']} greedy streams of {lg['decode_tokens']} tokens; once each has had {lg['before']} "
-            f"events, a {lg['prompt_tokens']}-token prompt arrives; {lg['rounds']} round(s); the streams' "
-            f"inter-token gaps before it, during its prefill (sent -> its first token) and after. Server flags: "
-            f"{lg['prefill_chunk'] or 'the default prefill chunk'}.", "",
-            "| model | prefill window p50 (ms) | ITL p95 before (ms) | during | after | during / before "
-            "| streams done before it | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [
+        f"{lg['streams']} greedy streams of {lg['decode_tokens']} tokens; once each has had {lg['before']} "
+        f"events, a {lg['prompt_tokens']}-token prompt arrives; {lg['rounds']} round(s); the streams' "
+        f"inter-token gaps before it, during its prefill (sent -> its first token) and after. Server flags: "
+        f"{lg['prefill_chunk'] or 'the default prefill chunk'}.",
+        "",
+        "| model | prefill window p50 (ms) | ITL p95 before (ms) | during | after | during / before "
+        "| streams done before it | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for model, r in lg["models"].items():
         if "error" in r:
             out.append(f"| {model} | not measured: {r['error'][:200]} | | | | | | |")
             continue
         itl = r["itl_ms"]
-        out.append(f"| {model} | {_f(r['prefill_window_ms_p50'], '.1f')} | {_f(itl['before']['p95'], '.1f')} "
-                   f"| {_f(itl['during']['p95'], '.1f')} | {_f(itl['after']['p95'], '.1f')} "
-                   f"| {_f(r['itl_p95_during_over_before'], '.2f')}x | {r['streams_ended_before_prefill_done']} "
-                   f"| {r['errors']} |")
+        out.append(
+            f"| {model} | {_f(r['prefill_window_ms_p50'], '.1f')} | {_f(itl['before']['p95'], '.1f')} "
+            f"| {_f(itl['during']['p95'], '.1f')} | {_f(itl['after']['p95'], '.1f')} "
+            f"| {_f(r['itl_p95_during_over_before'], '.2f')}x | {r['streams_ended_before_prefill_done']} "
+            f"| {r['errors']} |"
+        )
         if r.get("queued"):
-            out.append(f"| {model} | (--max-batch is below {r['streams']} streams + 1: requests queued, "
-                       f"the figures are not the measure's) | | | | | | |")
-    return out + ["", "Target: during / before <= 3. `streams done before it`: streams that ended before the long "
-                  "prompt's first token (over all rounds; raise --long-decode-tokens if not 0).", ""]
+            out.append(
+                f"| {model} | (--max-batch is below {r['streams']} streams + 1: requests queued, "
+                f"the figures are not the measure's) | | | | | | |"
+            )
+    return out + [
+        "",
+        "Target: during / before <= 3. `streams done before it`: streams that ended before the long "
+        "prompt's first token (over all rounds; raise --long-decode-tokens if not 0).",
+        "",
+    ]
 
 
 def markdown(result: dict) -> str:
@@ -366,8 +454,9 @@ def markdown(result: dict) -> str:
         "",
         f"- date: {result['date']}; machine: {mach['processor'] or mach['machine']}, {mach['cpu_count']} cores "
         f"({mach['machine']}, {mach['platform']}); load average (1 min) before/after: {result['load_average_1min']}",
-        f"- torch {mach['torch']}, Python {mach['python']}; server OMP_NUM_THREADS {result['server']['omp_num_threads']}; "
-        f"commit {result['commit']}{' with uncommitted changes under src/gptforge' if result['uncommitted_server_changes'] else ''}",
+        f"- torch {mach['torch']}, Python {mach['python']}; "
+        f"server OMP_NUM_THREADS {result['server']['omp_num_threads']}; commit {result['commit']}"
+        f"{' with uncommitted changes under src/gptforge' if result['uncommitted_server_changes'] else ''}",
         f"- measures: {', '.join(result['measures'])}; gptforge serve flags: `--max-batch {s['max_batch']}`"
         + (f" `--prefill-chunk {s['prefill_chunk']}`" if s.get("prefill_chunk") else ""),
         f"- model `tiny`: bench_generate's ({m['n_layer']} layers x {m['n_head']} heads x {m['n_embd']}, block "
@@ -381,7 +470,9 @@ def markdown(result: dict) -> str:
     ]
     for t in result["issue30_targets"]:
         note_ = f" ({t['error'][:120]})" if t.get("error") and t["met"] is None else ""
-        lines.append(f"| {t['measure']} | {t['what']} | {_f(t['value'], '.3f')} | {t['target']} | {_met(t['met'])}{note_} |")
+        lines.append(
+            f"| {t['measure']} | {t['what']} | {_f(t['value'], '.3f')} | {t['target']} | {_met(t['met'])}{note_} |"
+        )
     lines.append("")
     if result.get("levels"):
         lines += levels_markdown(result)

@@ -100,6 +100,7 @@ def server_env(args) -> dict:
 def _dies_with_us(sig: int):
     """A preexec_fn: the child gets `sig` when this process dies (Linux's PR_SET_PDEATHSIG), so
     that a bench killed outright (a test's timeout) leaves no server running; elsewhere nothing."""
+
     def preexec() -> None:
         try:
             import ctypes
@@ -107,13 +108,30 @@ def _dies_with_us(sig: int):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+
     return preexec if sys.platform.startswith("linux") else None
 
 
-def start_server(ckpt: Path, port: int, args, log_path: Path, *, name: str = MODEL_NAME,
-                 extra: tuple[str, ...] = (), profile: bool = True) -> subprocess.Popen:
-    serve_args = ["serve", f"{name}={ckpt}", "--host", "127.0.0.1", "--port", str(port),
-                  "--max-batch", str(args.max_batch)]
+def start_server(
+    ckpt: Path,
+    port: int,
+    args,
+    log_path: Path,
+    *,
+    name: str = MODEL_NAME,
+    extra: tuple[str, ...] = (),
+    profile: bool = True,
+) -> subprocess.Popen:
+    serve_args = [
+        "serve",
+        f"{name}={ckpt}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-batch",
+        str(args.max_batch),
+    ]
     if getattr(args, "prefill_chunk", None):
         serve_args += ["--prefill-chunk", str(args.prefill_chunk)]
     serve_args += list(extra)
@@ -128,29 +146,62 @@ def start_server(ckpt: Path, port: int, args, log_path: Path, *, name: str = MOD
     # The server's working directory is the temporary folder: no params.yaml or checkpoints of
     # the repository are read; the settings come from the command line.
     # SIGTERM when this process dies: the server shuts down as on SIGINT, and stops its engine.
-    return subprocess.Popen(cmd, cwd=log_path.parent, env=server_env(args), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_dies_with_us(signal.SIGTERM))
+    return subprocess.Popen(
+        cmd,
+        cwd=log_path.parent,
+        env=server_env(args),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_dies_with_us(signal.SIGTERM),
+    )
 
 
 def transformers_command() -> list[str]:
     script = Path(sys.executable).with_name("transformers")
-    return [str(script)] if script.is_file() else [
-        sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.argv[0] = "
-        "'transformers'; sys.exit(main())"]
+    return (
+        [str(script)]
+        if script.is_file()
+        else [
+            sys.executable,
+            "-c",
+            "import sys; from transformers.cli.transformers import main; sys.argv[0] = "
+            "'transformers'; sys.exit(main())",
+        ]
+    )
 
 
-def start_transformers_server(folder: Path, port: int, args, log_path: Path,
-                              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_transformers_server(
+    folder: Path, port: int, args, log_path: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """`transformers serve FOLDER --continuous-batching`: the folder is the forced model (loaded at
     start, requests must name it by the same path), offline."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cmd = [*transformers_command(), "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1",
-           "--port", str(port), "--device", device, *extra]
+    cmd = [
+        *transformers_command(),
+        "serve",
+        str(folder),
+        "--continuous-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        *extra,
+    ]
     env = {**server_env(args), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     log = open(log_path, "wb")
     # SIGKILL when this process dies: its continuous-batching thread can keep it alive after SIGINT.
-    return subprocess.Popen(cmd, cwd=log_path.parent, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_dies_with_us(signal.SIGKILL))
+    return subprocess.Popen(
+        cmd,
+        cwd=log_path.parent,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_dies_with_us(signal.SIGKILL),
+    )
 
 
 def log_tail(log_path: Path, n: int = 2000) -> str:
@@ -231,7 +282,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
     for child in children:
         try:
             for t in child.threads():
-                out[f"child {child.pid} " + ("main" if t.id == child.pid else f"tid {t.id}")] = t.user_time + t.system_time
+                out[f"child {child.pid} " + ("main" if t.id == child.pid else f"tid {t.id}")] = (
+                    t.user_time + t.system_time
+                )
         except psutil.Error:
             pass
     return out
@@ -239,13 +292,25 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     names = set(before) | set(after)
-    return {n: round(after.get(n, 0.0) - before.get(n, 0.0), 3) for n in sorted(names)
-            if after.get(n, 0.0) - before.get(n, 0.0) > 0.0005}
+    return {
+        n: round(after.get(n, 0.0) - before.get(n, 0.0), 3)
+        for n in sorted(names)
+        if after.get(n, 0.0) - before.get(n, 0.0) > 0.0005
+    }
 
 
 @contextlib.contextmanager
-def serving(kind: str, path: Path, args, tmp: Path, label: str, *, name: str | None = None,
-            extra: tuple[str, ...] = (), profile: bool = False):
+def serving(
+    kind: str,
+    path: Path,
+    args,
+    tmp: Path,
+    label: str,
+    *,
+    name: str | None = None,
+    extra: tuple[str, ...] = (),
+    profile: bool = False,
+):
     """One server alone on the machine for the `with` block: `gptforge` (NAME=PATH) or
     `transformers` (the folder). Yields what the measures need: port, pid, the model field of
     the requests, the log, the startup time."""
@@ -262,11 +327,20 @@ def serving(kind: str, path: Path, args, tmp: Path, label: str, *, name: str | N
         except ServerFailed:
             why = f"exited with {proc.returncode}" if proc.poll() is not None else "no healthy /health"
             raise ServerFailed(f"{label}: the server did not start ({why}): {last_line(log_path)}") from None
-        yield types.SimpleNamespace(kind=kind, label=label, port=port, pid=proc.pid, log=log_path,
-                                    model=name if kind == "gptforge" else str(path), health=health,
-                                    startup_s=round(time.perf_counter() - t0, 2),
-                                    flags=[*(["--prefill-chunk", str(args.prefill_chunk)] if kind == "gptforge"
-                                             and args.prefill_chunk else []), *extra])
+        yield types.SimpleNamespace(
+            kind=kind,
+            label=label,
+            port=port,
+            pid=proc.pid,
+            log=log_path,
+            model=name if kind == "gptforge" else str(path),
+            health=health,
+            startup_s=round(time.perf_counter() - t0, 2),
+            flags=[
+                *(["--prefill-chunk", str(args.prefill_chunk)] if kind == "gptforge" and args.prefill_chunk else []),
+                *extra,
+            ],
+        )
     finally:
         stop_server(proc, grace=30.0 if kind == "gptforge" else 10.0)
 

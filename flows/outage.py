@@ -150,5 +150,3 @@ def run_recorded(call: Callable[[], T], finished: Finished, what: str) -> T:
             raise
         UNRECORDED.add(f"final state of {what}")
         return finished.result
-
-

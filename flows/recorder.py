@@ -117,8 +117,13 @@ def writer_alive(pid, pid_start) -> bool:
 def read_journal(path: Path, offset: int) -> tuple[list[dict], int]:
     """`read_records`, except that a line that is not JSON (a damaged file) is logged and passed
     over instead of stopping the journal for good."""
-    return read_records(path, offset, on_bad_line=lambda line: log.warning(
-        "journal %s: a line that is not JSON passed over: %.200r", path.name, line))
+    return read_records(
+        path,
+        offset,
+        on_bad_line=lambda line: log.warning(
+            "journal %s: a line that is not JSON passed over: %.200r", path.name, line
+        ),
+    )
 
 
 class Delivery:
@@ -129,8 +134,17 @@ class Delivery:
         self.key = path.name[: -len(".jsonl")]
         self.files = path.with_name(f"{self.key}.files")
         self.state_path = path.with_name(f"{self.key}.state.json")
-        fresh = {"key": self.key, "offset": 0, "done": 0, "open": None, "runs": {}, "ended_runs": [], "tasks": {},
-                 "ended_steps": [], "closed": False}
+        fresh = {
+            "key": self.key,
+            "offset": 0,
+            "done": 0,
+            "open": None,
+            "runs": {},
+            "ended_runs": [],
+            "tasks": {},
+            "ended_steps": [],
+            "closed": False,
+        }
         try:
             self.state = {**fresh, **json.loads(self.state_path.read_text(encoding="utf-8"))}
         except FileNotFoundError:
@@ -148,7 +162,7 @@ class Delivery:
         write_json(self.state_path, self.state)
 
     def pending(self) -> list[dict]:
-        return self.batch[self.state["done"]:]
+        return self.batch[self.state["done"] :]
 
     def read(self) -> bool:
         """Read what the writer appended; True when there is something to apply."""
@@ -257,8 +271,9 @@ class Recorder:
 
     def _write_state(self, url: str | None) -> None:
         if self.holding:
-            write_json(self.folder / "state.json", {"pid": os.getpid(), "started": self.started,
-                                                    "prefect_api_url": url})
+            write_json(
+                self.folder / "state.json", {"pid": os.getpid(), "started": self.started, "prefect_api_url": url}
+            )
 
     def _server_url(self, url: str | None) -> None:
         self._write_state(url)
@@ -312,8 +327,14 @@ class Recorder:
                 delay = min(MAX_BACKOFF, 2.0 ** (d.failures - 1))
                 d.next_try = time.monotonic() + delay
                 away = transient(e)
-                log.warning("journal %s: %s (%s); retried in %.0f s", d.key, "unreachable" if away else "failed",
-                            _describe(e), delay, exc_info=not away)
+                log.warning(
+                    "journal %s: %s (%s); retried in %.0f s",
+                    d.key,
+                    "unreachable" if away else "failed",
+                    _describe(e),
+                    delay,
+                    exc_info=not away,
+                )
                 self._drop_clients(d)
         names = {p.name for p in paths}
         for name in [n for n in self.deliveries if n not in names]:
@@ -333,8 +354,11 @@ class Recorder:
             if self._drain(d, None):  # the writer is gone: all it wrote before it went, then its end
                 return True
             if not d.state["closed"]:
-                log.warning("journal %s: its writer (pid %s) is gone without a close: ending it as killed", d.key,
-                            (d.state["open"] or {}).get("pid"))
+                log.warning(
+                    "journal %s: its writer (pid %s) is gone without a close: ending it as killed",
+                    d.key,
+                    (d.state["open"] or {}).get("pid"),
+                )
                 at = max(_mtime(d.path), d.state.get("last_time") or 0.0)
                 self._close(d, {"kind": "close", "state": "CRASHED", "message": KILLED_MESSAGE, "time": at})
                 d.save()

@@ -34,11 +34,26 @@ from gptforge.runtime.journal import RECORDER_DIR
 
 # What a recorder imports on its way (its sinks import them lazily): loaded here, before any
 # fork. A module that is not installed is skipped: the recorder meets the same error itself.
-PRELOAD = ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.sqlalchemy_workspace_store",
-           "mlflow.tracking", "sqlalchemy.dialects.sqlite", "alembic.command", "alembic.config",
-           "gptforge.runtime.records_mlflow", "gptforge.runtime.tracking", "prefect", "prefect.flows", "prefect.tasks",
-           "prefect.states", "prefect.client.orchestration", "prefect.client.schemas.actions",
-           "prefect.client.schemas.objects", "prefect.client.schemas.filters", "flows.records_prefect")
+PRELOAD = (
+    "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.tracking.sqlalchemy_workspace_store",
+    "mlflow.tracking",
+    "sqlalchemy.dialects.sqlite",
+    "alembic.command",
+    "alembic.config",
+    "gptforge.runtime.records_mlflow",
+    "gptforge.runtime.tracking",
+    "prefect",
+    "prefect.flows",
+    "prefect.tasks",
+    "prefect.states",
+    "prefect.client.orchestration",
+    "prefect.client.schemas.actions",
+    "prefect.client.schemas.objects",
+    "prefect.client.schemas.filters",
+    "flows.records_prefect",
+)
 
 
 def serve(path: Path) -> int:
@@ -88,8 +103,9 @@ def serve(path: Path) -> int:
                     idle = max(idle, _idle_seconds(env))
                     conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
                 except (OSError, ValueError, KeyError, AttributeError) as e:
-                    print(f"{time.strftime('%H:%M:%S')} recorder host {os.getpid()}: a request failed: {e!r}",
-                          flush=True)
+                    print(
+                        f"{time.strftime('%H:%M:%S')} recorder host {os.getpid()}: a request failed: {e!r}", flush=True
+                    )
     finally:
         # Socket and lock go with the host (a checkout's every change of code gets a new key):
         # a host starting meanwhile either holds the old lock file and fails to lock it (and

@@ -137,28 +137,38 @@ class PrefectSink:
             name = str(first.get("name") or step)
             task = self._task(name, f"gptforge.step.{d.state['open'].get('flow_name')}.{name}")
             # Named as Prefect's engine names task runs: the task's name, then a number.
-            made = client.create_task_run(task=task, flow_run_id=uuid.UUID(flow_run_id), dynamic_key=step,
-                                          name=f"{name}-{step.rsplit('-', 1)[-1]}", state=states.Running())
+            made = client.create_task_run(
+                task=task,
+                flow_run_id=uuid.UUID(flow_run_id),
+                dynamic_key=step,
+                name=f"{name}-{step.rsplit('-', 1)[-1]}",
+                state=states.Running(),
+            )
             state["tasks"][step] = str(made.id)
             d.save()
         elif kind == "step_retry":
             task_run_id = self._task_run(d, first)
             again = when(first["time"] + float(first.get("delay") or 0))
             message = first.get("message") or f"attempt {first.get('attempt')} failed"
-            client.set_task_run_state(task_run_id, states.AwaitingRetry(scheduled_time=again, message=message),
-                                      force=True)
+            client.set_task_run_state(
+                task_run_id, states.AwaitingRetry(scheduled_time=again, message=message), force=True
+            )
             client.set_task_run_state(task_run_id, states.Retrying(), force=True)
         elif kind == "step_end":
             task_run_id = self._task_run(d, first)
-            client.set_task_run_state(task_run_id, final_state(first.get("state"), first.get("message")),
-                                      force=True)
+            client.set_task_run_state(task_run_id, final_state(first.get("state"), first.get("message")), force=True)
             if str(first["step"]) not in state["ended_steps"]:
                 state["ended_steps"].append(str(first["step"]))
         elif kind == "artifact_md":
             from prefect.client.schemas.actions import ArtifactCreate
 
-            artifact = ArtifactCreate(key=first.get("key"), type="markdown", description=first.get("description"),
-                                      data=str(first.get("markdown") or ""), flow_run_id=uuid.UUID(flow_run_id))
+            artifact = ArtifactCreate(
+                key=first.get("key"),
+                type="markdown",
+                description=first.get("description"),
+                data=str(first.get("markdown") or ""),
+                flow_run_id=uuid.UUID(flow_run_id),
+            )
             # The API itself, not client.create_artifact: that also emits an event through
             # Prefect's events worker, which would go to the process's own API setting.
             client.request("POST", "/artifacts/", json=artifact.model_dump(mode="json", exclude_unset=True))
@@ -176,8 +186,9 @@ class PrefectSink:
                 state["ended_steps"].append(step)
                 d.save()
         if state.get("tracker_task_run_id") and not state.get("tracker_settled"):
-            client.set_task_run_state(uuid.UUID(state["tracker_task_run_id"]), final_state(state_name, message),
-                                      force=True)
+            client.set_task_run_state(
+                uuid.UUID(state["tracker_task_run_id"]), final_state(state_name, message), force=True
+            )
             state["tracker_settled"] = True
             d.save()
         if state.get("flow_run_id"):
@@ -205,20 +216,34 @@ class PrefectSink:
         if parent and not state.get("tracker_task_run_id") and not state.get("no_tracker"):
             tracker = self._task(name, f"gptforge.stage.{name}")
             try:
-                made = client.create_task_run(task=tracker, flow_run_id=uuid.UUID(str(parent)), dynamic_key=d.key,
-                                              name=name, state=states.Running())
+                made = client.create_task_run(
+                    task=tracker,
+                    flow_run_id=uuid.UUID(str(parent)),
+                    dynamic_key=d.key,
+                    name=name,
+                    state=states.Running(),
+                )
                 state["tracker_task_run_id"] = str(made.id)
             except Exception as e:
                 if not _refused(e):
                     raise
-                log.warning("journal %s: parent flow run %s not found (%s): a flow run of its own", d.key, parent,
-                            " ".join(str(e).split())[:200])
+                log.warning(
+                    "journal %s: parent flow run %s not found (%s): a flow run of its own",
+                    d.key,
+                    parent,
+                    " ".join(str(e).split())[:200],
+                )
                 state["no_tracker"] = True
             d.save()
         flow = Flow(_noop, name=name, description=rec.get("summary"))
-        made = create_flow_run(client, flow, parameters=rec.get("parameters") or {},
-                               parent_task_run_id=state.get("tracker_task_run_id"),
-                               state=states.Running(), idempotency_key=f"gptforge-journal-{d.key}")
+        made = create_flow_run(
+            client,
+            flow,
+            parameters=rec.get("parameters") or {},
+            parent_task_run_id=state.get("tracker_task_run_id"),
+            state=states.Running(),
+            idempotency_key=f"gptforge-journal-{d.key}",
+        )
         state["flow_run_id"], state["flow_run_name"] = str(made.id), made.name
         d.save()
 
@@ -229,11 +254,18 @@ class PrefectSink:
         logs = []
         for rec in group:
             task_run_id = d.state["tasks"].get(str(rec["step"])) if rec.get("step") is not None else None
-            logs.append(LogCreate(name=str(rec.get("logger") or "gptforge"), level=level_number(rec.get("level")),
-                                  message=str(rec.get("message") or ""), timestamp=when(rec["time"]),
-                                  flow_run_id=flow_run_id, task_run_id=uuid.UUID(task_run_id) if task_run_id else None))
+            logs.append(
+                LogCreate(
+                    name=str(rec.get("logger") or "gptforge"),
+                    level=level_number(rec.get("level")),
+                    message=str(rec.get("message") or ""),
+                    timestamp=when(rec["time"]),
+                    flow_run_id=flow_run_id,
+                    task_run_id=uuid.UUID(task_run_id) if task_run_id else None,
+                )
+            )
         for i in range(0, len(logs), LOG_BATCH):
-            client.create_logs(logs[i:i + LOG_BATCH])
+            client.create_logs(logs[i : i + LOG_BATCH])
 
 
 class OwnServer:
@@ -241,10 +273,12 @@ class OwnServer:
     needed, in a session of its own and told to end with the recorder even when the recorder is
     killed (PR_SET_PDEATHSIG, through a short trampoline that then execs the server)."""
 
-    TRAMPOLINE = ("import ctypes, os, signal, sys\n"
-                  "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept Exception:\n    pass\n"
-                  "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
-                  "os.execv(sys.argv[2], sys.argv[2:])\n")
+    TRAMPOLINE = (
+        "import ctypes, os, signal, sys\n"
+        "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept Exception:\n    pass\n"
+        "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
+        "os.execv(sys.argv[2], sys.argv[2:])\n"
+    )
 
     def __init__(self, folder: Path, timeout: float, on_url) -> None:
         self.folder, self.timeout, self.on_url = folder, timeout, on_url
@@ -272,9 +306,25 @@ class OwnServer:
         env.pop("PREFECT_API_URL", None)
         with open(self.folder / "prefect-server.log", "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", self.TRAMPOLINE, str(os.getpid()), exe, "server", "start", "--host",
-                 "127.0.0.1", "--port", str(port)],
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-c",
+                    self.TRAMPOLINE,
+                    str(os.getpid()),
+                    exe,
+                    "server",
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.started_at = time.monotonic()
         log.info("starting a Prefect server at %s (pid %d)", self._url, self.proc.pid)
 
@@ -284,8 +334,9 @@ class OwnServer:
         if self.proc is None:
             return
         if self.proc.poll() is not None:
-            log.warning("the Prefect server exited (%s); see %s", self.proc.returncode,
-                        self.folder / "prefect-server.log")
+            log.warning(
+                "the Prefect server exited (%s); see %s", self.proc.returncode, self.folder / "prefect-server.log"
+            )
             self._failed()
             return
         if self.url is not None or time.monotonic() - self._probe < 0.5:
@@ -383,11 +434,15 @@ def create_flow_run(client, flow, *, parameters: dict, parent_task_run_id: str |
 
     response = client.request("POST", "/flows/", json=FlowCreate(name=flow.name).model_dump(mode="json"))
     flow_id = FlowModel.model_validate(response.json()).id
-    create = FlowRunCreate(flow_id=flow_id, flow_version=flow.version, parameters=parameters,
-                           parent_task_run_id=uuid.UUID(parent_task_run_id) if parent_task_run_id else None,
-                           state=to_state_create(state), idempotency_key=idempotency_key,
-                           empirical_policy=FlowRunPolicy(retries=flow.retries,
-                                                          retry_delay=int(flow.retry_delay_seconds or 0)))
+    create = FlowRunCreate(
+        flow_id=flow_id,
+        flow_version=flow.version,
+        parameters=parameters,
+        parent_task_run_id=uuid.UUID(parent_task_run_id) if parent_task_run_id else None,
+        state=to_state_create(state),
+        idempotency_key=idempotency_key,
+        empirical_policy=FlowRunPolicy(retries=flow.retries, retry_delay=int(flow.retry_delay_seconds or 0)),
+    )
     response = client.request("POST", "/flow_runs/", json=create.model_dump(mode="json", exclude_unset=True))
     return FlowRun.model_validate(response.json())
 

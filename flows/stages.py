@@ -74,11 +74,21 @@ def stage_flow(stage: str) -> Flow:
         with deadline_on_stop():  # Prefect's SIGTERM bridge is in place now: a stop ends in bounded time
             metrics = run_stage(stage, cfg, steps=PrefectSteps(), tags=flow_run_tags())
         key = flow_name(stage)
-        best_effort("artifacts", create_markdown_artifact, key=f"{key}-metrics",
-                    markdown=metrics_markdown(stage, metrics), description=f"{stage} metrics")
+        best_effort(
+            "artifacts",
+            create_markdown_artifact,
+            key=f"{key}-metrics",
+            markdown=metrics_markdown(stage, metrics),
+            description=f"{stage} metrics",
+        )
         if report is not None and Path(report).is_file():
-            best_effort("artifacts", create_markdown_artifact, key=f"{key}-report",
-                        markdown=Path(report).read_text(encoding="utf-8"), description=f"{stage}: {report}")
+            best_effort(
+                "artifacts",
+                create_markdown_artifact,
+                key=f"{key}-report",
+                markdown=Path(report).read_text(encoding="utf-8"),
+                description=f"{stage}: {report}",
+            )
         return finished.keep(metrics)
 
     run.__name__ = stage
@@ -101,13 +111,18 @@ def run_stage_flow(stage_flow_: Flow, parameters: dict[str, Any]) -> Any:
     with get_client(sync_client=True) as client:
         tracker = Task(name=stage_flow_.name, fn=lambda: None)
         tracker.task_key = f"gptforge.stage.{stage_flow_.name}"
-        task_run = client.create_task_run(task=tracker, flow_run_id=uuid.UUID(parent), dynamic_key=str(uuid.uuid4()),
-                                          state=Running())
-        flow_run = client.create_flow_run(stage_flow_, parameters=stage_flow_.serialize_parameters(parameters),
-                                          parent_task_run_id=task_run.id)
+        task_run = client.create_task_run(
+            task=tracker, flow_run_id=uuid.UUID(parent), dynamic_key=str(uuid.uuid4()), state=Running()
+        )
+        flow_run = client.create_flow_run(
+            stage_flow_, parameters=stage_flow_.serialize_parameters(parameters), parent_task_run_id=task_run.id
+        )
     try:
-        result = run_recorded(lambda: run_flow(stage_flow_, flow_run=flow_run, parameters=parameters), finished,
-                              f"flow run {stage_flow_.name}")
+        result = run_recorded(
+            lambda: run_flow(stage_flow_, flow_run=flow_run, parameters=parameters),
+            finished,
+            f"flow run {stage_flow_.name}",
+        )
         final = Completed()
         return result
     except BaseException as e:

@@ -28,14 +28,17 @@ def check_runnable(kernel, name: str, *tensors: torch.Tensor) -> None:
     if is_interpreted(kernel):
         return
     if isinstance(kernel, InterpretedFunction):
-        raise KernelUnavailable(f"{name}: TRITON_INTERPRET=1 was set after triton was imported; set it before "
-                                f"the first `import triton` of the process")
+        raise KernelUnavailable(
+            f"{name}: TRITON_INTERPRET=1 was set after triton was imported; set it before "
+            f"the first `import triton` of the process"
+        )
     devices = sorted({t.device.type for t in tensors})
     if devices != ["cuda"]:
         raise KernelUnavailable(
             f"{name} is a Triton GPU kernel and got {'/'.join(devices)} tensors: run it on CUDA, or set "
             f"TRITON_INTERPRET=1 before `kernels` is imported to run it (slowly) on the CPU through "
-            f"Triton's interpreter")
+            f"Triton's interpreter"
+        )
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:

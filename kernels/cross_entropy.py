@@ -29,8 +29,19 @@ from kernels import _runtime
 
 
 @triton.jit
-def _ce_kernel(LOGITS, stride_row, TARGETS, LOSS, GRAD, stride_grad_row, N_VALID, V, ignore_index,
-               BLOCK_V: tl.constexpr, WITH_GRAD: tl.constexpr):
+def _ce_kernel(
+    LOGITS,
+    stride_row,
+    TARGETS,
+    LOSS,
+    GRAD,
+    stride_grad_row,
+    N_VALID,
+    V,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    WITH_GRAD: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # int64: N * V passes 2^31 at GPT-2 sizes
     LOGITS += row * stride_row
     GRAD += row * stride_grad_row
@@ -66,15 +77,24 @@ def _ce_kernel(LOGITS, stride_row, TARGETS, LOSS, GRAD, stride_grad_row, N_VALID
                 tl.store(GRAD + cols, tl.zeros([BLOCK_V], GRAD.dtype.element_ty), mask=cols < V)
 
 
-def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
-                          with_grad: bool = True, block_v: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def cross_entropy_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    with_grad: bool = True,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(mean loss as a float32 scalar, d loss / d logits in the logits' dtype or None)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"fused_cross_entropy needs logits (N, V) and targets (N,); got "
-                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"fused_cross_entropy needs logits (N, V) and targets (N,); got "
+            f"{tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
     if not logits.is_floating_point() or targets.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"fused_cross_entropy needs float logits and integer targets; got {logits.dtype}, {targets.dtype}")
+        raise ValueError(
+            f"fused_cross_entropy needs float logits and integer targets; got {logits.dtype}, {targets.dtype}"
+        )
     _runtime.check_runnable(_ce_kernel, "fused_cross_entropy", logits, targets)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -87,9 +107,20 @@ def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_in
     n_valid = (targets != ignore_index).sum()
     losses = _runtime.empty((N,), dtype=torch.float32, device=logits.device)
     grad = _runtime.empty((N, V), dtype=logits.dtype, device=logits.device) if with_grad else None
-    _ce_kernel[(N,)](logits, logits.stride(0), targets, losses, grad if with_grad else logits,
-                     grad.stride(0) if with_grad else 0, n_valid, V, ignore_index,
-                     BLOCK_V=block_v, WITH_GRAD=with_grad, num_warps=8)
+    _ce_kernel[(N,)](
+        logits,
+        logits.stride(0),
+        targets,
+        losses,
+        grad if with_grad else logits,
+        grad.stride(0) if with_grad else 0,
+        n_valid,
+        V,
+        ignore_index,
+        BLOCK_V=block_v,
+        WITH_GRAD=with_grad,
+        num_warps=8,
+    )
     return losses.sum() / n_valid, grad
 
 

@@ -63,11 +63,34 @@ def _head_offset(H, stride_b, stride_h):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-                H, T, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_b,
+    sk_h,
+    sk_t,
+    sv_b,
+    sv_h,
+    sv_t,
+    so_b,
+    so_h,
+    so_t,
+    H,
+    T,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_m = tl.program_id(0) * BLOCK_M
     Q += _head_offset(H, sq_b, sq_h)
     K += _head_offset(H, sk_b, sk_h)
@@ -111,8 +134,9 @@ def _fwd_kernel(Q, K, V, O, LSE,
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sd_b, sd_h, sd_t, H, T,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_delta_kernel(
+    O, DO, DELTA, so_b, so_h, so_t, sd_b, sd_h, sd_t, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr
+):
     """DELTA_i = sum_d O_id dO_id, which equals sum_j P_ij dP_ij: the term the softmax backward
     subtracts, dS = P * (dP - DELTA). Computed once here rather than in every key-block program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,9 +151,31 @@ def _bwd_delta_kernel(O, DO, DELTA, so_b, so_h, so_t, sd_b, sd_h, sd_t, H, T,
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq_t, sk_t, sv_t, sd_t, sdk_t, T, start_n, sm_scale, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    sq_t,
+    sk_t,
+    sv_t,
+    sd_t,
+    sdk_t,
+    T,
+    start_n,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """BLOCK_N keys from start_n: dV = P^T dO and dK = scale * dS^T Q, summed over query tiles of
     BLOCK_M. Works on transposed tiles (keys as rows) so that no accumulator needs transposing."""
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -164,9 +210,30 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq_t, sk_t, sv_t, sd_t, sdk_t, T,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sq_t, sk_t, sv_t, sd_t, sdq_t, T, start_m, sm_scale, qk_scale,
-            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    sq_t,
+    sk_t,
+    sv_t,
+    sd_t,
+    sdq_t,
+    T,
+    start_m,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """BLOCK_M queries from start_m: dQ = scale * dS K, summed over the key tiles of BLOCK_N they see."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -196,11 +263,42 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sq_t, sk_t, sv_t, sd_t, sdq_t, T, start
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
-                sg_b, sg_h, sg_t, H, T, sm_scale, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_OWN: tl.constexpr, BLOCK_ITER: tl.constexpr,
-                CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DK,
+    DV,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_b,
+    sk_h,
+    sk_t,
+    sv_b,
+    sv_h,
+    sv_t,
+    sd_b,
+    sd_h,
+    sd_t,
+    sg_b,
+    sg_h,
+    sg_t,
+    H,
+    T,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_OWN: tl.constexpr,
+    BLOCK_ITER: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Program j owns positions [j*BLOCK_OWN, (j+1)*BLOCK_OWN): as keys it writes their dK and
     dV, as queries their dQ (as the Triton tutorial does: one launch, no atomics). dQ, dK and dV
     are allocated alike (strides sg_*)."""
@@ -212,10 +310,55 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
     LSE += _head_offset(H, H * T, T)
     DELTA += _head_offset(H, H * T, T)
     grads = _head_offset(H, sg_b, sg_h)
-    _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK + grads, DV + grads, sq_t, sk_t, sv_t, sd_t, sg_t, T, start,
-              sm_scale, qk_scale, HEAD_DIM, BLOCK_OWN, BLOCK_ITER, CAUSAL, UPCAST, PRECISION)
-    _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ + grads, sq_t, sk_t, sv_t, sd_t, sg_t, T, start,
-            sm_scale, qk_scale, HEAD_DIM, BLOCK_OWN, BLOCK_ITER, CAUSAL, UPCAST, PRECISION)
+    _bwd_dkdv(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DK + grads,
+        DV + grads,
+        sq_t,
+        sk_t,
+        sv_t,
+        sd_t,
+        sg_t,
+        T,
+        start,
+        sm_scale,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_OWN,
+        BLOCK_ITER,
+        CAUSAL,
+        UPCAST,
+        PRECISION,
+    )
+    _bwd_dq(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ + grads,
+        sq_t,
+        sk_t,
+        sv_t,
+        sd_t,
+        sg_t,
+        T,
+        start,
+        sm_scale,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_OWN,
+        BLOCK_ITER,
+        CAUSAL,
+        UPCAST,
+        PRECISION,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,11 +367,14 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"flash_attention needs q, k, v of one shape (B, H, T, D); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"flash_attention needs q, k, v of one shape (B, H, T, D); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
-        raise ValueError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.size(-1) not in HEAD_DIMS:
         raise ValueError(f"flash_attention supports head dims {HEAD_DIMS}; got {q.size(-1)}")
     _runtime.check_runnable(_fwd_kernel, "flash_attention", q, k, v)
@@ -254,9 +400,16 @@ def _blocks(head_dim: int, interpreted: bool) -> dict:
     return dict(fwd=(128, 64), bwd=(64, 64), num_warps=4 if head_dim <= 64 else 8)
 
 
-def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            sm_scale: float | None = None, *, block_m: int | None = None,
-                            block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(O (B, H, T, D) in q's dtype, LSE (B, H, T) fp32, natural log). Block sizes are for tests."""
     _check(q, k, v)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -268,17 +421,43 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = _runtime.empty((B, H, T), dtype=torch.float32, device=q.device)
     upcast = q.dtype == torch.bfloat16 and _runtime.is_interpreted(_fwd_kernel)
     _fwd_kernel[(triton.cdiv(T, bm), B * H)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, T, sm_scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal), UPCAST=upcast,
-        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=3)
+        q,
+        k,
+        v,
+        o,
+        lse,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *o.stride()[:3],
+        H,
+        T,
+        sm_scale * LOG2E,
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        CAUSAL=bool(causal),
+        UPCAST=upcast,
+        PRECISION=_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=3,
+    )
     return o, lse
 
 
-def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             o: torch.Tensor, lse: torch.Tensor, causal: bool = True,
-                             sm_scale: float | None = None, *, block_m: int | None = None,
-                             block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in q's dtype from dO and the forward's O and LSE. For tests: block_m is the
     tile each program owns (its keys for dK/dV, its queries for dQ), block_n the tile it steps by."""
     _check(q, k, v)
@@ -290,15 +469,37 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     own, step = block_m or cfg["bwd"][0], block_n or cfg["bwd"][1]
     delta = _runtime.empty((B, H, T), dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(triton.cdiv(T, own), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=D, BLOCK_M=own)
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T, HEAD_DIM=D, BLOCK_M=own
+    )
 
     dq, dk, dv = (_runtime.empty((B, H, T, D), dtype=q.dtype, device=q.device) for _ in range(3))
     _bwd_kernel[(triton.cdiv(T, own), B * H)](
-        q, k, v, do, lse, delta, dq, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *do.stride()[:3], *dq.stride()[:3], H, T, sm_scale, sm_scale * LOG2E,
-        HEAD_DIM=D, BLOCK_OWN=own, BLOCK_ITER=step, CAUSAL=bool(causal),
-        UPCAST=q.dtype == torch.bfloat16 and interpreted, PRECISION=_precision(q.dtype),
-        num_warps=cfg["num_warps"])
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *do.stride()[:3],
+        *dq.stride()[:3],
+        H,
+        T,
+        sm_scale,
+        sm_scale * LOG2E,
+        HEAD_DIM=D,
+        BLOCK_OWN=own,
+        BLOCK_ITER=step,
+        CAUSAL=bool(causal),
+        UPCAST=q.dtype == torch.bfloat16 and interpreted,
+        PRECISION=_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+    )
     return dq, dk, dv
 
 
@@ -308,8 +509,9 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # to compile (docs/benchmarks/2026-11-26-nvidia-h100-80gb-hbm3.md). A compiled graph calls a
 # custom op as it is, the kernels Triton compiled for eager mode included.
 @torch.library.custom_op("gptforge::flash_attention_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attention_forward(q, k, v, causal, sm_scale)
 
 
@@ -320,8 +522,16 @@ def _(q, k, v, causal, sm_scale):
 
 
 @torch.library.custom_op("gptforge::flash_attention_bwd", mutates_args=())
-def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_attention_backward(do, q, k, v, o, lse, causal, sm_scale)
 
 
@@ -346,8 +556,9 @@ def _backward(ctx, do, _dlse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    sm_scale: float | None = None) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sm_scale: float | None = None
+) -> torch.Tensor:
     """softmax(q k^T * sm_scale [+ causal mask]) v for (B, H, T, D) tensors, differentiable.
 
     sm_scale defaults to 1/sqrt(D). q, k and v share shape and dtype (fp32, fp16 or bf16) and D is

@@ -11,8 +11,9 @@ import math
 import torch
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                        sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sm_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T * scale [causal: keys j <= query i]) v, log-sum-exp of each score row)."""
     scale = 1.0 / math.sqrt(q.size(-1)) if sm_scale is None else sm_scale
     s = (q @ k.transpose(-2, -1)) * scale

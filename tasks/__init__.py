@@ -35,8 +35,9 @@ class PrefectSteps(Steps):
             "persist_result": False,
         }
         if retry is not None:
-            options.update(retries=retry.retries, retry_delay_seconds=retry.delays() or 0,
-                           retry_condition_fn=_retry_condition)
+            options.update(
+                retries=retry.retries, retry_delay_seconds=retry.delays() or 0, retry_condition_fn=_retry_condition
+            )
         try:
             return task(fn, **options)(*args, **kwargs)
         except Exception as e:

@@ -24,8 +24,17 @@ from pathlib import Path
 
 from websockets.sync.client import connect
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1600,1000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1600,1000",
+]
 
 
 def find_chromium() -> str | None:
@@ -35,9 +44,12 @@ def find_chromium() -> str | None:
 class Browser:
     def __init__(self, binary: str, port: int) -> None:
         self.profile = tempfile.mkdtemp(prefix="gptforge-chromium-")
-        self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile}",
-                                      f"--remote-debugging-port={port}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [binary, *FLAGS, f"--user-data-dir={self.profile}", f"--remote-debugging-port={port}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.port = port
         deadline = time.monotonic() + 60
         while True:
@@ -141,8 +153,9 @@ class Page:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=await_promise)
         if "exceptionDetails" in result:
             details = result["exceptionDetails"]
-            raise RuntimeError(f"{expression[:80]!r}: "
-                               f"{details.get('exception', {}).get('description', details.get('text'))}")
+            raise RuntimeError(
+                f"{expression[:80]!r}: {details.get('exception', {}).get('description', details.get('text'))}"
+            )
         return result.get("result", {}).get("value")
 
     def wait_for(self, expression: str, timeout: float = 30, interval: float = 0.05, what: str | None = None):
@@ -160,22 +173,28 @@ class Page:
     def wait_for_selector(self, selector: str, timeout: float = 30, visible: bool = True) -> None:
         """Wait until an element matches `selector` (and, with `visible`, has a box on screen)."""
         sel = json.dumps(selector)
-        check = (f"(() => {{ const e = document.querySelector({sel}); "
-                 f"return !!e && {'e.getClientRects().length > 0' if visible else 'true'}; }})()")
+        check = (
+            f"(() => {{ const e = document.querySelector({sel}); "
+            f"return !!e && {'e.getClientRects().length > 0' if visible else 'true'}; }})()"
+        )
         self.wait_for(check, timeout, what=f"{'a visible ' if visible else ''}{selector}")
 
     def wait_for_text(self, selector: str, text: str, timeout: float = 30) -> str:
         """Wait until the element's textContent contains `text`; returns that textContent."""
         sel, want = json.dumps(selector), json.dumps(text)
-        self.wait_for(f"(() => {{ const e = document.querySelector({sel}); "
-                      f"return !!e && e.textContent.includes({want}); }})()", timeout,
-                      what=f"{text!r} in {selector}")
+        self.wait_for(
+            f"(() => {{ const e = document.querySelector({sel}); return !!e && e.textContent.includes({want}); }})()",
+            timeout,
+            what=f"{text!r} in {selector}",
+        )
         return self.text(selector)
 
     def text(self, selector: str) -> str:
         """The element's textContent (raises when nothing matches)."""
-        value = self.evaluate(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
-                              "return e === null ? null : e.textContent; })()")
+        value = self.evaluate(
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+            "return e === null ? null : e.textContent; })()"
+        )
         if value is None:
             raise LookupError(f"no element matches {selector}")
         return value

@@ -38,11 +38,21 @@ class ChatEndpoint:
                 answer = endpoint.answer(body)
                 if not isinstance(answer, str):
                     return self._send(*answer)
-                self._send(200, {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
-                                 "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": answer}}],
-                                 "usage": {"prompt_tokens": len(json.dumps(body["messages"])) // 4,
-                                           "completion_tokens": max(1, len(answer) // 4)}})
+                self._send(
+                    200,
+                    {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}
+                        ],
+                        "usage": {
+                            "prompt_tokens": len(json.dumps(body["messages"])) // 4,
+                            "completion_tokens": max(1, len(answer) // 4),
+                        },
+                    },
+                )
 
             def _send(self, status, payload):
                 data = json.dumps(payload).encode()

@@ -28,8 +28,9 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "gptforge"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "gptforge"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -66,11 +67,22 @@ def set_params(repo: Path, **dotted) -> None:
 def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_file: Path) -> dict[str, Any]:
     """Params (dotted keys) that run every stage of the pipeline on local fixtures in seconds."""
     hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text("".join(json.dumps({
-        "activity_label": "Cooking", "ctx_a": f"A man cuts onion number {i}.", "ctx_b": "he",
-        "ctx": f"A man cuts onion number {i}. he", "label": i % 4,
-        "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]}) + "\n"
-        for i in range(6)))
+    hellaswag.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "activity_label": "Cooking",
+                    "ctx_a": f"A man cuts onion number {i}.",
+                    "ctx_b": "he",
+                    "ctx": f"A man cuts onion number {i}. he",
+                    "label": i % 4,
+                    "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."],
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat and the dog\n" * 400)
     return {
@@ -82,28 +94,67 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         "data.classify.source": str(sms_file),
         "data.instruct.source": str(alpaca_file),
         # a small, short pretraining run on the small tokenizer (281 ids)
-        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 128, "model.vocab_size": 320,
-        "pretrain.batch_size": 2, "pretrain.batch_tokens": 256, "pretrain.max_steps": 4, "pretrain.warmup_steps": 1,
-        "pretrain.eval_interval": 2, "pretrain.eval_steps": 1, "pretrain.ckpt_interval": 2, "pretrain.log_interval": 1,
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.n_embd": 32,
+        "model.block_size": 128,
+        "model.vocab_size": 320,
+        "pretrain.batch_size": 2,
+        "pretrain.batch_tokens": 256,
+        "pretrain.max_steps": 4,
+        "pretrain.warmup_steps": 1,
+        "pretrain.eval_interval": 2,
+        "pretrain.eval_steps": 1,
+        "pretrain.ckpt_interval": 2,
+        "pretrain.log_interval": 1,
         # one short epoch of each fine-tuning on the fixtures
-        "classify.epochs": 1, "classify.batch_size": 4, "classify.eval_interval": 2, "classify.eval_batches": 1,
-        "instruct.epochs": 1, "instruct.batch_size": 4, "instruct.eval_interval": 2, "instruct.eval_batches": 1,
-        "instruct.n_responses": 2, "instruct.max_new_tokens": 8,
+        "classify.epochs": 1,
+        "classify.batch_size": 4,
+        "classify.eval_interval": 2,
+        "classify.eval_batches": 1,
+        "instruct.epochs": 1,
+        "instruct.batch_size": 4,
+        "instruct.eval_interval": 2,
+        "instruct.eval_batches": 1,
+        "instruct.n_responses": 2,
+        "instruct.max_new_tokens": 8,
         # DPO on a few of the embedded preference pairs (the data stage reads the whole sample)
-        "preference.max_samples": 8, "preference.batch_size": 4, "preference.n_responses": 2,
-        "preference.max_new_tokens": 8, "preference.eval_interval": 1000, "data.preference.splits": [0.97, 0.01, 0.02],
+        "preference.max_samples": 8,
+        "preference.batch_size": 4,
+        "preference.n_responses": 2,
+        "preference.max_new_tokens": 8,
+        "preference.eval_interval": 1000,
+        "data.preference.splits": [0.97, 0.01, 0.02],
         # a reward model on the same few pairs, and two GRPO steps of 2 prompts x 2 short answers
-        "reward.max_samples": 8, "reward.batch_size": 4, "reward.eval_interval": 1000,
-        "rl.max_prompts": 4, "rl.batch_size": 4, "rl.num_generations": 2, "rl.max_completion_length": 8,
-        "rl.max_new_tokens": 8, "rl.n_responses": 2,
-        "benchmark.variants": ["baseline", "sdpa"], "benchmark.steps": 1, "benchmark.warmup": 1,
-        "benchmark.attention_seq_lens": [16], "benchmark.ce_vocab_sizes": [512], "benchmark.ce_rows": 32,
+        "reward.max_samples": 8,
+        "reward.batch_size": 4,
+        "reward.eval_interval": 1000,
+        "rl.max_prompts": 4,
+        "rl.batch_size": 4,
+        "rl.num_generations": 2,
+        "rl.max_completion_length": 8,
+        "rl.max_new_tokens": 8,
+        "rl.n_responses": 2,
+        "benchmark.variants": ["baseline", "sdpa"],
+        "benchmark.steps": 1,
+        "benchmark.warmup": 1,
+        "benchmark.attention_seq_lens": [16],
+        "benchmark.ce_vocab_sizes": [512],
+        "benchmark.ce_rows": 32,
         "benchmark.profile_steps": 1,
-        "evaluate.tasks": ["hellaswag"], "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4,
+        "evaluate.tasks": ["hellaswag"],
+        "evaluate.hellaswag.source": str(hellaswag),
+        "evaluate.batch_size": 4,
         "instruct.template": "phi3",  # Alpaca's preamble is ~130 ids with the byte-level test tokenizer
         # the quickstart's real model (SmolLM2 from its GGUF file: tests/test_gguf_in.py) is left out;
         # an instruct variant of the tiny GPT stands in for its SFT, scored before and after
         "base.models": {},
-        "instruct_variants.models": {"tiny": {"init_from": "checkpoints/pretrain/final", "max_samples": 8,
-                                              "score_before": True, "n_responses": 1}},
+        "instruct_variants.models": {
+            "tiny": {
+                "init_from": "checkpoints/pretrain/final",
+                "max_samples": 8,
+                "score_before": True,
+                "n_responses": 1,
+            }
+        },
     }

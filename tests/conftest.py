@@ -18,8 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 # absl (which rouge-score imports) makes a logging handler at import whose stream is the
 # sys.stderr of that moment: inside a test, pytest's capture stream. Prefect's import runs
 # logging.config.dictConfig, which closes every handler made so far, and absl's handler closes
@@ -27,6 +25,7 @@ import pytest
 # sys.stderr") in whatever test imports Prefect after one that imported rouge-score. Made here,
 # before any test, on the real stderr (which absl never closes).
 import absl.logging  # noqa: E402
+import pytest
 
 absl.logging.get_absl_handler().python_handler.setStream(sys.__stderr__)
 
@@ -67,7 +66,11 @@ def pytest_sessionfinish(session, exitstatus):
     for proc in psutil.process_iter(["cmdline", "cwd"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if {"flows.recorder", "flows.recorder_host"} & set(cmd) and base and (proc.info["cwd"] or "").startswith(base):
+            if (
+                {"flows.recorder", "flows.recorder_host"} & set(cmd)
+                and base
+                and (proc.info["cwd"] or "").startswith(base)
+            ):
                 proc.terminate()
         except (psutil.Error, OSError):
             pass
@@ -127,8 +130,11 @@ def sms_file(tmp_path) -> Path:
 @pytest.fixture
 def alpaca_file(tmp_path) -> Path:
     records = [
-        {"instruction": f"Give a synonym for word number {i}.", "input": "" if i % 3 else f"word {i}",
-         "output": f"synonym {i}"}
+        {
+            "instruction": f"Give a synonym for word number {i}.",
+            "input": "" if i % 3 else f"word {i}",
+            "output": f"synonym {i}",
+        }
         for i in range(40)
     ]
     path = tmp_path / "alpaca_data.json"
@@ -154,13 +160,20 @@ def prefect_api(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     # The UI asks this URL for its data (its default is port 4200).
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_API_URL": url}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": url,
+    }
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         wait_http(f"{url}/health", timeout=120, proc=proc)
@@ -191,13 +204,30 @@ def mlflow_server(tmp_path, mlflow_uri):
     migrated one (migrations cost ~7 s)."""
     folder = tmp_path / "mlflow-server"
     folder.mkdir()
-    shutil.copy(mlflow_uri[len("sqlite:///"):], folder / "mlflow.db")
+    shutil.copy(mlflow_uri[len("sqlite:///") :], folder / "mlflow.db")
     port = free_port()
     log = open(folder / "server.log", "w")
     proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts")],
-        cwd=folder, env=cli_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{folder}/mlflow.db",
+            "--artifacts-destination",
+            str(folder / "artifacts"),
+        ],
+        cwd=folder,
+        env=cli_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", timeout=120, proc=proc)

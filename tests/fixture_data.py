@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from chat_endpoint import ChatEndpoint
+
 from gptforge.runtime.tracking import NullRun  # imported after conftest.py has set the environment
 
 
@@ -38,8 +39,32 @@ def write_tiktoken(path: Path, tokens: list[bytes]) -> Path:
 
 
 # Merges in rank order; each is the concatenation of two earlier tokens.
-SMALL_MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ", b"\n\n", b"er", b" a", b"an",
-                b"and", b" and", b"ou", b"is", b" is", b"re", b"on", b" o", b" of", b"e ", b".\n", b"\r\n"]
+SMALL_MERGES = [
+    b"th",
+    b"he",
+    b"the",
+    b" t",
+    b" the",
+    b"in",
+    b"ing",
+    b"  ",
+    b"\n\n",
+    b"er",
+    b" a",
+    b"an",
+    b"and",
+    b" and",
+    b"ou",
+    b"is",
+    b" is",
+    b"re",
+    b"on",
+    b" o",
+    b" of",
+    b"e ",
+    b".\n",
+    b"\r\n",
+]
 
 
 SMS_LINES = [

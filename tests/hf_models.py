@@ -43,15 +43,25 @@ def make_tokenizer(folder: Path, chat_template: str | None = CHATML):
     return tok
 
 
-def make_tiny_causal_lm(folder: Path, arch: str = "llama", *, seed: int = 0, chat_template: str | None = CHATML,
-                        max_positions: int = 256) -> Path:
+def make_tiny_causal_lm(
+    folder: Path, arch: str = "llama", *, seed: int = 0, chat_template: str | None = CHATML, max_positions: int = 256
+) -> Path:
     """A random `arch` (llama | qwen2) causal LM with the GPT-2 tokenizer in `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=max_positions, bos_token_id=50256,
-                 eos_token_id=50256, tie_word_embeddings=False)
+    shape = dict(
+        vocab_size=50257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        tie_word_embeddings=False,
+    )
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**shape))
@@ -65,6 +75,7 @@ def make_tiny_encoder(folder: Path) -> Path:
     """A random BERT (an encoder, not a causal LM) saved in `folder`."""
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(str(folder))
+    BertModel(
+        BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    ).save_pretrained(str(folder))
     return folder

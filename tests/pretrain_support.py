@@ -20,12 +20,25 @@ from safetensors.torch import load_file
 from gptforge.config.load import load_config
 from gptforge.data.pretrain import prepare_pretrain
 
-
 # A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
-SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.vocab_size=320",
-         "pretrain.batch_size=4", "pretrain.batch_tokens=64", "pretrain.warmup_steps=2", "pretrain.lr=0.01",
-         "pretrain.min_lr=0.001", "pretrain.eval_interval=5", "pretrain.eval_steps=2", "pretrain.log_interval=1",
-         "pretrain.ckpt_interval=5", "tracking.enabled=false", "pretrain.device=cpu"]
+SMALL = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "model.vocab_size=320",
+    "pretrain.batch_size=4",
+    "pretrain.batch_tokens=64",
+    "pretrain.warmup_steps=2",
+    "pretrain.lr=0.01",
+    "pretrain.min_lr=0.001",
+    "pretrain.eval_interval=5",
+    "pretrain.eval_steps=2",
+    "pretrain.log_interval=1",
+    "pretrain.ckpt_interval=5",
+    "tracking.enabled=false",
+    "pretrain.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +50,17 @@ def shards(tmp_path_factory, small_tokenizer) -> Path:
     gen = torch.Generator().manual_seed(0)
     text = " ".join(words[i] for i in torch.randint(0, len(words), (30_000,), generator=gen).tolist())
     corpus.write_text(text)
-    cfg = load_config(None, [f"data.pretrain.source={corpus}", f"tokenizer.path={small_tokenizer}",
-                             "data.pretrain.val_tokens=2000", "data.pretrain.shard_tokens=20000",
-                             "data.pretrain.workers=1", "tracking.enabled=false"])
+    cfg = load_config(
+        None,
+        [
+            f"data.pretrain.source={corpus}",
+            f"tokenizer.path={small_tokenizer}",
+            "data.pretrain.val_tokens=2000",
+            "data.pretrain.shard_tokens=20000",
+            "data.pretrain.workers=1",
+            "tracking.enabled=false",
+        ],
+    )
     prepare_pretrain(cfg, out_dir=root / "data/pretrain", metrics_path=root / "m.json")
     return root / "data/pretrain"
 

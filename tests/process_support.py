@@ -64,8 +64,13 @@ def prefect_home(folder: Path) -> Path:
             work.mkdir()
             env = {**os.environ, "PREFECT_HOME": str(work)}
             env.pop("PREFECT_API_URL", None)
-            subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env, check=True,
-                           capture_output=True, timeout=300)
+            subprocess.run(
+                [str(BIN / "prefect"), "server", "database", "upgrade", "-y"],
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
             work.rename(template.parent)
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(template, folder / "prefect.db")
@@ -108,13 +113,14 @@ def records_delivered(folder: Path, within: float = 120.0) -> None:
     records = folder / ".gptforge" / "records"
     while list(records.glob("*.jsonl")):
         log = folder / ".gptforge" / "recorder" / "recorder.log"
-        assert time.monotonic() < deadline, (f"journals not delivered within {within:.0f} s: "
-                                             f"{(log.read_text() if log.exists() else '(no recorder log)')[-3000:]}")
+        assert time.monotonic() < deadline, (
+            f"journals not delivered within {within:.0f} s: "
+            f"{(log.read_text() if log.exists() else '(no recorder log)')[-3000:]}"
+        )
         time.sleep(0.1)
 
 
-def wait_until(condition, proc: subprocess.Popen, log: Path, what: str, within: float = 300.0,
-               alive=None) -> None:
+def wait_until(condition, proc: subprocess.Popen, log: Path, what: str, within: float = 300.0, alive=None) -> None:
     """Until `condition()` holds; fails if `proc` (or what `alive()` watches) ends first, showing
     the end of `log`. `within` is a bound against a hang only (a command starting under load:
     imports, Prefect, MLflow)."""

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from hf_models import make_tiny_causal_lm
 from serve_support import tiny_classifier, tiny_gpt
 
@@ -23,8 +22,12 @@ PROMPT = "The capital of France is"
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     gpt = tiny_gpt(root / "tiny")
-    return {"tiny": gpt, "llama": make_tiny_causal_lm(root / "llama", "llama", max_positions=1024),
-            "spam": tiny_classifier(root / "spam", gpt), "root": root}
+    return {
+        "tiny": gpt,
+        "llama": make_tiny_causal_lm(root / "llama", "llama", max_positions=1024),
+        "spam": tiny_classifier(root / "spam", gpt),
+        "root": root,
+    }
 
 
 def running(server) -> float:

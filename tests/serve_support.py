@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from cli_support import BIN, REPO
 from process_support import free_port, stop_process, wait_http
 
@@ -50,10 +49,14 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = cwd / f"serve-{self.port}.log"
-        self.proc = subprocess.Popen([str(BIN / "gptforge"), "serve", *models, "--port", str(self.port),
-                                      "--params", str(PARAMS), *args],
-                                     cwd=cwd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(BIN / "gptforge"), "serve", *models, "--port", str(self.port), "--params", str(PARAMS), *args],
+            cwd=cwd,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_http(f"{self.url}/health", timeout, self.proc)
         except Exception:

@@ -11,8 +11,8 @@ import types
 import urllib.request
 
 import pytest
-
 from fixture_data import FakeJudge
+
 from gptforge import openai_client
 from gptforge.errors import BadInput
 from gptforge.finetune import answer_quality as Q
@@ -71,8 +71,12 @@ def test_rouge_l_is_lcs_f_measure():
 
 ROWS = [
     {"instruction": "Name the capital of France.", "input": "", "reference": "Paris", "response": "Paris"},
-    {"instruction": "Convert to passive voice.", "input": "The cat chased the mouse.",
-     "reference": "The mouse was chased by the cat.", "response": "The cat was chasing."},
+    {
+        "instruction": "Convert to passive voice.",
+        "input": "The cat chased the mouse.",
+        "reference": "The mouse was chased by the cat.",
+        "response": "The cat was chasing.",
+    },
     {"instruction": "Say something.", "input": "", "reference": "Hello.", "response": "stack overflow"},
 ]
 

@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
+from fixture_data import FakeRun
+from test_bench import SMALL
 
 from gptforge.bench import grid as bench
 from gptforge.bench.stage import benchmark
 from gptforge.config.load import load_config
-from fixture_data import FakeRun
-from test_bench import SMALL
 
 
 class FakeClock:
@@ -75,9 +75,14 @@ def test_a_slow_variant_is_not_kept_and_the_chain_goes_on_from_the_best(tmp_path
     built, calls = fake(baseline=1.0, bf16=30.0, sdpa=0.5, vocab50304=0.25)
     cfg = load_config(None, [*SMALL, "benchmark.steps=3", "benchmark.variants=[baseline, bf16, sdpa, vocab50304]"])
     run = Tags()
-    metrics = benchmark(cfg, run=run, metrics_path=tmp_path / "metrics/benchmark.json",
-                              report_path=tmp_path / "reports/benchmark.md", plots_dir=tmp_path / "plots",
-                              trace_dir=tmp_path / "reports/traces")
+    metrics = benchmark(
+        cfg,
+        run=run,
+        metrics_path=tmp_path / "metrics/benchmark.json",
+        report_path=tmp_path / "reports/benchmark.md",
+        plots_dir=tmp_path / "plots",
+        trace_dir=tmp_path / "reports/traces",
+    )
 
     by_name = {v.name: v for v in built}
     assert by_name["bf16"].precision == "bf16"
@@ -142,8 +147,11 @@ def test_a_variant_that_fails_is_a_row_and_the_chain_goes_on(tmp_path, fake, mon
     cfg = load_config(None, [*SMALL, "benchmark.steps=3", "benchmark.variants=[baseline, sdpa, vocab50304]"])
     rows = bench.run_variants(cfg, torch.device("cpu"), 2, 32)
     by_name = {r["variant"]: r for r in rows}
-    assert by_name["sdpa"] == {"variant": "sdpa", "change": by_name["sdpa"]["change"],
-                               "skipped": "failed: RuntimeError: CompilationError at 40:14"}
+    assert by_name["sdpa"] == {
+        "variant": "sdpa",
+        "change": by_name["sdpa"]["change"],
+        "skipped": "failed: RuntimeError: CompilationError at 40:14",
+    }
     assert by_name["vocab50304"]["kept"] and by_name["vocab50304"]["builds_on"] == "baseline"
     assert built[-1].attention == "math" and built[-1].vocab_size == 50304
     assert "sdpa" not in calls and calls["vocab50304"] == 1 + 3
@@ -164,13 +172,13 @@ def test_time_step_stops_at_the_first_hopeless_step_after_settling():
     def step():
         now[0] += next(durations)
 
-    times, stopped = bench.time_step(step, torch.device("cpu"), 2, 4, settle=1, stop_over_s=10.0,
-                                     clock=lambda: now[0])
+    times, stopped = bench.time_step(step, torch.device("cpu"), 2, 4, settle=1, stop_over_s=10.0, clock=lambda: now[0])
     assert stopped and times == [1.0, 50.0]  # timed steps so far, the slow one included
     now[0], durations = 0.0, iter([100.0, 50.0])
-    times, stopped = bench.time_step(step, torch.device("cpu"), 3, 4, settle=1, stop_over_s=10.0,
-                                     clock=lambda: now[0])
+    times, stopped = bench.time_step(step, torch.device("cpu"), 3, 4, settle=1, stop_over_s=10.0, clock=lambda: now[0])
     assert stopped and times == [50.0]  # stopped during warm-up: the judged warm-up step
     now[0], durations = 0.0, iter([100.0] + [1.0] * 5)
     assert bench.time_step(step, torch.device("cpu"), 2, 4, stop_over_s=10.0, clock=lambda: now[0]) == (
-        [1.0] * 4, False)
+        [1.0] * 4,
+        False,
+    )

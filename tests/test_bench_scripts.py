@@ -17,10 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_script(name: str, *args: str, timeout: int = 300) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 @pytest.mark.slow  # a benchmark script in its own interpreter: ~9 s here
@@ -44,9 +50,29 @@ def test_bench_train_step_reports_the_median_of_the_timed_steps():
 
 @pytest.mark.slow
 def test_bench_lora_trains_both_recipes_on_the_same_real_tokens():
-    r = run_script("bench_lora.py", "--recipes", "ours,stock", "--steps", "3", "--warmup", "1", "--repeats", "1",
-                   "--hidden", "32", "--layers", "1", "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
-                   "--heldout", "8")
+    r = run_script(
+        "bench_lora.py",
+        "--recipes",
+        "ours,stock",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--intermediate",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--heldout",
+        "8",
+    )
     assert set(r["recipes"]) == {"ours", "stock"}
     for key in ("speedup", "heldout_loss_ratio", "heldout_loss_initial", "target_met", "machine", "settings"):
         assert key in r

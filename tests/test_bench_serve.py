@@ -38,24 +38,41 @@ USAGE = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens
 
 
 def test_parse_times_the_first_text_and_the_gaps_and_reads_the_usage_chunk(bench):
-    raw = {"status": 200, "sent": 10.0, "events": [
-        (10.5, chunk("")), (10.6, chunk("a")), (10.7, chunk("b")),
-        (10.9, b'data: {"choices": [{"index": 0, "delta": {"content": "cd"}}]}'),
-        (11.0, USAGE), (11.0, b"data: [DONE]")]}
+    raw = {
+        "status": 200,
+        "sent": 10.0,
+        "events": [
+            (10.5, chunk("")),
+            (10.6, chunk("a")),
+            (10.7, chunk("b")),
+            (10.9, b'data: {"choices": [{"index": 0, "delta": {"content": "cd"}}]}'),
+            (11.0, USAGE),
+            (11.0, b"data: [DONE]"),
+        ],
+    }
     p = bench.parse(raw)
     assert p["ttft"] == pytest.approx(0.6) and p["gaps"] == pytest.approx([0.1, 0.2])
     assert p["text"] == "abcd" and p["events"] == 3
     assert p["completion_tokens"] == 4 and p["prompt_tokens"] == 3
 
 
-@pytest.mark.parametrize("raw, why", [
-    ({"status": 429, "sent": 0.0, "events": [(0.1, b'{"error": {"message": "queue full"}}')]}, "status 429"),
-    ({"status": 200, "sent": 0.0, "events": [(0.1, chunk("a")), (0.2, USAGE)]}, "no [DONE]"),
-    ({"status": 200, "sent": 0.0, "events": [(0.1, chunk("a")), (0.2, b"data: [DONE]")]}, "no usage"),
-    ({"status": 200, "sent": 0.0, "events": [(0.1, b'data: {"error": {"message": "boom"}}'),
-                                             (0.2, b"data: [DONE]")]}, "boom"),
-    ({"error": "ConnectionResetError: gone"}, "ConnectionResetError"),
-])
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        ({"status": 429, "sent": 0.0, "events": [(0.1, b'{"error": {"message": "queue full"}}')]}, "status 429"),
+        ({"status": 200, "sent": 0.0, "events": [(0.1, chunk("a")), (0.2, USAGE)]}, "no [DONE]"),
+        ({"status": 200, "sent": 0.0, "events": [(0.1, chunk("a")), (0.2, b"data: [DONE]")]}, "no usage"),
+        (
+            {
+                "status": 200,
+                "sent": 0.0,
+                "events": [(0.1, b'data: {"error": {"message": "boom"}}'), (0.2, b"data: [DONE]")],
+            },
+            "boom",
+        ),
+        ({"error": "ConnectionResetError: gone"}, "ConnectionResetError"),
+    ],
+)
 def test_parse_counts_failed_requests_as_errors(bench, raw, why):
     assert why in bench.parse(raw)["error"]
 
@@ -71,11 +88,34 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     out = tmp_path / "serve.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--measures", "ceiling,levels", "--clients", "1,2", "--requests", "2", "--rounds", "1", "--max-tokens", "8",
-         "--max-batch", "2", "--repeats", "1", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--measures",
+            "ceiling,levels",
+            "--clients",
+            "1,2",
+            "--requests",
+            "2",
+            "--rounds",
+            "1",
+            "--max-tokens",
+            "8",
+            "--max-batch",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout[proc.stdout.index("{"):])
+    r = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert json.loads(out.read_text()) == r
     assert [lv["clients"] for lv in r["levels"]] == [1, 2]
     for lv in r["levels"]:
@@ -94,8 +134,9 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
     assert r["same_text_as_generate"] is True  # greedy through the server = direct generate
     assert r["direct_generate"]["b1"]["tokens_per_sec"] > 0 and "b2" in r["direct_generate"]
     t = r["targets"]
-    assert t["scaling"] == pytest.approx(r["levels"][1]["aggregate_tokens_per_sec"]
-                                         / r["levels"][0]["aggregate_tokens_per_sec"], rel=0.01)
+    assert t["scaling"] == pytest.approx(
+        r["levels"][1]["aggregate_tokens_per_sec"] / r["levels"][0]["aggregate_tokens_per_sec"], rel=0.01
+    )
     assert t["errors"] == 0 and t["errors_met"] is True
     md = out.with_suffix(".md").read_text()
     assert "| clients |" in md and "## Where the time goes" in md
@@ -105,9 +146,24 @@ def test_bench_serve_runs_against_the_server_and_writes_its_reports(tmp_path):
 def test_bench_serve_hf_runs_and_the_engine_gives_generates_tokens(tmp_path):
     out = tmp_path / "hf.json"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_hf.py"), "--clients", "1,3",
-                           "--new-tokens", "3", "--repeats", "1", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_serve_hf.py"),
+            "--clients",
+            "1,3",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     levels = json.loads(out.read_text())["levels"]
     assert [level["clients"] for level in levels] == [1, 3]

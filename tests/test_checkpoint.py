@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from gptforge.errors import BadInput
+from gptforge.io import sha256_file
 from gptforge.training.checkpoint import (
     capture_rng,
     list_checkpoints,
@@ -21,8 +23,6 @@ from gptforge.training.checkpoint import (
     step_of,
     verify,
 )
-from gptforge.errors import BadInput
-from gptforge.io import sha256_file
 
 FILES = ("model.safetensors", "config.json", "state.pt")
 
@@ -40,8 +40,14 @@ def fake_model(tag: str):
 def a_state(step: int) -> dict:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3, betas=(0.9, 0.95))
     opt.step()  # AdamW state: step tensors, exp_avg, nested dicts, tuples, None
-    return {"step": step, "optimizer": opt.state_dict(), "loader": {"epoch": 0, "position": step},
-            "rng": capture_rng(), "loss": 1.5, "name": "run"}
+    return {
+        "step": step,
+        "optimizer": opt.state_dict(),
+        "loader": {"epoch": 0, "position": step},
+        "rng": capture_rng(),
+        "loss": 1.5,
+        "name": "run",
+    }
 
 
 def save(root: Path, step: int, keep_last: int | None = 3) -> Path:
@@ -260,8 +266,14 @@ def test_step_of_refuses_other_names(tmp_path):
 
 
 def draw() -> list:
-    return [torch.rand(3).tolist(), torch.randn(2).tolist(), np.random.rand(3).tolist(), np.random.randn(),
-            random.random(), random.gauss(0, 1)]
+    return [
+        torch.rand(3).tolist(),
+        torch.randn(2).tolist(),
+        np.random.rand(3).tolist(),
+        np.random.randn(),
+        random.random(),
+        random.gauss(0, 1),
+    ]
 
 
 def test_rng_round_trip_through_a_checkpoint(tmp_path):

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 import yaml
-
 from cli_support import REPO, cli_env, error_lines, run_cli, snapshot
 from process_support import free_port
+
 from gptforge.cli import main
 
 
@@ -37,8 +37,17 @@ def test_help_lists_only_existing_stages(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for present in ("prepare", "config", "pretrain", "finetune", "evaluate", "benchmark", "classify", "generate",
-                    "export"):
+    for present in (
+        "prepare",
+        "config",
+        "pretrain",
+        "finetune",
+        "evaluate",
+        "benchmark",
+        "classify",
+        "generate",
+        "export",
+    ):
         assert f"    {present}" in out
     for args in (["prepare", "--help"], ["prepare", "classify", "--help"], ["config", "show", "--help"]):
         with pytest.raises(SystemExit) as e:
@@ -48,8 +57,9 @@ def test_help_lists_only_existing_stages(capsys):
 
 
 def test_config_show_prints_resolved_yaml(workdir, capsys):
-    rc, out, err = call(capsys, "config", "show", "-S", "data.pretrain.max_tokens=1234",
-                        "-S", "data.classify.splits=[0.8, 0.1, 0.1]")
+    rc, out, err = call(
+        capsys, "config", "show", "-S", "data.pretrain.max_tokens=1234", "-S", "data.classify.splits=[0.8, 0.1, 0.1]"
+    )
     assert rc == 0, err
     shown = yaml.safe_load(out)
     assert shown["data"]["pretrain"]["max_tokens"] == 1234
@@ -67,8 +77,11 @@ def test_plan_counts_what_the_models_hold(workdir, capsys, tmp_path):
 
     rc, out, err = call(capsys, "plan", "--gpus", "4")
     assert rc == 0, err
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
-            if line.split() and line.split()[0] in ("ddp", "zero1", "fsdp")}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in ("ddp", "zero1", "fsdp")
+    }
     assert list(rows) == ["ddp", "zero1", "fsdp"] and "stage: pretrain" in out
     from gptforge.config.load import load_config
 
@@ -78,16 +91,41 @@ def test_plan_counts_what_the_models_hold(workdir, capsys, tmp_path):
     assert float(rows["fsdp"][2]) == pytest.approx(8 * n / 4 / 2**30, abs=0.006)  # AdamW's states over 4 GPUs
 
     folder = tmp_path / "tiny-llama"
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+    )
     cfg.save_pretrained(folder)
     model = transformers.LlamaForCausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                             "gate_proj", "up_proj", "down_proj"]))
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ),
+    )
     trained = sum(p.numel() for p in lora.parameters() if p.requires_grad)
-    rc, out, err = call(capsys, "plan", "--stage", "instruct", "--gpus", "1", "--gpu-memory", "1MB",
-                        "-S", f"instruct.init_from={folder}", "-S", "instruct.method=lora", "-S", "instruct.lora.r=4")
+    rc, out, err = call(
+        capsys,
+        "plan",
+        "--stage",
+        "instruct",
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "1MB",
+        "-S",
+        f"instruct.init_from={folder}",
+        "-S",
+        "instruct.method=lora",
+        "-S",
+        "instruct.lora.r=4",
+    )
     assert rc == 0, err
     assert f"{total / 1e6:,.1f}M parameters, {trained / 1e6:,.1f}M trained" in out, out
     assert all(line.endswith("  no") for line in out.splitlines() if line.split()[:1] in (["ddp"], ["zero1"], ["fsdp"]))
@@ -104,8 +142,17 @@ def closed_port_url() -> str:
 
 def test_unreachable_url_fails_after_retries_without_partial_file(workdir, capsys):
     url = closed_port_url()
-    rc, out, err = call(capsys, "prepare", "classify", "-S", f"data.classify.source={url}",
-                        "-S", "data.download.retries=2", "-S", "data.download.backoff=0.01")
+    rc, out, err = call(
+        capsys,
+        "prepare",
+        "classify",
+        "-S",
+        f"data.classify.source={url}",
+        "-S",
+        "data.download.retries=2",
+        "-S",
+        "data.download.backoff=0.01",
+    )
     assert rc == 1
     [line] = error_lines(err)
     assert url in line and "after 3 attempts" in line and "set data.classify.source to a local copy" in line
@@ -116,8 +163,12 @@ def test_unreachable_url_fails_after_retries_without_partial_file(workdir, capsy
 
 def test_process_exit_code_and_single_line(tmp_path):
     """The installed console script itself: exit 2 and exactly one stderr line."""
-    r = run_cli(["config", "show", "-S", "data.pretrain.max_tokns=5"], cwd=tmp_path,
-                env=cli_env(GPTFORGE_PREFECT="0"), timeout=60)
+    r = run_cli(
+        ["config", "show", "-S", "data.pretrain.max_tokns=5"],
+        cwd=tmp_path,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+        timeout=60,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "gptforge: error: config with -S overrides: unknown key 'data.pretrain.max_tokns' "
@@ -147,8 +198,9 @@ def test_the_last_line_is_a_line_of_its_own_after_a_bar_cut_off_mid_draw(capsys,
     rc = cli.main(["config", "show"])
     err = capsys.readouterr().err
     assert rc == (143 if raised == "stop" else 2)
-    assert err.splitlines()[-1] == ("gptforge: stopped by SIGTERM" if raised == "stop"
-                                    else "gptforge: error: no such file"), err
+    assert err.splitlines()[-1] == (
+        "gptforge: stopped by SIGTERM" if raised == "stop" else "gptforge: error: no such file"
+    ), err
     assert err.endswith("batch/s]\n" + err.splitlines()[-1] + "\n")
     assert sys.stderr is not None and not hasattr(sys.stderr, "at_line_start")  # main() put stderr back
 
@@ -159,8 +211,9 @@ def test_the_last_line_is_a_line_of_its_own_after_a_bar_cut_off_mid_draw(capsys,
 
 def prefect_get(api: str, path: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"{api}{path}", data=data, method="POST" if data else "GET",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{api}{path}", data=data, method="POST" if data else "GET", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -170,8 +223,9 @@ def mlflow_runs(uri: str, stage: str):
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("gptforge")
-    runs = client.search_runs([exp.experiment_id], f"tags.`gptforge.stage` = '{stage}'",
-                              order_by=["attributes.start_time DESC"])
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.`gptforge.stage` = '{stage}'", order_by=["attributes.start_time DESC"]
+    )
     return client, runs
 
 
@@ -202,16 +256,16 @@ def test_stage_is_a_prefect_flow_and_an_mlflow_run(tmp_path, sms_file, prefect_a
     assert flow_run["state"]["type"] == "COMPLETED"
     flow = prefect_get(prefect_api, f"/flows/{flow_run['flow_id']}")
     assert flow["name"] == "prepare-classify"
-    task_runs = prefect_get(prefect_api, "/task_runs/filter",
-                            {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    task_runs = prefect_get(prefect_api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
     names = {t["name"].rsplit("-", 1)[0] for t in task_runs}
     assert {"find-sms-file", "read-labelled", "balance-and-split", "write-splits"} <= names
     assert all(t["state"]["type"] == "COMPLETED" for t in task_runs)
     # The library's own log lines reach the flow run's logs, and the metrics are an artifact.
     logs = prefect_get(prefect_api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}})
     assert any("classify data:" in entry["message"] for entry in logs)
-    artifacts = prefect_get(prefect_api, "/artifacts/filter",
-                            {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    artifacts = prefect_get(
+        prefect_api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}
+    )
     [artifact] = [a for a in artifacts if a["key"] == "prepare-classify-metrics"]
     assert f"| `train` | {metrics['train']} |" in artifact["data"]
 
@@ -241,8 +295,20 @@ def test_failed_stage_is_failed_everywhere_and_prints_one_line(tmp_path, prefect
 def test_download_task_retries_with_backoff_in_prefect(tmp_path, prefect_api, mlflow_uri):
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     url = closed_port_url()
-    r = run_cli(["prepare", "classify", "-S", f"data.classify.source={url}", "-S", "data.download.retries=2",
-                 "-S", "data.download.backoff=0.2"], cwd=tmp_path, env=env)
+    r = run_cli(
+        [
+            "prepare",
+            "classify",
+            "-S",
+            f"data.classify.source={url}",
+            "-S",
+            "data.download.retries=2",
+            "-S",
+            "data.download.backoff=0.2",
+        ],
+        cwd=tmp_path,
+        env=env,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     [line] = error_lines(r.stderr)
     assert "after 3 attempts" in line and "set data.classify.source to a local copy" in line

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cli_support import error_lines
+
 from gptforge.cli import main
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
@@ -25,13 +25,25 @@ def checkpoint(tmp_path, small_tokenizer, monkeypatch):
 
 def test_generate_prints_the_greedy_continuation_and_its_speed(checkpoint, small_tokenizer, capsys):
     model, folder = checkpoint
-    rc = main(["generate", "the cat and", "--checkpoint", str(folder), "--temperature", "0",
-               "--max-new-tokens", "12", "-S", f"tokenizer.path={small_tokenizer}"])
+    rc = main(
+        [
+            "generate",
+            "the cat and",
+            "--checkpoint",
+            str(folder),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "-S",
+            f"tokenizer.path={small_tokenizer}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     enc = load_tokenizer(str(small_tokenizer))
     ids = enc.encode_ordinary("the cat and")
-    expected = generate(model, torch.tensor([ids]), 12, temperature=0, eot_id=enc.eot_token)[0, len(ids):].tolist()
+    expected = generate(model, torch.tensor([ids]), 12, temperature=0, eot_id=enc.eot_token)[0, len(ids) :].tolist()
     assert out == enc.decode([t for t in expected if t != enc.eot_token]) + "\n"
     assert "tokens/s" in err and "Traceback" not in err
 
@@ -40,19 +52,37 @@ def test_generate_with_a_seed_is_reproducible(checkpoint, small_tokenizer, capsy
     _, folder = checkpoint
     outs = []
     for _ in range(2):
-        assert main(["generate", "the", "--checkpoint", str(folder), "--seed", "7", "--max-new-tokens", "20",
-                     "-S", f"tokenizer.path={small_tokenizer}"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "the",
+                    "--checkpoint",
+                    str(folder),
+                    "--seed",
+                    "7",
+                    "--max-new-tokens",
+                    "20",
+                    "-S",
+                    f"tokenizer.path={small_tokenizer}",
+                ]
+            )
+            == 0
+        )
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["generate", "x", "--checkpoint", "nowhere"], "nowhere"),
-    (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
-    (["generate", "x", "--max-new-tokens", "many"], "invalid int value"),
-    (["export", "--checkpoint", "nowhere", "--out", "hf"], "nowhere"),
-    (["export", "--out", "hf"], "--checkpoint"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["generate", "x", "--checkpoint", "nowhere"], "nowhere"),
+        (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+        (["generate", "x", "--max-new-tokens", "many"], "invalid int value"),
+        (["export", "--checkpoint", "nowhere", "--out", "hf"], "nowhere"),
+        (["export", "--out", "hf"], "--checkpoint"),
+    ],
+)
 def test_bad_model_commands(args, fragment, checkpoint, small_tokenizer, capsys):
     rc = main([*args, "-S", f"tokenizer.path={small_tokenizer}"])
     err = capsys.readouterr().err
@@ -76,8 +106,17 @@ def test_export_cli_writes_a_transformers_folder(checkpoint, gpt2_tokenizer_dir,
     torch.manual_seed(1)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, n_vocab=50257))
     save_model(model, tmp_path / "big")
-    rc = main(["export", "--checkpoint", str(tmp_path / "big"), "--out", str(tmp_path / "hf"),
-               "-S", f"tokenizer.path={gpt2_tokenizer_dir}"])
+    rc = main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "big"),
+            "--out",
+            str(tmp_path / "hf"),
+            "-S",
+            f"tokenizer.path={gpt2_tokenizer_dir}",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     idx = torch.tensor([[15496, 995, 11, 340]])

@@ -113,7 +113,10 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     assert "unknown key 'data.zzzzqqq'" in msg
     assert "valid keys: download, pretrain, classify, instruct" in msg
     msg = bad({"qwxz": 1})
-    assert "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, reward, rl, evaluate, benchmark, base, synthesize, index, evaluate_qa, instruct_variants, tracking, registry, distributed" in msg
+    assert (
+        "valid keys: tokenizer, data, model, pretrain, classify, instruct, preference, reward, rl, evaluate, "
+        "benchmark, base, synthesize, index, evaluate_qa, instruct_variants, tracking, registry, distributed" in msg
+    )
 
 
 def test_unknown_key_with_newline_stays_one_line():
@@ -488,6 +491,6 @@ def test_foreach_entry_names_cannot_hold_a_dot(param):
     ("Parameters ... are missing"): such a name is refused when the config loads."""
     extra = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoint.model=m"]
     msg = bad(overrides=[f"{param}={{qwen2.5-0.5b: somewhere}}", *extra])
-    assert f"name 'qwen2.5-0.5b' must be letters, digits, '_' or '-'" in msg and f"{param}.qwen2.5-0.5b" in msg
+    assert "name 'qwen2.5-0.5b' must be letters, digits, '_' or '-'" in msg and f"{param}.qwen2.5-0.5b" in msg
     ok = load_config(None, [f"{param}={{qwen2_5-0_5b: somewhere}}", *extra])
     assert ok.flat()[f"{param}.qwen2_5-0_5b"] == "somewhere"

@@ -36,7 +36,7 @@ def one_line_error(path: Path, capsys) -> str:
     assert captured.out == "" and "Traceback" not in captured.err
     [line] = captured.err.strip().splitlines()
     assert line.startswith("gptforge: error: ")
-    return line[len("gptforge: error: "):]
+    return line[len("gptforge: error: ") :]
 
 
 def keys(tree: dict, prefix: str = "") -> set[str]:
@@ -65,22 +65,28 @@ SECTIONS = _sections()
 
 
 def test_sections_merge_key_by_key_and_values_replace():
-    base = {"pretrain": {"max_steps": 60, "lr": 0.002, "betas": [0.9, 0.95], "hellaswag": {"source": "a", "limit": 5}},
-            "tracking": {"enabled": True}}
+    base = {
+        "pretrain": {"max_steps": 60, "lr": 0.002, "betas": [0.9, 0.95], "hellaswag": {"source": "a", "limit": 5}},
+        "tracking": {"enabled": True},
+    }
     overlay = {"pretrain": {"max_steps": 10, "betas": [0.8], "hellaswag": {"limit": 7}}}
     merged = merge(base, overlay)
-    assert merged == {"pretrain": {"max_steps": 10, "lr": 0.002, "betas": [0.8],
-                                   "hellaswag": {"source": "a", "limit": 7}},
-                      "tracking": {"enabled": True}}
+    assert merged == {
+        "pretrain": {"max_steps": 10, "lr": 0.002, "betas": [0.8], "hellaswag": {"source": "a", "limit": 7}},
+        "tracking": {"enabled": True},
+    }
     # neither input changed, and the result shares nothing with them
-    assert base["pretrain"]["max_steps"] == 60 and overlay == {"pretrain": {"max_steps": 10, "betas": [0.8],
-                                                                            "hellaswag": {"limit": 7}}}
+    assert base["pretrain"]["max_steps"] == 60 and overlay == {
+        "pretrain": {"max_steps": 10, "betas": [0.8], "hellaswag": {"limit": 7}}
+    }
     merged["tracking"]["enabled"] = False
     assert base["tracking"]["enabled"] is True
 
 
-@pytest.mark.parametrize("table", ["base.models", "evaluate.models", "synthesize.documents", "rl.rewards",
-                                   "registry.names", "registry.promote"])
+@pytest.mark.parametrize(
+    "table",
+    ["base.models", "evaluate.models", "synthesize.documents", "rl.rewards", "registry.names", "registry.promote"],
+)
 def test_tables_of_names_replace_whole(table):
     section, key = table.split(".")
     base = {section: {key: {"a": "x", "b": "y"}}}
@@ -101,8 +107,11 @@ def test_null_is_a_value_not_a_deletion():
 def test_unknown_keys_replace_and_are_named_with_their_path(tmp_path):
     write(tmp_path, "base.yaml", "pretrain: {max_steps: 60}\n")
     path = write(tmp_path, "run.yaml", "extends: base.yaml\npretrain: {max_stepz: 3}\n")
-    with pytest.raises(BadInput, match=r"run.yaml: unknown key 'pretrain.max_stepz' "
-                                       r"\(did you mean 'pretrain.max_steps'\?\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"run.yaml: unknown key 'pretrain.max_stepz' "
+        r"\(did you mean 'pretrain.max_steps'\?\)$",
+    ):
         load_config(path)
     # an unknown key in the base is named too
     write(tmp_path, "base.yaml", "pretrain: {max_steps: 60}\ndata: {classfy: {seed: 1}}\n")
@@ -153,21 +162,33 @@ def test_an_overlay_of_nothing_is_its_base(tmp_path):
 # Bad bases: one line, exit code 2 through the CLI
 
 
-@pytest.mark.parametrize("files, expected", [
-    ({"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"},
-     r"^{d}/b.yaml: extends makes a cycle: {d}/a.yaml -> {d}/b.yaml -> {d}/a.yaml$"),
-    ({"a.yaml": "extends: ./a.yaml\n"}, r"^{d}/a.yaml: extends makes a cycle: {d}/a.yaml -> {d}/a.yaml$"),
-    ({"a.yaml": "extends: nope.yaml\n"}, r"^{d}/a.yaml: extends: nope.yaml is not found \({d}/nope.yaml\)$"),
-    ({"a.yaml": "extends: sub\n", "sub/x.yaml": ""}, r"^{d}/a.yaml: extends: sub is a folder \({d}/sub\)$"),
-    ({"a.yaml": "extends: b.yaml\n", "b.yaml": "- 1\n- 2\n"},
-     r"^{d}/b.yaml: expected a mapping of sections at the top level, got list \(the base {d}/a.yaml extends\)$"),
-    ({"a.yaml": "extends: b.yaml\n", "b.yaml": "pretrain: [\n"},
-     r"^{d}/b.yaml: not valid YAML \(.*\) \(the base {d}/a.yaml extends\)$"),
-    ({"a.yaml": "extends: [b.yaml]\n"},
-     r"^{d}/a.yaml: extends must name a params file \(a path relative to this one\), got \['b.yaml'\]$"),
-    ({"a.yaml": "extends: ''\n"}, r"^{d}/a.yaml: extends must name a params file .*, got ''$"),
-    ({"a.yaml": "extends: \"x\\ny.yaml\"\n"}, r"^{d}/a.yaml: extends: x\\ny.yaml is not found \(.*\)$"),
-], ids=["cycle", "self", "missing", "folder", "not-a-mapping", "invalid-yaml", "not-a-string", "empty", "newline"])
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        (
+            {"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"},
+            r"^{d}/b.yaml: extends makes a cycle: {d}/a.yaml -> {d}/b.yaml -> {d}/a.yaml$",
+        ),
+        ({"a.yaml": "extends: ./a.yaml\n"}, r"^{d}/a.yaml: extends makes a cycle: {d}/a.yaml -> {d}/a.yaml$"),
+        ({"a.yaml": "extends: nope.yaml\n"}, r"^{d}/a.yaml: extends: nope.yaml is not found \({d}/nope.yaml\)$"),
+        ({"a.yaml": "extends: sub\n", "sub/x.yaml": ""}, r"^{d}/a.yaml: extends: sub is a folder \({d}/sub\)$"),
+        (
+            {"a.yaml": "extends: b.yaml\n", "b.yaml": "- 1\n- 2\n"},
+            r"^{d}/b.yaml: expected a mapping of sections at the top level, got list \(the base {d}/a.yaml extends\)$",
+        ),
+        (
+            {"a.yaml": "extends: b.yaml\n", "b.yaml": "pretrain: [\n"},
+            r"^{d}/b.yaml: not valid YAML \(.*\) \(the base {d}/a.yaml extends\)$",
+        ),
+        (
+            {"a.yaml": "extends: [b.yaml]\n"},
+            r"^{d}/a.yaml: extends must name a params file \(a path relative to this one\), got \['b.yaml'\]$",
+        ),
+        ({"a.yaml": "extends: ''\n"}, r"^{d}/a.yaml: extends must name a params file .*, got ''$"),
+        ({"a.yaml": 'extends: "x\\ny.yaml"\n'}, r"^{d}/a.yaml: extends: x\\ny.yaml is not found \(.*\)$"),
+    ],
+    ids=["cycle", "self", "missing", "folder", "not-a-mapping", "invalid-yaml", "not-a-string", "empty", "newline"],
+)
 def test_bad_base_is_one_line_and_exit_code_2(tmp_path, capsys, files, expected):
     for name, text in files.items():
         write(tmp_path, name, text)
@@ -218,7 +239,6 @@ def test_every_named_config_is_an_overlay_of_the_quickstart(path):
     assert restated({k: v for k, v in own.items() if k != EXTENDS}, quickstart) == []
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The pipeline writes the merged whole to params.yaml
 
@@ -228,8 +248,10 @@ def test_pipeline_writes_the_merged_tree_to_params_yaml(tmp_path):
     target = tmp_path / "params.yaml"
     cfg = apply_params(config, ["pretrain.max_steps=7"], target)
     text = target.read_text(encoding="utf-8")
-    assert text.splitlines()[0] == (f"# Written by `gptforge pipeline` from {config} merged over "
-                                    f"{REPO / 'configs' / 'quickstart.yaml'} with pretrain.max_steps=7.")
+    assert text.splitlines()[0] == (
+        f"# Written by `gptforge pipeline` from {config} merged over "
+        f"{REPO / 'configs' / 'quickstart.yaml'} with pretrain.max_steps=7."
+    )
     written = yaml.safe_load(text)
     expected = read_params(config)
     expected["pretrain"]["max_steps"] = 7
@@ -246,7 +268,10 @@ def test_pipeline_refuses_an_overlay_as_params_yaml(tmp_path):
     target = write(tmp_path, "params.yaml", "extends: configs/quickstart.yaml\npretrain: {max_steps: 5}\n")
     before = target.read_bytes()
     for params in (None, target):
-        with pytest.raises(BadInput, match=r"params.yaml is an overlay \(extends\), but DVC reads it itself .*"
-                                           r"pass it as --params"):
+        with pytest.raises(
+            BadInput,
+            match=r"params.yaml is an overlay \(extends\), but DVC reads it itself .*"
+            r"pass it as --params",
+        ):
             apply_params(params, [], target)
     assert target.read_bytes() == before

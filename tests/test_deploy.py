@@ -17,29 +17,41 @@ these two full runs side by side.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
-
-import json
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-
 from cli_support import BIN, REPO, cli_env, run_cli, set_params, stage_params
 from process_support import free_port, stop_process
-from gptforge.modeling.weights import load_model as load_model_folder
 from test_dvc import check_registry, dvc, ran_stages
+
+from gptforge.modeling.weights import load_model as load_model_folder
 
 pytestmark = pytest.mark.slow
 
-STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "pretrain",
-          "finetune_classify", "finetune_instruct", "finetune_instruct_variant", "finetune_preference", "train_reward",
-          "finetune_rl", "evaluate", "register", "benchmark"]
+STAGES = [
+    "prepare_pretrain",
+    "prepare_classify",
+    "prepare_instruct",
+    "prepare_preference",
+    "pretrain",
+    "finetune_classify",
+    "finetune_instruct",
+    "finetune_instruct_variant",
+    "finetune_preference",
+    "train_reward",
+    "finetune_rl",
+    "evaluate",
+    "register",
+    "benchmark",
+]
 # As dvc.yaml names them: the instruct variant of stage_params (tests/cli_support.py) is a foreach entry.
 DVC_STAGES = [s if s != "finetune_instruct_variant" else "finetune_instruct_variant@tiny" for s in STAGES]
 EXPERIMENT = "deploy-test"
@@ -48,8 +60,10 @@ ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifact
 
 @pytest.fixture
 def registry_names() -> dict[str, str]:
-    return {model: f"e2e-{model}-{uuid.uuid4().hex[:8]}" for model in ("pretrain", "classify", "instruct", "preference",
-                                                                        "reward", "rl")}
+    return {
+        model: f"e2e-{model}-{uuid.uuid4().hex[:8]}"
+        for model in ("pretrain", "classify", "instruct", "preference", "reward", "rl")
+    }
 
 
 @pytest.fixture
@@ -60,26 +74,44 @@ def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, p
     shutil.copy(REPO / "prefect.yaml", repo_copy / "prefect.yaml")
     # Its own experiment: the MLflow server's database starts as a copy of the session's,
     # which other tests may already have filled with pipeline runs.
-    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
-                             "tracking.experiment": EXPERIMENT, "registry.names": registry_names,
-                             "registry.promote": {"classify": {"classify.test_accuracy": ">= 0.0"}},
-                             # the GPT-2 BPE (embedded): the language models then export to transformers
-                             "tokenizer.path": "sample://gpt2_tokenizer", "model.vocab_size": 50304})
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "fixture params"],
-                   cwd=repo_copy, check=True)
+    set_params(
+        repo_copy,
+        **{
+            **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+            "tracking.experiment": EXPERIMENT,
+            "registry.names": registry_names,
+            "registry.promote": {"classify": {"classify.test_accuracy": ">= 0.0"}},
+            # the GPT-2 BPE (embedded): the language models then export to transformers
+            "tokenizer.path": "sample://gpt2_tokenizer",
+            "model.vocab_size": 50304,
+        },
+    )
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "fixture params"],
+        cwd=repo_copy,
+        check=True,
+    )
     env = cli_env(PREFECT_API_URL=prefect_api)
     prefect = str(BIN / "prefect")
     for pool, kind in (("local", "process"), ("gpu", "docker")):
-        subprocess.run([prefect, "work-pool", "create", pool, "--type", kind, "--overwrite"], cwd=repo_copy, env=env,
-                       check=True, capture_output=True, timeout=120)
-    out = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], cwd=repo_copy, env=env, capture_output=True,
-                         text=True, timeout=300)
+        subprocess.run(
+            [prefect, "work-pool", "create", pool, "--type", kind, "--overwrite"],
+            cwd=repo_copy,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    out = subprocess.run(
+        [prefect, "--no-prompt", "deploy", "--all"], cwd=repo_copy, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return repo_copy
 
 
-def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_repo, prefect_api, mlflow_server,
-                                                                    registry_names, tmp_path):
+def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
+    deployed_repo, prefect_api, mlflow_server, registry_names, tmp_path
+):
     repo, names = deployed_repo, registry_names
     api = httpx.Client(base_url=prefect_api, timeout=30)
     deployments = api.post("/deployments/filter", json={}).json()
@@ -87,18 +119,29 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
     # index and evaluate_qa too, which the quickstart's pipeline does not run: no documents); the
     # nightly schedule is there, off.
     for pool in ("local", "gpu"):
-        deployed = [d["entrypoint"].rsplit(":", 1)[1] for d in deployments
-                    if d["name"] == pool and d["work_pool_name"] == pool]
+        deployed = [
+            d["entrypoint"].rsplit(":", 1)[1] for d in deployments if d["name"] == pool and d["work_pool_name"] == pool
+        ]
         assert sorted(deployed) == sorted(STAGES + ["synthesize", "index", "evaluate_qa", "pipeline"])
     gpu_pipeline = next(d for d in deployments if d["name"] == "gpu" and d["entrypoint"].endswith(":pipeline"))
     assert gpu_pipeline["job_variables"]["container_create_kwargs"]["device_requests"][0]["driver"] == "nvidia"
     assert [s["active"] for s in gpu_pipeline["schedules"]] == [False]
 
-    env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_server, PREFECT_WORKER_QUERY_SECONDS="2",
-                  PREFECT_WORKER_PREFETCH_SECONDS="5")
+    env = cli_env(
+        PREFECT_API_URL=prefect_api,
+        MLFLOW_TRACKING_URI=mlflow_server,
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_WORKER_PREFETCH_SECONDS="5",
+    )
     worker_log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "local", "--name", "test-worker"],
-                              cwd=repo, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "local", "--name", "test-worker"],
+        cwd=repo,
+        env=env,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     browser = None
     try:
         start = time.monotonic()
@@ -111,13 +154,16 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
         [pipe] = api.post("/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep_id]}}}).json()
         assert pipe["state"]["type"] == "COMPLETED"
         trackers = api.post("/task_runs/filter", json={"task_runs": {"flow_run_id": {"any_": [pipe["id"]]}}}).json()
-        subflows = api.post("/flow_runs/filter", json={"flow_runs": {"parent_task_run_id": {
-            "any_": [t["id"] for t in trackers]}}}).json()
+        subflows = api.post(
+            "/flow_runs/filter", json={"flow_runs": {"parent_task_run_id": {"any_": [t["id"] for t in trackers]}}}
+        ).json()
         flows = {f["id"]: f["name"] for f in api.post("/flows/filter", json={}).json()}
         assert sorted(flows[f["flow_id"]] for f in subflows) == sorted(s.replace("_", "-") for s in STAGES)
         assert all(f["state"]["type"] == "COMPLETED" for f in subflows)
-        [summary] = api.post("/artifacts/filter", json={"artifacts": {"key": {"any_": ["pipeline-summary"]},
-                                                                       "flow_run_id": {"any_": [pipe["id"]]}}}).json()
+        [summary] = api.post(
+            "/artifacts/filter",
+            json={"artifacts": {"key": {"any_": ["pipeline-summary"]}, "flow_run_id": {"any_": [pipe["id"]]}}},
+        ).json()
         assert f"{mlflow_server}/#/experiments/" in summary["data"]
         assert all(f"| `{s}` | ✅ ran |" in summary["data"] for s in DVC_STAGES)
 
@@ -147,8 +193,9 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
         second = run_cli(["pipeline", "--pool", "local"], repo, env, timeout=600)
         second_seconds = time.monotonic() - start
         assert second.returncode == 0, second.stderr[-4000:]
-        runs = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'",
-                                  order_by=["attributes.start_time DESC"])
+        runs = client.search_runs(
+            [exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'", order_by=["attributes.start_time DESC"]
+        )
         assert len(runs) == 2
         assert runs[0].data.metrics["stages_ran"] == 0 and runs[0].data.metrics["stages_up_to_date"] == len(STAGES)
         assert stage_outputs(repo) == outputs
@@ -162,7 +209,13 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
         again = run_cli(["register"], repo, env, timeout=300)  # forced: same weights, so no new version
         assert again.returncode == 0, again.stderr[-2000:]
         assert {m: len(client.search_model_versions(f"name = '{n}'")) for m, n in names.items()} == {
-            "pretrain": 1, "classify": 1, "instruct": 1, "preference": 1, "reward": 1, "rl": 1}
+            "pretrain": 1,
+            "classify": 1,
+            "instruct": 1,
+            "preference": 1,
+            "reward": 1,
+            "rl": 1,
+        }
         check_stale_stages_rerun(repo, client, names, env)
 
         # The two UIs, as a user sees them.
@@ -173,13 +226,17 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(deployed_rep
             pytest.skip("no chromium on this machine (CI installs it: apt-get install -y chromium)")
         browser = Browser(binary, free_port())
         ui = prefect_api.removesuffix("/api")
-        browser.page_text_and_screenshot(f"{ui}/runs/flow-run/{pipe['id']}", [pipe["name"], "pipeline"],
-                                         ARTIFACTS / "prefect-pipeline-flow-run.png")
+        browser.page_text_and_screenshot(
+            f"{ui}/runs/flow-run/{pipe['id']}", [pipe["name"], "pipeline"], ARTIFACTS / "prefect-pipeline-flow-run.png"
+        )
         ids = [parent.info.run_id] + [c.info.run_id for c in children]
-        compare = (f"{mlflow_server}/#/compare-runs?runs=[{','.join(repr(i) for i in ids)}]"
-                   f"&experiments=[{exp.experiment_id!r}]").replace("'", '"')
-        text = browser.page_text_and_screenshot(compare, ["pipeline", "pretrain", "finetune_classify"],
-                                                ARTIFACTS / "mlflow-compare-runs.png")
+        compare = (
+            f"{mlflow_server}/#/compare-runs?runs=[{','.join(repr(i) for i in ids)}]"
+            f"&experiments=[{exp.experiment_id!r}]"
+        ).replace("'", '"')
+        text = browser.page_text_and_screenshot(
+            compare, ["pipeline", "pretrain", "finetune_classify"], ARTIFACTS / "mlflow-compare-runs.png"
+        )
         assert all(s in text for s in STAGES)
     finally:
         if browser is not None:
@@ -212,10 +269,17 @@ def check_stage_outputs(repo: Path) -> None:
     assert len((repo / "reports/rl_responses.jsonl").read_text().splitlines()) == 2
     assert load_model_folder(repo / "checkpoints/rl/final").config.n_embd == 32
     assert "| baseline |" in (repo / "reports/benchmark.md").read_text()
-    assert {"test_accuracy", "precision", "recall", "f1"} <= set(json.loads((repo / "metrics/classify.json").read_text()))
+    assert {"test_accuracy", "precision", "recall", "f1"} <= set(
+        json.loads((repo / "metrics/classify.json").read_text())
+    )
     assert len((repo / "reports/instruct_responses.jsonl").read_text().splitlines()) == 2
     assert set(json.loads((repo / "metrics/pretrain.json").read_text())) >= {
-        "train_loss", "val_loss", "tokens", "tokens_per_sec", "mfu"}
+        "train_loss",
+        "val_loss",
+        "tokens",
+        "tokens_per_sec",
+        "mfu",
+    }
     assert (repo / "checkpoints/pretrain/final/model.safetensors").is_file()
     assert (repo / "plots/pretrain.csv").read_text().startswith("step,train_loss,val_loss,lr")
 
@@ -241,11 +305,21 @@ def check_stage_runs(client, experiment_id: str) -> None:
 def check_stale_stages_rerun(repo: Path, client, names: dict, env: dict) -> None:
     """After a params change, `dvc repro` runs only the stages it makes stale."""
     # A gate the new classifier fails: it becomes the challenger, the champion stays version 1.
-    set_params(repo, **{"data.classify.splits": [0.6, 0.2, 0.2],
-                        "registry.promote": {"classify": {"classify.test_accuracy": ">= 2.0"}}})
+    set_params(
+        repo,
+        **{
+            "data.classify.splits": [0.6, 0.2, 0.2],
+            "registry.promote": {"classify": {"classify.test_accuracy": ">= 2.0"}},
+        },
+    )
     third = dvc(repo, "repro", env=env)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert ran_stages(third.stdout) == ["prepare_classify", "finetune_classify", "evaluate", "register"]  # and what depends on it
+    assert ran_stages(third.stdout) == [
+        "prepare_classify",
+        "finetune_classify",
+        "evaluate",
+        "register",
+    ]  # and what depends on it
     metrics = json.loads((repo / "metrics/prepare_classify.json").read_text())
     assert metrics["val"] == int(24 * 0.2)
     assert client.get_model_version_by_alias(names["classify"], "champion").version == "1"
@@ -255,7 +329,9 @@ def check_stale_stages_rerun(repo: Path, client, names: dict, env: dict) -> None
 
     set_params(repo, **{"classify.lr": 1e-4})
     fourth = dvc(repo, "repro", env=env)
-    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify", "evaluate", "register"], fourth.stdout
+    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify", "evaluate", "register"], (
+        fourth.stdout
+    )
 
     shown = dvc(repo, "metrics", "show", "--json", env=env)
     assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout

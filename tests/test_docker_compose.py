@@ -25,7 +25,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from docker_support import (  # noqa: F401  (dockerfile_text, stages, dockerfile_args, image_user: fixtures)
     POOL_TEMPLATE,
     ROOT,
@@ -196,9 +195,9 @@ def compose_problems(doc: dict, schema: dict, image_user: str | None) -> list[st
 
         # 8. GPUs for the GPU services
         if name in GPU_SERVICES:
-            devices = (
-                ((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
-            ).get("devices") or []
+            devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get(
+                "devices"
+            ) or []
             if not any(d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or []) for d in devices):
                 problems.append(f"{name}: no nvidia GPU reservation")
 
@@ -361,8 +360,12 @@ def _serve_argv(serve_service, tmp_path, **overrides) -> list[str]:
     (tmp_path / "models:").mkdir(exist_ok=True)
     (tmp_path / "models:" / "gptforge-instruct@x").touch()
     out = tmp_path / "argv.txt"
-    env = {**serve_service["environment"], **overrides, "STUB_OUT": str(out),
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **serve_service["environment"],
+        **overrides,
+        "STUB_OUT": str(out),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
     command = serve_service["command"]
     assert command[:2] == ["bash", "-c"]
     subprocess.run(command, env=env, cwd=tmp_path, check=True, timeout=30)
@@ -371,10 +374,26 @@ def _serve_argv(serve_service, tmp_path, **overrides) -> list[str]:
 
 def test_compose_serve_command(serve_service, tmp_path):
     assert _serve_argv(serve_service, tmp_path) == [
-        "serve", "models:/gptforge-instruct@champion", "models:/gptforge-classify@champion",
-        "--engine", "gptforge", "--host", "0.0.0.0", "--port", "8000"]
+        "serve",
+        "models:/gptforge-instruct@champion",
+        "models:/gptforge-classify@champion",
+        "--engine",
+        "gptforge",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
     assert _serve_argv(serve_service, tmp_path, SERVE_ENGINE="vllm", SERVE_MODELS="models:/gptforge-instruct@*") == [
-        "serve", "models:/gptforge-instruct@*", "--engine", "vllm", "--host", "0.0.0.0", "--port", "8000"]
+        "serve",
+        "models:/gptforge-instruct@*",
+        "--engine",
+        "vllm",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -435,10 +454,7 @@ def test_gpu_deployments_fit_the_image_and_compose(compose_doc):
     for deployment in gpu:
         name = f"{deployment.get('entrypoint')} ({deployment.get('name')})"
         steps = deployment.get("pull", doc.get("pull")) or []
-        dirs = [
-            (step.get("prefect.deployments.steps.set_working_directory") or {}).get("directory")
-            for step in steps
-        ]
+        dirs = [(step.get("prefect.deployments.steps.set_working_directory") or {}).get("directory") for step in steps]
         assert WORKDIR in dirs, f"{name}: pull steps {steps}"
         variables = deployment["work_pool"].get("job_variables") or {}
         if "image" in variables:

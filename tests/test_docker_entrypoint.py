@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from docker_support import POOL_TEMPLATE, ROOT
 
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from docker.utils.build import PatternMatcher
-
 from docker_support import (  # noqa: F401  (dockerfile_text, stages, dockerfile_args, image_user: fixtures)
     DOCKERFILE,
     ROOT,

@@ -5,13 +5,19 @@ data writers and the network guard are tests/test_evaluate.py's."""
 from __future__ import annotations
 
 import pytest
+from test_evaluate import (  # noqa: F401 - fixtures
+    HELLASWAG,
+    checkpoint,
+    enc,
+    make_cfg,
+    mmlu_rows,
+    no_network,
+    write_jsonl,
+    write_mmlu,
+)
 
 from gptforge import evaluate as ev
 from gptforge.errors import BadInput, SourceUnreachable
-from test_evaluate import (HELLASWAG, checkpoint, enc, make_cfg, mmlu_rows, no_network,  # noqa: F401 - fixtures
-                           write_jsonl, write_mmlu)
-
-
 
 
 @pytest.fixture
@@ -37,27 +43,36 @@ def test_mmlu_answer_out_of_range(tmp_path, monkeypatch, never_evaluated, small_
     test = mmlu_rows("test")
     test[1]["answer"] = 4
     mmlu = write_mmlu(tmp_path / "mmlu", fmt, test=test)
-    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu,
-                                                  tasks=["mmlu"]))
+    msg = run_bad(
+        tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu, tasks=["mmlu"])
+    )
     where = "test.jsonl:2" if fmt == "jsonl" else "test.parquet: record 2"
     assert where in msg and "answer 4 is out of range 0-3" in msg and "evaluate.mmlu.source" in msg
 
 
-@pytest.mark.parametrize("row, why", [
-    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"]}, "missing field answer"),
-    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c"], "answer": 0}, "choices must hold 4"),
-    ({"question": "q?", "choices": ["a", "b", "c", "d"], "answer": 0}, "missing field subject"),
-    ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": "B"}, "answer must be an integer"),
-])
+@pytest.mark.parametrize(
+    "row, why",
+    [
+        ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"]}, "missing field answer"),
+        ({"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c"], "answer": 0}, "choices must hold 4"),
+        ({"question": "q?", "choices": ["a", "b", "c", "d"], "answer": 0}, "missing field subject"),
+        (
+            {"question": "q?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": "B"},
+            "answer must be an integer",
+        ),
+    ],
+)
 def test_mmlu_bad_records(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint, row, why):
     mmlu = write_mmlu(tmp_path / "mmlu", "jsonl", dev=mmlu_rows("dev")[:2] + [row])
-    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu,
-                                                  tasks=["mmlu"]))
+    msg = run_bad(
+        tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=mmlu, tasks=["mmlu"])
+    )
     assert "dev.jsonl:3" in msg and why in msg
 
 
-def test_mmlu_missing_test_file_and_too_few_dev_questions(tmp_path, monkeypatch, never_evaluated, small_tokenizer,
-                                                          checkpoint):
+def test_mmlu_missing_test_file_and_too_few_dev_questions(
+    tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint
+):
     folder = tmp_path / "mmlu"
     write_jsonl(folder / "dev.jsonl", mmlu_rows("dev"))
     cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, mmlu=folder, tasks=["mmlu"])
@@ -70,17 +85,23 @@ def test_mmlu_missing_test_file_and_too_few_dev_questions(tmp_path, monkeypatch,
     assert "evaluate.mmlu.source: MMLU folder not found" in run_bad(tmp_path, monkeypatch, cfg)
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda r: r.pop("ctx_a"), "hellaswag_val.jsonl:3: missing field ctx_a"),
-    (lambda r: r.update(label=4), "hellaswag_val.jsonl:3: label 4 is out of range 0-3"),
-    (lambda r: r.update(endings=r["endings"][:3]), "hellaswag_val.jsonl:3: endings must hold 4 strings"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda r: r.pop("ctx_a"), "hellaswag_val.jsonl:3: missing field ctx_a"),
+        (lambda r: r.update(label=4), "hellaswag_val.jsonl:3: label 4 is out of range 0-3"),
+        (lambda r: r.update(endings=r["endings"][:3]), "hellaswag_val.jsonl:3: endings must hold 4 strings"),
+    ],
+)
 def test_hellaswag_bad_records(tmp_path, monkeypatch, never_evaluated, small_tokenizer, checkpoint, change, why):
     rows = [dict(r) for r in HELLASWAG]
     change(rows[2])
     path = write_jsonl(tmp_path / "hellaswag_val.jsonl", rows)
-    msg = run_bad(tmp_path, monkeypatch, make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=path,
-                                                  tasks=["hellaswag"]))
+    msg = run_bad(
+        tmp_path,
+        monkeypatch,
+        make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=path, tasks=["hellaswag"]),
+    )
     assert why in msg and "evaluate.hellaswag.source" in msg
 
 

@@ -16,15 +16,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_evaluate import (  # noqa: F401 - fixtures
+    BLOCK,
+    HELLASWAG,
+    checkpoint,
+    direct_loglikelihood,
+    enc,
+    encode_pair,
+    model,
+)
 
 from gptforge.errors import BadInput
 from gptforge.evaluate.lm import GptforgeLM
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.training import hellaswag as hs
-from test_evaluate import (BLOCK, HELLASWAG, checkpoint, direct_loglikelihood, enc, encode_pair,  # noqa: F401 - fixtures
-                           model)
-
 
 # --------------------------------------------------------------------------------------------
 # The LM
@@ -39,10 +45,16 @@ def instances(pairs):
 def test_loglikelihood_matches_direct_computation(model, enc):
     lm = GptforgeLM(model, enc, batch_size=3, name="t")
     long_ctx = "The quick brown fox jumps over the lazy dog and then runs far away into the deep forest. " * 2
-    pairs = [("The cat sat on the", " mat."), ("The cat sat on the", " hat and the dog sat on the log."),
-             ("Question: 2 + 2?\nAnswer:", " B"), ("Question: 2 + 2?\nAnswer:", " C"),
-             ("", "Hello world"), ("Trailing space ", "here"), (long_ctx, " the end of it"),
-             (long_ctx, " x")]
+    pairs = [
+        ("The cat sat on the", " mat."),
+        ("The cat sat on the", " hat and the dog sat on the log."),
+        ("Question: 2 + 2?\nAnswer:", " B"),
+        ("Question: 2 + 2?\nAnswer:", " C"),
+        ("", "Hello world"),
+        ("Trailing space ", "here"),
+        (long_ctx, " the end of it"),
+        (long_ctx, " x"),
+    ]
     assert len(encode_pair(enc, *pairs[6])[0]) > 2 * BLOCK  # left-truncated
     got = lm.loglikelihood(instances(pairs), disable_tqdm=True)
     assert len(got) == len(pairs)
@@ -63,7 +75,8 @@ def test_greedy_flag_is_true_for_the_model_s_own_argmax(model, enc):
         nxt = int(model(torch.tensor([ctx]))[0][0, -1, : enc.n_vocab].argmax())
     lm = GptforgeLM(model, enc)
     (lp_best, greedy_best), (lp_other, greedy_other) = lm.score_tokens(
-        [(ctx, [nxt]), (ctx, [(nxt + 1) % enc.n_vocab])], disable_tqdm=True)
+        [(ctx, [nxt]), (ctx, [(nxt + 1) % enc.n_vocab])], disable_tqdm=True
+    )
     assert greedy_best and not greedy_other
     assert lp_best > lp_other
 
@@ -73,8 +86,9 @@ def test_loglikelihood_rolling_scores_every_token_once(model, enc):
 
     lm = GptforgeLM(model, enc, batch_size=4)
     short, long = "A short text.", "A longer text that goes on and on, well past one window of the model. " * 3
-    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (s,), 0) for s in (short, long)],
-                                   disable_tqdm=True)
+    got = lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (s,), 0) for s in (short, long)], disable_tqdm=True
+    )
     for text, value in zip((short, long), got):
         toks = enc.encode_ordinary(text)
         # Disjoint chunks of BLOCK targets, each with the BLOCK tokens before it as context
@@ -84,7 +98,7 @@ def test_loglikelihood_rolling_scores_every_token_once(model, enc):
         while start < len(toks):
             end = min(start + BLOCK, len(toks))
             lo = max(0, end - BLOCK)  # index into full: input full[lo:end] predicts toks[lo:end]
-            lp, _ = direct_loglikelihood(model, full[lo:start + 1], toks[start:end])
+            lp, _ = direct_loglikelihood(model, full[lo : start + 1], toks[start:end])
             ref += lp
             start = end
         assert value == pytest.approx(ref, abs=1e-4)
@@ -97,16 +111,18 @@ def test_generate_until_is_greedy_and_stops_at_until(model, enc):
     lm = GptforgeLM(model, enc)
     prompt = "Hello"  # this model's greedy text from it: "ooooisisisisisisisis", no <|endoftext|>
     ids = torch.tensor([enc.encode_ordinary(prompt)])
-    full = generate(model, ids, 12, temperature=0, eot_id=enc.eot_token)[0, ids.size(1):].tolist()
+    full = generate(model, ids, 12, temperature=0, eot_id=enc.eot_token)[0, ids.size(1) :].tolist()
     assert enc.eot_token not in full
     expected = enc.decode(full)
-    [text] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": ["\u2603"], "max_gen_toks": 12}), 0)],
-                               disable_tqdm=True)
+    [text] = lm.generate_until(
+        [Instance("generate_until", {}, (prompt, {"until": ["\u2603"], "max_gen_toks": 12}), 0)], disable_tqdm=True
+    )
     assert text == expected
-    stop = expected[len(expected) // 2:][:2]
+    stop = expected[len(expected) // 2 :][:2]
     assert expected.split(stop)[0]  # the stop first shows after some text: a cut in the right place shows
-    [cut] = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)],
-                              disable_tqdm=True)
+    [cut] = lm.generate_until(
+        [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)], disable_tqdm=True
+    )
     assert cut == expected.split(stop)[0]
 
 
@@ -136,7 +152,7 @@ def test_in_loop_hellaswag_agrees_with_direct_computation(model, enc):
             seq = ctx[drop:] + cont
             with torch.no_grad():
                 logits, _ = model(torch.tensor([seq[:-1]]))
-            logp = F.log_softmax(logits[0].double(), -1)[-len(cont):]
+            logp = F.log_softmax(logits[0].double(), -1)[-len(cont) :]
             loss = -float(logp.gather(1, torch.tensor(cont)[:, None]).sum())
             sums.append(loss)
             means.append(loss / len(cont))

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cli_support import cli_env, run_cli
 from fixture_data import FakeRun
+from test_synthesize import RIVERS
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.answer_quality import reference_scores
@@ -33,7 +34,6 @@ from gptforge.rag import evaluate_qa as E
 from gptforge.rag.index import build, file_sha256
 from gptforge.synthesize.chunks import chunk_documents, read_chunks, write_chunks
 from gptforge.synthesize.documents import Document
-from test_synthesize import RIVERS
 
 TOKENIZER = "sample://gpt2_tokenizer"
 # a document set needs its endpoint named (the synthesize stage's); evaluate_qa never calls it
@@ -42,15 +42,24 @@ ENDPOINT = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoin
 DOC = RIVERS  # five English sections, one chunk each
 
 # (a phrase of the source chunk, question, reference answer)
-PAIRS = [("Rhine rises", "Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),
-         ("Danube starts", "Where does the Danube start?", "The Danube starts in the Black Forest of Germany."),
-         ("Glaciers carve", "What do glaciers carve over thousands of years?", "Glaciers carve U-shaped valleys."),
-         ("Salmon hatch", "Where do salmon return to spawn?", "Salmon return to their home river to spawn."),
-         ("Beavers build", "What do beavers build dams from?", "Beavers build dams from branches and mud.")]
+PAIRS = [
+    ("Rhine rises", "Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),
+    ("Danube starts", "Where does the Danube start?", "The Danube starts in the Black Forest of Germany."),
+    ("Glaciers carve", "What do glaciers carve over thousands of years?", "Glaciers carve U-shaped valleys."),
+    ("Salmon hatch", "Where do salmon return to spawn?", "Salmon return to their home river to spawn."),
+    ("Beavers build", "What do beavers build dams from?", "Beavers build dams from branches and mud."),
+]
 
 
-def make_set(root: Path, name: str = "rivers", *, index_of: str | None = None, index: bool = True,
-             documents: dict[str, str] | None = None, qa: bool = True) -> list[dict]:
+def make_set(
+    root: Path,
+    name: str = "rivers",
+    *,
+    index_of: str | None = None,
+    index: bool = True,
+    documents: dict[str, str] | None = None,
+    qa: bool = True,
+) -> list[dict]:
     """data/synthetic/NAME/{chunks,qa}.jsonl under `root` (chunks alone without `qa`, as the
     synthesize stage writes them with no endpoint) of `documents` (file: text; the rivers page by
     default), and the index data/index/NAME/ (built for the set `index_of` when given). Returns
@@ -59,8 +68,9 @@ def make_set(root: Path, name: str = "rivers", *, index_of: str | None = None, i
     from gptforge.samples import resolve
 
     enc = load_tokenizer(resolve(TOKENIZER))
-    docs = [Document(source=file, text=text, kind="markdown")
-            for file, text in (documents or {"rivers.md": DOC}).items()]
+    docs = [
+        Document(source=file, text=text, kind="markdown") for file, text in (documents or {"rivers.md": DOC}).items()
+    ]
     chunks = chunk_documents(docs, count_tokens=lambda t: len(enc.encode_ordinary(t)), chunk_tokens=70, overlap=0)
     folder = root / "data" / "synthetic" / name
     folder.mkdir(parents=True)
@@ -68,23 +78,35 @@ def make_set(root: Path, name: str = "rivers", *, index_of: str | None = None, i
     pairs = []
     for phrase, question, answer in PAIRS:
         (c,) = [c for c in chunks if phrase in c.text]
-        pairs.append({"instruction": question, "input": "", "output": answer, "source": c.source, "chunk": c.id,
-                      "span": [c.start, c.end]})
+        pairs.append(
+            {
+                "instruction": question,
+                "input": "",
+                "output": answer,
+                "source": c.source,
+                "chunk": c.id,
+                "span": [c.start, c.end],
+            }
+        )
     if qa:
         (folder / "qa.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
     if index:
-        build(chunks, root / "data" / "index" / name, name=index_of or name,
-              chunks_sha256=file_sha256(folder / "chunks.jsonl"))
+        build(
+            chunks,
+            root / "data" / "index" / name,
+            name=index_of or name,
+            chunks_sha256=file_sha256(folder / "chunks.jsonl"),
+        )
     return pairs
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     import torch
+    from hf_models import make_tiny_causal_lm
 
     from gptforge.modeling.gpt import GPT, GPTConfig
     from gptforge.modeling.weights import save_model
-    from hf_models import make_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
@@ -96,10 +118,20 @@ def config(models: dict[str, Path], *extra: str, endpoint: bool = True):
     """Evaluating the rivers set with `models`; `endpoint` False: the set was synthesized without
     one (synthesize.endpoint null: chunks, no pairs)."""
     listed = ", ".join(f"{name}: {folder}" for name, folder in models.items())
-    return load_config(None, ["synthesize.documents={rivers: docs}", *(ENDPOINT if endpoint else []),
-                              f"tokenizer.path={TOKENIZER}",
-                              f"evaluate.models={{{listed}}}", "evaluate_qa.max_new_tokens=8",
-                              "evaluate_qa.device=cpu", "index.top_k=2", "tracking.enabled=false", *extra])
+    return load_config(
+        None,
+        [
+            "synthesize.documents={rivers: docs}",
+            *(ENDPOINT if endpoint else []),
+            f"tokenizer.path={TOKENIZER}",
+            f"evaluate.models={{{listed}}}",
+            "evaluate_qa.max_new_tokens=8",
+            "evaluate_qa.device=cpu",
+            "index.top_k=2",
+            "tracking.enabled=false",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture
@@ -115,6 +147,7 @@ def prompts(monkeypatch) -> dict[str, list[list[int]]]:
             ids = args[1] if kind == "hf" else args[0]  # generate_hf(model, tokenizer, ids, ...)
             seen[kind].append(ids[0].tolist())
             return fn(model, *args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(instruct, "generate", recording("gpt", instruct.generate))
@@ -134,7 +167,8 @@ def decode(ids: list[int]) -> str:
 
 
 def test_both_modes_per_model_rag_prompts_hold_the_source_chunk_and_scores_are_answer_quality(
-        tmp_path, monkeypatch, models, prompts):
+    tmp_path, monkeypatch, models, prompts
+):
     monkeypatch.chdir(tmp_path)
     pairs = make_set(tmp_path)
     chunks = {c.id: c for c in read_chunks(tmp_path / "data/synthetic/rivers/chunks.jsonl")}
@@ -185,11 +219,15 @@ def test_both_modes_per_model_rag_prompts_hold_the_source_chunk_and_scores_are_a
         for mode in ("qa", "qa_rag"):
             (line,) = [line for line in table.splitlines() if line.startswith(f"| {model} | {mode} |")]
             cells = [c.strip() for c in line.strip("|").split("|")]
-            assert cells[2:] == [f"{metrics[f'{model}.{mode}.{k}']:.3f}" for k in ("exact_match", "token_f1",
-                                                                                  "rouge_l")] + [str(n)]
+            assert cells[2:] == [
+                f"{metrics[f'{model}.{mode}.{k}']:.3f}" for k in ("exact_match", "token_f1", "rouge_l")
+            ] + [str(n)]
     assert "judge_score" not in table
-    assert {p.name for p in run.artifacts} == {"evaluate_qa_rivers.jsonl", "evaluate_qa_rivers.md",
-                                               "evaluate_qa_rivers.json"}
+    assert {p.name for p in run.artifacts} == {
+        "evaluate_qa_rivers.jsonl",
+        "evaluate_qa_rivers.md",
+        "evaluate_qa_rivers.json",
+    }
 
 
 def reader(model, tokenizer, ids, max_new_tokens, **kwargs):
@@ -204,7 +242,7 @@ def reader(model, tokenizer, ids, max_new_tokens, **kwargs):
         answer = body.split(". ")[0] + "."
     else:
         answer = "I do not know."
-    new = tokenizer.encode(answer, add_special_tokens=False)[:max_new_tokens - 1] + [tokenizer.eos_token_id]
+    new = tokenizer.encode(answer, add_special_tokens=False)[: max_new_tokens - 1] + [tokenizer.eos_token_id]
     return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
 
 
@@ -219,8 +257,10 @@ def test_scores_follow_the_answers_of_a_reader_that_needs_the_context(tmp_path, 
     metrics = E.evaluate_qa(config({"llama": models["llama"]}, "evaluate_qa.max_new_tokens=64"))
     rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
     assert {r["answer"] for r in rows} == {"I do not know."}
-    assert rows[0]["answer_rag"] == ("The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg "
-                                     "and Cologne before it reaches the North Sea in the Netherlands.")
+    assert rows[0]["answer_rag"] == (
+        "The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg "
+        "and Cologne before it reaches the North Sea in the Netherlands."
+    )
     for mode, key in (("qa", "answer"), ("qa_rag", "answer_rag")):
         expected = reference_scores([{"response": r[key], "reference": r["reference"]} for r in rows])
         for metric in ("exact_match", "token_f1", "rouge_l"):
@@ -236,13 +276,21 @@ def test_held_out_split_limit_too_long_prompt_and_judge(tmp_path, monkeypatch, m
     judge scores both modes."""
     monkeypatch.chdir(tmp_path)
     pairs = make_set(tmp_path)
-    long_question = {"instruction": "Why? " + "Tell me about rivers and their long journeys. " * 20, "input": "",
-                     "output": "Because."}
+    long_question = {
+        "instruction": "Why? " + "Tell me about rivers and their long journeys. " * 20,
+        "input": "",
+        "output": "Because.",
+    }
     held_out = [pairs[3], long_question, pairs[0]]
     (tmp_path / "data/instruct").mkdir(parents=True)
     (tmp_path / "data/instruct/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
-    cfg = config({"gpt": models["gpt"]}, "data.instruct.source=synthetic://rivers", "evaluate_qa.limit=2",
-                 f"instruct.judge.url={fake_judge.url}", "instruct.judge.model=judge")
+    cfg = config(
+        {"gpt": models["gpt"]},
+        "data.instruct.source=synthetic://rivers",
+        "evaluate_qa.limit=2",
+        f"instruct.judge.url={fake_judge.url}",
+        "instruct.judge.model=judge",
+    )
     metrics = E.evaluate_qa(cfg)
     rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
     assert [r["question"] for r in rows] == [pairs[3]["instruction"], long_question["instruction"]]
@@ -285,19 +333,30 @@ def test_cli_evaluate_qa_writes_the_table(tmp_path, models):
     work.mkdir()
     make_set(work)
     shutil.copytree(models["gpt"], work / "checkpoints" / "pretrain" / "final")
-    (work / "params.yaml").write_text(yaml.safe_dump({
-        "tokenizer": {"path": TOKENIZER},
-        "synthesize": {"documents": {"rivers": "docs"}, "endpoint": {"url": "http://127.0.0.1:9/v1", "model": "m"}},
-        "evaluate": {"models": {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}},
-        "evaluate_qa": {"max_new_tokens": 8, "device": "cpu"},
-        "tracking": {"enabled": False}}))
+    (work / "params.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": {"path": TOKENIZER},
+                "synthesize": {
+                    "documents": {"rivers": "docs"},
+                    "endpoint": {"url": "http://127.0.0.1:9/v1", "model": "m"},
+                },
+                "evaluate": {
+                    "models": {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"}
+                },
+                "evaluate_qa": {"max_new_tokens": 8, "device": "cpu"},
+                "tracking": {"enabled": False},
+            }
+        )
+    )
     out = run_cli(["evaluate-qa", "-S", "synthesize.only=rivers"], work, cli_env(GPTFORGE_PREFECT="0"), timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = jsonl(work / "reports/evaluate_qa_rivers.jsonl")
     assert [r["model"] for r in rows] == ["pretrain"] * len(PAIRS)  # instruct: no folder, skipped
     metrics = json.loads((work / "metrics/evaluate_qa_rivers.json").read_text())
-    assert {f"pretrain.{mode}.{k}" for mode in ("qa", "qa_rag") for k in ("exact_match", "token_f1", "rouge_l", "n")} \
-        <= set(metrics)
+    assert {
+        f"pretrain.{mode}.{k}" for mode in ("qa", "qa_rag") for k in ("exact_match", "token_f1", "rouge_l", "n")
+    } <= set(metrics)
     table = (work / "reports/evaluate_qa_rivers.md").read_text()
     assert "| pretrain | qa |" in table and "| pretrain | qa_rag |" in table
 
@@ -312,17 +371,25 @@ the fresh water in the world's lakes.
 """
 # question, reference, source file (None: not given). The beavers question names the wrong file,
 # as a user may: retrieval cannot find it there.
-OWN = [("Where does the Rhine rise?", "The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg "
-        "and Cologne before it reaches the North Sea in the Netherlands.", "rivers.md"),
-       ("What do beavers build dams from?", "Beavers build dams from branches and mud", "lakes.md"),
-       ("How deep is Lake Baikal?", "about 1,642 metres deep", "lakes.md"),
-       ("Where do salmon return to spawn?", "their home river", None)]
+OWN = [
+    (
+        "Where does the Rhine rise?",
+        "The Rhine rises in the Swiss Alps and flows north through Basel, Strasbourg "
+        "and Cologne before it reaches the North Sea in the Netherlands.",
+        "rivers.md",
+    ),
+    ("What do beavers build dams from?", "Beavers build dams from branches and mud", "lakes.md"),
+    ("How deep is Lake Baikal?", "about 1,642 metres deep", "lakes.md"),
+    ("Where do salmon return to spawn?", "their home river", None),
+]
 
 
 def write_questions(path: Path, rows) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"question": q, "answer": a, **({"source": s} if s else {})}) + "\n"
-                            for q, a, s in rows), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"question": q, "answer": a, **({"source": s} if s else {})}) + "\n" for q, a, s in rows),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -339,8 +406,12 @@ def test_own_question_file_over_chunks_alone_scores_by_the_formulas(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path, documents={"rivers.md": DOC, "lakes.md": LAKES}, qa=False)
     write_questions(tmp_path / "data/qa/rivers.jsonl", OWN)
-    cfg = config({"llama": models["llama"]}, "evaluate_qa.max_new_tokens=64",
-                 "evaluate_qa.questions={rivers: data/qa/rivers.jsonl}", endpoint=False)
+    cfg = config(
+        {"llama": models["llama"]},
+        "evaluate_qa.max_new_tokens=64",
+        "evaluate_qa.questions={rivers: data/qa/rivers.jsonl}",
+        endpoint=False,
+    )
     metrics = E.evaluate_qa(cfg)
 
     rows = jsonl(tmp_path / "reports/evaluate_qa_rivers.jsonl")
@@ -353,16 +424,23 @@ def test_own_question_file_over_chunks_alone_scores_by_the_formulas(tmp_path, mo
         "Lake Baikal in Siberia is the deepest lake on Earth, about 1,642 metres deep, and holds a fifth of the "
         "fresh water in the world's lakes..",
         "Salmon hatch in fresh water, migrate to the ocean to feed for several years, and return to their home river "
-        "to spawn, often leaping up waterfalls on the way.."]
-    assert [(r.get("source"), r.get("source_rank")) for r in rows] == [("rivers.md", 1), ("lakes.md", None),
-                                                                       ("lakes.md", 1), (None, None)]
+        "to spawn, often leaping up waterfalls on the way..",
+    ]
+    assert [(r.get("source"), r.get("source_rank")) for r in rows] == [
+        ("rivers.md", 1),
+        ("lakes.md", None),
+        ("lakes.md", 1),
+        (None, None),
+    ]
     assert "source" not in rows[3] and all(r["sources"][0]["file"] in ("rivers.md", "lakes.md") for r in rows)
 
     # (exact match, token F1, ROUGE-L) of each answer_rag, counted by hand
-    expected = [(1.0, 1.0, 1.0),
-                (0.0, 2 * 7 / (23 + 7), 2 * 7 / (24 + 7)),  # the reference is the answer's first 7 words
-                (0.0, 2 * 4 / (22 + 4), 2 * 5 / (28 + 5)),  # "about 1642 metres deep" among 22 (rouge: 28, 5)
-                (0.0, 2 * 3 / (27 + 3), 2 * 3 / (29 + 3))]  # "their home river" among 27 (rouge: 29)
+    expected = [
+        (1.0, 1.0, 1.0),
+        (0.0, 2 * 7 / (23 + 7), 2 * 7 / (24 + 7)),  # the reference is the answer's first 7 words
+        (0.0, 2 * 4 / (22 + 4), 2 * 5 / (28 + 5)),  # "about 1642 metres deep" among 22 (rouge: 28, 5)
+        (0.0, 2 * 3 / (27 + 3), 2 * 3 / (29 + 3)),
+    ]  # "their home river" among 27 (rouge: 29)
     for i, metric in enumerate(("exact_match", "token_f1", "rouge_l")):
         assert metrics[f"llama.qa_rag.{metric}"] == pytest.approx(sum(e[i] for e in expected) / 4)
         assert metrics[f"llama.qa.{metric}"] == 0.0
@@ -375,35 +453,58 @@ def test_own_question_file_over_chunks_alone_scores_by_the_formulas(tmp_path, mo
     assert "source file among the 2 chunks retrieved for 2 of 3 questions that name one (source_hit 0.667)" in table
 
 
-@pytest.mark.parametrize("case", ["missing file", "empty file", "bad JSON", "no answer", "blank question",
-                                  "not an object", "unknown source", "unknown set", "chunks only, no questions"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing file",
+        "empty file",
+        "bad JSON",
+        "no answer",
+        "blank question",
+        "not an object",
+        "unknown source",
+        "unknown set",
+        "chunks only, no questions",
+    ],
+)
 def test_bad_question_files_are_one_line_before_any_model_loads(tmp_path, monkeypatch, case):
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path, qa=False)
     path = tmp_path / "data/qa/rivers.jsonl"
     good = json.dumps({"question": "Where does the Rhine rise?", "answer": "In the Swiss Alps."})
-    lines, name = {"missing file": None, "empty file": "\n\n", "bad JSON": f'{good}\n{{"question": "x?", \n',
-                   "no answer": f'{good}\n{good}\n{{"question": "Where do salmon spawn?"}}\n',
-                   "blank question": '{"question": " ", "answer": "No."}\n', "not an object": '["q?", "a"]\n',
-                   "unknown source": '{"question": "Where is the Nile?", "answer": "Egypt.", "source": "nile.md"}\n',
-                   "unknown set": good, "chunks only, no questions": None}[case], "rivers"
+    lines, name = (
+        {
+            "missing file": None,
+            "empty file": "\n\n",
+            "bad JSON": f'{good}\n{{"question": "x?", \n',
+            "no answer": f'{good}\n{good}\n{{"question": "Where do salmon spawn?"}}\n',
+            "blank question": '{"question": " ", "answer": "No."}\n',
+            "not an object": '["q?", "a"]\n',
+            "unknown source": '{"question": "Where is the Nile?", "answer": "Egypt.", "source": "nile.md"}\n',
+            "unknown set": good,
+            "chunks only, no questions": None,
+        }[case],
+        "rivers",
+    )
     if lines is not None:
         path.parent.mkdir(parents=True)
         path.write_text(lines, encoding="utf-8")
     if case == "unknown set":
         name = "lakes"
-    expected = {"missing file": f"evaluate_qa.questions.rivers: {Path('data/qa/rivers.jsonl')} not found",
-                "empty file": "data/qa/rivers.jsonl holds no question: each line is {\"question\"",
-                "bad JSON": "data/qa/rivers.jsonl:2 is not a JSON line",
-                "no answer": "data/qa/rivers.jsonl:3 has no 'answer' (a non-empty string)",
-                "blank question": "data/qa/rivers.jsonl:1 has no 'question'",
-                "not an object": "data/qa/rivers.jsonl:1 is not a JSON object",
-                "unknown source": "data/qa/rivers.jsonl:1: source 'nile.md' is no file of the document set (its "
-                                  "files, relative to its folder: rivers.md)",
-                "unknown set": "evaluate_qa.questions.lakes names no entry of synthesize.documents (entries: rivers)",
-                "chunks only, no questions": "evaluate_qa rivers: data/synthetic/rivers holds chunks only, no "
-                                             "questions (synthesize.endpoint.url is null): set "
-                                             "evaluate_qa.questions.rivers to your question file"}[case]
+    expected = {
+        "missing file": f"evaluate_qa.questions.rivers: {Path('data/qa/rivers.jsonl')} not found",
+        "empty file": 'data/qa/rivers.jsonl holds no question: each line is {"question"',
+        "bad JSON": "data/qa/rivers.jsonl:2 is not a JSON line",
+        "no answer": "data/qa/rivers.jsonl:3 has no 'answer' (a non-empty string)",
+        "blank question": "data/qa/rivers.jsonl:1 has no 'question'",
+        "not an object": "data/qa/rivers.jsonl:1 is not a JSON object",
+        "unknown source": "data/qa/rivers.jsonl:1: source 'nile.md' is no file of the document set (its "
+        "files, relative to its folder: rivers.md)",
+        "unknown set": "evaluate_qa.questions.lakes names no entry of synthesize.documents (entries: rivers)",
+        "chunks only, no questions": "evaluate_qa rivers: data/synthetic/rivers holds chunks only, no "
+        "questions (synthesize.endpoint.url is null): set "
+        "evaluate_qa.questions.rivers to your question file",
+    }[case]
     extra = [] if case == "chunks only, no questions" else [f"evaluate_qa.questions={{{name}: data/qa/rivers.jsonl}}"]
     cfg = config({"nowhere": tmp_path / "no-model"}, *extra, endpoint=False)  # no model exists: checked after
     with pytest.raises(BadInput, match=re.escape(expected)) as e:
@@ -423,13 +524,18 @@ def test_cli_offline_chain_chunks_index_and_own_questions(tmp_path, models):
     (work / "docs" / "lakes.md").write_text(LAKES, encoding="utf-8")
     write_questions(work / "data/qa/rivers.jsonl", OWN)
     shutil.copytree(models["gpt"], work / "checkpoints" / "pretrain" / "final")
-    (work / "params.yaml").write_text(yaml.safe_dump({
-        "tokenizer": {"path": TOKENIZER},
-        "synthesize": {"documents": {"rivers": "docs"}, "chunk_tokens": 70, "chunk_overlap": 0},
-        "evaluate": {"models": {"pretrain": "checkpoints/pretrain/final"}},
-        "evaluate_qa": {"questions": {"rivers": "data/qa/rivers.jsonl"}, "max_new_tokens": 8, "device": "cpu"},
-        "index": {"top_k": 2},
-        "tracking": {"enabled": False}}))
+    (work / "params.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": {"path": TOKENIZER},
+                "synthesize": {"documents": {"rivers": "docs"}, "chunk_tokens": 70, "chunk_overlap": 0},
+                "evaluate": {"models": {"pretrain": "checkpoints/pretrain/final"}},
+                "evaluate_qa": {"questions": {"rivers": "data/qa/rivers.jsonl"}, "max_new_tokens": 8, "device": "cpu"},
+                "index": {"top_k": 2},
+                "tracking": {"enabled": False},
+            }
+        )
+    )
     env = cli_env(GPTFORGE_PREFECT="0")
     for command in ("synthesize", "index", "evaluate-qa"):
         out = run_cli([command, "-S", "synthesize.only=rivers"], work, env, timeout=180)
@@ -437,8 +543,9 @@ def test_cli_offline_chain_chunks_index_and_own_questions(tmp_path, models):
     assert sorted(p.name for p in (work / "data/synthetic/rivers").iterdir()) == ["chunks.jsonl"]
     assert json.loads((work / "metrics/index_rivers.json").read_text())["questions"] == 0
     rows = jsonl(work / "reports/evaluate_qa_rivers.jsonl")
-    assert [(r["question"], r.get("source_rank")) for r in rows] == [(q, rank) for (q, _, _), rank
-                                                                     in zip(OWN, (1, None, 1, None))]
+    assert [(r["question"], r.get("source_rank")) for r in rows] == [
+        (q, rank) for (q, _, _), rank in zip(OWN, (1, None, 1, None))
+    ]
     metrics = json.loads((work / "metrics/evaluate_qa_rivers.json").read_text())
     assert metrics["pretrain.qa.n"] == metrics["pretrain.qa_rag.n"] == 4
     assert metrics["retrieval.source_hit"] == pytest.approx(2 / 3)

@@ -16,8 +16,9 @@ from gptforge.modeling.weights import save_model
 
 def checkpoint(folder, n_vocab=50257, bias=True, seed=0):
     torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=-(-n_vocab // 64) * 64,
-                    n_vocab=n_vocab, bias=bias)
+    cfg = GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=-(-n_vocab // 64) * 64, n_vocab=n_vocab, bias=bias
+    )
     m = GPT(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -32,8 +33,15 @@ def test_export_loads_with_auto_classes(tmp_path, gpt2_tokenizer_dir, bias):
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf", str(gpt2_tokenizer_dir))
     assert out == tmp_path / "hf"
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
-            "tokenizer_config.json", "special_tokens_map.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    } <= names
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["activation_function"] == "gelu_new" and cfg["vocab_size"] == 50257 and cfg["n_positions"] == 16

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fixture_data import FakeRun
+
 from gptforge.config.load import validate
 from gptforge.errors import BadInput
-from gptforge.finetune import classify as clf
 from gptforge.finetune import classifier as clf_model
+from gptforge.finetune import classify as clf
 from gptforge.finetune import classify_data as clf_data
 from gptforge.finetune.common import merge_lora
 from gptforge.modeling.gpt import GPT, GPTConfig
@@ -69,16 +69,28 @@ def data_dir(tmp_path) -> Path:
 
 
 def make_cfg(tokenizer: Path, init_from: Path, **classify):
-    section = {"init_from": str(init_from), "trainable": "all", "epochs": 4, "lr": 3e-3, "weight_decay": 0.0,
-               "batch_size": 16, "eval_interval": 10, "eval_batches": 2, "device": "cpu", "precision": "fp32",
-               "seed": 7, "lora": {"r": 4, "alpha": 8}}
+    section = {
+        "init_from": str(init_from),
+        "trainable": "all",
+        "epochs": 4,
+        "lr": 3e-3,
+        "weight_decay": 0.0,
+        "batch_size": 16,
+        "eval_interval": 10,
+        "eval_batches": 2,
+        "device": "cpu",
+        "precision": "fp32",
+        "seed": 7,
+        "lora": {"r": 4, "alpha": 8},
+    }
     section.update(classify)
     return validate({"tokenizer": {"path": str(tokenizer)}, "classify": section})
 
 
 def outputs(tmp_path: Path) -> dict:
-    return dict(out_dir=tmp_path / "ckpt", metrics_path=tmp_path / "metrics" / "classify.json",
-                plots_dir=tmp_path / "plots")
+    return dict(
+        out_dir=tmp_path / "ckpt", metrics_path=tmp_path / "metrics" / "classify.json", plots_dir=tmp_path / "plots"
+    )
 
 
 class RecordingSteps(Steps):
@@ -104,8 +116,20 @@ def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, t
     assert metrics["test_accuracy"] >= 0.9 and metrics["train_accuracy"] >= 0.9
     on_disk = json.loads(out["metrics_path"].read_text())
     assert on_disk == pytest.approx(metrics)
-    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "precision", "recall", "f1", "test_tp", "test_fp",
-                "test_tn", "test_fn", "trainable_params", "seconds_per_epoch"):
+    for key in (
+        "train_accuracy",
+        "val_accuracy",
+        "test_accuracy",
+        "precision",
+        "recall",
+        "f1",
+        "test_tp",
+        "test_fp",
+        "test_tn",
+        "test_fn",
+        "trainable_params",
+        "seconds_per_epoch",
+    ):
         assert isinstance(on_disk[key], (int, float)), key
     assert metrics["trainable_params"] == metrics["total_params"] > 0  # trainable=all
     assert metrics["seconds_per_epoch"] > 0
@@ -149,16 +173,21 @@ def test_learns_the_marker_and_metrics_add_up(small_tokenizer, base, data_dir, t
     for png in ("classify_loss.png", "classify_accuracy.png"):
         assert (out["plots_dir"] / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     final = out["out_dir"] / "final"
-    assert sorted(p.name for p in final.iterdir()) == ["classifier.json", "classifier.safetensors", "config.json",
-                                                       "model.safetensors"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        "classifier.json",
+        "classifier.safetensors",
+        "config.json",
+        "model.safetensors",
+    ]
     assert load_model(final).config == load_model(base).config  # the backbone is a plain gptforge GPT
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
 def test_padding_does_not_change_a_rows_logits(attention):
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=281,
-                        attention=attention))
+    gpt = GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=281, attention=attention)
+    )
     model = clf_model.GPTClassifier(gpt, 2).eval()
     short, long = clf_data.Example([5, 9, 17], 0), clf_data.Example(list(range(40, 60)), 1)
     alone = model(*clf_data.collate([short], 280, torch.device("cpu"))[:2])
@@ -170,10 +199,13 @@ def test_padding_does_not_change_a_rows_logits(attention):
     assert not torch.allclose(model(idx, torch.tensor([20, 20]))[0], alone[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("trainable, expected", [
-    ("head", {"head."}),
-    ("last_block", {"head.", "gpt.transformer.h.1.", "gpt.transformer.ln_f."}),
-])
+@pytest.mark.parametrize(
+    "trainable, expected",
+    [
+        ("head", {"head."}),
+        ("last_block", {"head.", "gpt.transformer.h.1.", "gpt.transformer.ln_f."}),
+    ],
+)
 def test_only_the_trainable_part_changes(small_tokenizer, base, data_dir, trainable, expected):
     cfg = make_cfg(small_tokenizer, base, trainable=trainable, epochs=1)
     s = clf.setup(cfg, data_dir)
@@ -206,8 +238,9 @@ def test_lora_trains_adapters_and_head_only_and_merges_exactly(small_tokenizer, 
     assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # B starts at 0: nonzero means it trained
     counts = next(m for m in run.metrics if "trainable_params" in m)
     assert 0 < counts["trainable_params"] < counts["total_params"]
-    assert counts["trainable_params"] == sum(p.numel() for n, p in s.model.named_parameters()
-                                             if "lora_" in n or ".head." in n)
+    assert counts["trainable_params"] == sum(
+        p.numel() for n, p in s.model.named_parameters() if "lora_" in n or ".head." in n
+    )
 
     examples = s.data["test"][:32]
     adapter_logits, _ = clf_data.predict(s.model, examples, 16, 280, s.rt)
@@ -220,8 +253,9 @@ def test_lora_trains_adapters_and_head_only_and_merges_exactly(small_tokenizer, 
 def _hf_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                                    "n_embd": 32, "n_layer": 2}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_layer": 2})
+    )
     return folder
 
 
@@ -234,8 +268,9 @@ def test_bad_input_stops_before_writing(small_tokenizer, base, data_dir, tmp_pat
         init_from, pattern = tmp_path / "nowhere", r"classify\.init_from: .*nowhere not found; run `gptforge pretrain`"
     elif case == "vocab":
         init_from = tmp_path / "other_vocab"
-        save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=300)),
-                   init_from)
+        save_model(
+            GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=300)), init_from
+        )
         pattern = r"vocabulary of 300 tokens, the tokenizer .* 281"
     elif case == "label":
         lines = (data_dir / "train.jsonl").read_text().splitlines()
@@ -284,7 +319,7 @@ def test_long_texts_keep_their_first_max_length_tokens(small_tokenizer):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320, n_vocab=281))
     model = clf_model.GPTClassifier(gpt, 2, max_length=8).eval()
-    (label, prob), = clf_model.classify_texts(model, [long_text], enc, "cpu")  # longer than the model: no error
+    ((label, prob),) = clf_model.classify_texts(model, [long_text], enc, "cpu")  # longer than the model: no error
     with torch.no_grad():
         want = model(torch.tensor([ids[:8]]), torch.tensor([8]))[0].softmax(-1)
     assert label == int(want.argmax()) and prob == pytest.approx(float(want.max()), abs=1e-6)
@@ -313,6 +348,8 @@ def test_classify_command_labels_text_and_stdin_lines(small_tokenizer, base, dat
     rows = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
     assert [(r[0], r[2]) for r in rows] == [(labels[e[0]], t) for e, t in zip(expected, texts)]
 
-    assert main(["classify", "x", "--checkpoint", str(tmp_path / "nowhere"),
-                 "-S", f"tokenizer.path={small_tokenizer}"]) == 2
+    assert (
+        main(["classify", "x", "--checkpoint", str(tmp_path / "nowhere"), "-S", f"tokenizer.path={small_tokenizer}"])
+        == 2
+    )
     assert "nowhere" in capsys.readouterr().err

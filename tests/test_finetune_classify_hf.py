@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from fixture_data import SMS_LINES, FakeRun
+from hf_models import make_tiny_causal_lm, make_tiny_encoder
+from safetensors.torch import load_file
+from test_finetune_classify import RecordingSteps, outputs
+
 from gptforge.config.load import validate
 from gptforge.errors import BadInput
-from gptforge.finetune import classify as clf
 from gptforge.finetune import classifier as clf_model
+from gptforge.finetune import classify as clf
 from gptforge.finetune import classify_data as clf_data
 from gptforge.modeling.tokenizer import load_tokenizer
-from hf_models import make_tiny_causal_lm, make_tiny_encoder
-from test_finetune_classify import RecordingSteps, outputs
 
 SEED = 7
 HIDDEN = 64  # make_tiny_causal_lm's hidden_size (2 layers)
@@ -48,9 +48,20 @@ def data_dir(tmp_path) -> Path:
 
 def make_cfg(init_from: Path, tokenizer: str = "/nowhere/tokenizer.tiktoken", **classify):
     # tokenizer.path points nowhere: a Hugging Face model brings its own tokenizer.
-    section = {"init_from": str(init_from), "trainable": "head", "epochs": 1, "lr": 1e-2, "weight_decay": 0.0,
-               "batch_size": 8, "eval_interval": 100, "eval_batches": 1, "device": "cpu", "precision": "fp32",
-               "seed": SEED, "lora": {"r": 4, "alpha": 8}}
+    section = {
+        "init_from": str(init_from),
+        "trainable": "head",
+        "epochs": 1,
+        "lr": 1e-2,
+        "weight_decay": 0.0,
+        "batch_size": 8,
+        "eval_interval": 100,
+        "eval_batches": 1,
+        "device": "cpu",
+        "precision": "fp32",
+        "seed": SEED,
+        "lora": {"r": 4, "alpha": 8},
+    }
     section.update(classify)
     return validate({"tokenizer": {"path": tokenizer}, "classify": section})
 
@@ -66,18 +77,22 @@ def changed_tensors(base: Path, final: Path) -> set[str]:
     return {k for k in before if not torch.equal(before[k], after[k])}
 
 
-@pytest.mark.parametrize("trainable, expected", [
-    ("head", set()),
-    ("last_block", {"model.layers.1.", "model.norm."}),  # the last of 2 blocks and the final norm
-])
+@pytest.mark.parametrize(
+    "trainable, expected",
+    [
+        ("head", set()),
+        ("last_block", {"model.layers.1.", "model.norm."}),  # the last of 2 blocks and the final norm
+    ],
+)
 def test_only_the_trainable_part_changes(llama, data_dir, tmp_path, trainable, expected):
     from transformers import AutoModelForCausalLM
 
     out = outputs(tmp_path)
     metrics = clf.finetune_classify(make_cfg(llama, trainable=trainable), data_dir=data_dir, run=FakeRun(), **out)
     final = out["out_dir"] / "final"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "classifier.json",
-            "classifier.safetensors"} <= {p.name for p in final.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "classifier.json", "classifier.safetensors"} <= {
+        p.name for p in final.iterdir()
+    }
     assert json.loads((final / "classifier.json").read_text())["backbone"] == "hf"
     AutoModelForCausalLM.from_pretrained(str(final))  # an ordinary Hugging Face folder
 
@@ -87,12 +102,14 @@ def test_only_the_trainable_part_changes(llama, data_dir, tmp_path, trainable, e
     head = load_file(str(final / "classifier.safetensors"))
     assert not torch.equal(head["weight"], initial_head().weight)  # the head trained
     assert metrics["trainable_params"] == 2 * HIDDEN + 2 + sum(
-        v.numel() for k, v in load_file(str(llama / "model.safetensors")).items() if k in should)
+        v.numel() for k, v in load_file(str(llama / "model.safetensors")).items() if k in should
+    )
 
 
 @pytest.mark.slow  # ~3-5 s: importing peft, a LoRA run, a CLI call
-def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(llama, data_dir, tmp_path, small_tokenizer,
-                                                                       monkeypatch, capsys):
+def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(
+    llama, data_dir, tmp_path, small_tokenizer, monkeypatch, capsys
+):
     from gptforge.cli import main
 
     out, steps = outputs(tmp_path), RecordingSteps()
@@ -105,8 +122,11 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(llama, da
 
     # Merged LoRA: exactly the blocks' Linear weights moved; embeddings, norms, lm_head did not.
     linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    should = {k for k in load_file(str(llama / "model.safetensors"))
-              if k.startswith("model.layers.") and k.split(".")[-2] in linears}
+    should = {
+        k
+        for k in load_file(str(llama / "model.safetensors"))
+        if k.startswith("model.layers.") and k.split(".")[-2] in linears
+    }
     assert changed_tensors(llama, final) == should
 
     # Round trip: the loaded classifier gives the trained (merged) model's logits.

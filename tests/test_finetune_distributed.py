@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_support import cli_env, run_cli
+
 from gptforge.finetune.distributed import TRACE_ENV, part
 from gptforge.training.runtime import Runtime
 
@@ -97,11 +97,22 @@ def test_instruct_lora_under_fsdp_on_two_processes_is_the_one_process_run(tmp_pa
     from test_finetune_instruct_hf import write_splits
 
     make_tiny_causal_lm(tmp_path / "llama", "llama")
-    args = ["instruct.init_from=../llama", "instruct.method=lora", "instruct.template=chat",
-            "instruct.mask_prompt=true", "instruct.epochs=1", "instruct.batch_size=4", "instruct.lr=0.003",
-            "instruct.eval_interval=4", "instruct.eval_batches=1", "instruct.n_responses=2",
-            "instruct.max_new_tokens=4", "instruct.device=cpu", "tracking.enabled=false",
-            "tokenizer.path=sample://gpt2_tokenizer"]
+    args = [
+        "instruct.init_from=../llama",
+        "instruct.method=lora",
+        "instruct.template=chat",
+        "instruct.mask_prompt=true",
+        "instruct.epochs=1",
+        "instruct.batch_size=4",
+        "instruct.lr=0.003",
+        "instruct.eval_interval=4",
+        "instruct.eval_batches=1",
+        "instruct.n_responses=2",
+        "instruct.max_new_tokens=4",
+        "instruct.device=cpu",
+        "tracking.enabled=false",
+        "tokenizer.path=sample://gpt2_tokenizer",
+    ]
     runs = {}
     for name, extra in (("one", []), ("fsdp", ["instruct.nproc_per_node=2", "instruct.strategy=fsdp"])):
         cwd = tmp_path / name
@@ -118,8 +129,7 @@ def test_instruct_lora_under_fsdp_on_two_processes_is_the_one_process_run(tmp_pa
     # the merged folders: the held-out loss by transformers' own loss, the same within 1%
     # (measured: equal to ~1e-6; the adapters' init is seeded, the gradients are the batch's)
     test_split = one / "data" / "instruct" / "test.jsonl"
-    heldout = {name: _heldout_loss(tmp_path / name / "checkpoints" / "instruct" / "final", test_split)
-               for name in runs}
+    heldout = {name: _heldout_loss(tmp_path / name / "checkpoints" / "instruct" / "final", test_split) for name in runs}
     assert heldout["fsdp"] == pytest.approx(heldout["one"], rel=0.01)
     assert heldout["fsdp"] == pytest.approx(heldout["one"], rel=1e-4)
     for name, metrics in runs.items():  # the stage's own figure is the same quantity
@@ -131,20 +141,36 @@ def test_instruct_lora_under_fsdp_on_two_processes_is_the_one_process_run(tmp_pa
 
 @pytest.mark.slow
 def test_classify_under_ddp_and_fsdp_on_two_processes_has_the_one_process_metrics(tmp_path):
-    from gptforge.modeling.gpt import GPT, GPTConfig
-    from gptforge.modeling.weights import save_model
     from test_finetune_classify import write_split
 
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
     torch.manual_seed(0)
-    save_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304, n_vocab=50257)),
-               tmp_path / "gpt")
-    args = ["classify.init_from=../gpt", "classify.trainable=all", "classify.epochs=2", "classify.lr=3e-3",
-            "classify.weight_decay=0", "classify.batch_size=16", "classify.eval_interval=10",
-            "classify.eval_batches=2", "classify.device=cpu", "classify.precision=fp32", "classify.seed=7",
-            "tracking.enabled=false", "tokenizer.path=sample://gpt2_tokenizer"]
+    save_model(
+        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304, n_vocab=50257)), tmp_path / "gpt"
+    )
+    args = [
+        "classify.init_from=../gpt",
+        "classify.trainable=all",
+        "classify.epochs=2",
+        "classify.lr=3e-3",
+        "classify.weight_decay=0",
+        "classify.batch_size=16",
+        "classify.eval_interval=10",
+        "classify.eval_batches=2",
+        "classify.device=cpu",
+        "classify.precision=fp32",
+        "classify.seed=7",
+        "tracking.enabled=false",
+        "tokenizer.path=sample://gpt2_tokenizer",
+    ]
     runs = {}
-    for name, extra in (("one", []), ("ddp", ["classify.nproc_per_node=2"]),
-                        ("fsdp", ["classify.nproc_per_node=2", "classify.strategy=fsdp"])):
+    for name, extra in (
+        ("one", []),
+        ("ddp", ["classify.nproc_per_node=2"]),
+        ("fsdp", ["classify.nproc_per_node=2", "classify.strategy=fsdp"]),
+    ):
         data = tmp_path / name / "data" / "classify"
         data.mkdir(parents=True)
         for split, n, seed in (("train", 320, 1), ("val", 64, 2), ("test", 100, 3)):
@@ -163,16 +189,27 @@ def test_classify_under_ddp_and_fsdp_on_two_processes_has_the_one_process_metric
 
 @pytest.mark.slow
 def test_preference_under_ddp_on_two_processes_has_the_one_process_metrics(tmp_path):
-    from gptforge.modeling.gpt import GPT, GPTConfig
-    from gptforge.modeling.weights import save_model
     from test_finetune_preference import write_splits
 
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
     torch.manual_seed(0)
-    save_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
-               tmp_path / "sft")
-    args = ["tokenizer.path=sample://gpt2_tokenizer", "preference.init_from=../sft", "preference.template=phi3",
-            "preference.batch_size=4", "preference.lr=1e-3", "preference.n_responses=2",
-            "preference.max_new_tokens=4", "preference.device=cpu", "tracking.enabled=false"]
+    save_model(
+        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
+        tmp_path / "sft",
+    )
+    args = [
+        "tokenizer.path=sample://gpt2_tokenizer",
+        "preference.init_from=../sft",
+        "preference.template=phi3",
+        "preference.batch_size=4",
+        "preference.lr=1e-3",
+        "preference.n_responses=2",
+        "preference.max_new_tokens=4",
+        "preference.device=cpu",
+        "tracking.enabled=false",
+    ]
     runs = {}
     for name, extra in (("one", []), ("ddp", ["preference.nproc_per_node=2"])):
         write_splits(tmp_path / name / "data" / "preference")
@@ -197,20 +234,37 @@ def test_reward_and_rl_under_ddp_on_two_processes(tmp_path):
     one-process run's exactly."""
     import shutil
 
-    from gptforge.modeling.gpt import GPT, GPTConfig
-    from gptforge.modeling.weights import save_model
     from test_finetune_preference import write_splits as write_pairs
     from test_finetune_rl import write_splits as write_prompts
 
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
     torch.manual_seed(0)
-    save_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
-               tmp_path / "sft")
+    save_model(
+        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
+        tmp_path / "sft",
+    )
     common = ["tokenizer.path=sample://gpt2_tokenizer", "tracking.enabled=false", "instruct.template=phi3"]
-    reward_args = common + ["reward.init_from=../sft", "reward.batch_size=4", "reward.lr=1e-3",
-                            "reward.eval_interval=1000", "reward.device=cpu"]
-    rl_args = common + ["rl.init_from=../sft", "rl.reward_model=../reward", "rl.num_generations=2",
-                        "rl.batch_size=4", "rl.max_prompts=4", "rl.max_completion_length=8", "rl.max_new_tokens=8",
-                        "rl.n_responses=2", "rl.lr=1e-3", "rl.device=cpu"]
+    reward_args = common + [
+        "reward.init_from=../sft",
+        "reward.batch_size=4",
+        "reward.lr=1e-3",
+        "reward.eval_interval=1000",
+        "reward.device=cpu",
+    ]
+    rl_args = common + [
+        "rl.init_from=../sft",
+        "rl.reward_model=../reward",
+        "rl.num_generations=2",
+        "rl.batch_size=4",
+        "rl.max_prompts=4",
+        "rl.max_completion_length=8",
+        "rl.max_new_tokens=8",
+        "rl.n_responses=2",
+        "rl.lr=1e-3",
+        "rl.device=cpu",
+    ]
     reward, rl = {}, {}
     for name, n in (("one", 1), ("ddp", 2)):
         write_pairs(tmp_path / name / "data" / "preference")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fixture_data import FakeRun
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import instruct as I
@@ -32,13 +32,17 @@ E = 50256  # GPT-2's <|endoftext|>, the pad id in the hand-computed batches
 
 def test_alpaca_template_with_and_without_input():
     prompt, response = render({"instruction": "Name a color.", "input": "sky", "output": "Blue."}, "alpaca")
-    assert prompt == ("Below is an instruction that describes a task, paired with an input that provides further "
-                      "context. Write a response that appropriately completes the request.\n\n"
-                      "### Instruction:\nName a color.\n\n### Input:\nsky\n\n### Response:\n")
+    assert prompt == (
+        "Below is an instruction that describes a task, paired with an input that provides further "
+        "context. Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\nName a color.\n\n### Input:\nsky\n\n### Response:\n"
+    )
     assert response == "Blue."
     prompt, response = render({"instruction": "Name a color.", "input": "", "output": "Red."}, "alpaca")
-    assert prompt == ("Below is an instruction that describes a task. Write a response that appropriately "
-                      "completes the request.\n\n### Instruction:\nName a color.\n\n### Response:\n")
+    assert prompt == (
+        "Below is an instruction that describes a task. Write a response that appropriately "
+        "completes the request.\n\n### Instruction:\nName a color.\n\n### Response:\n"
+    )
     assert response == "Red."
 
 
@@ -133,9 +137,11 @@ def test_collate_equals_llms_from_scratch(max_length):
 
 def test_prompts_that_fill_max_length_are_skipped_and_counted(small_tokenizer):
     enc = load_tokenizer(str(small_tokenizer))
-    records = [{"instruction": "Hi.", "input": "", "output": "Yo."},
-               {"instruction": "x" * 200, "input": "", "output": "long"},
-               {"instruction": "Bye.", "input": "", "output": "Ok."}]
+    records = [
+        {"instruction": "Hi.", "input": "", "output": "Yo."},
+        {"instruction": "x" * 200, "input": "", "output": "long"},
+        {"instruction": "Bye.", "input": "", "output": "Ok."},
+    ]
     limit = max(len(encode(r, "phi3", enc)[0]) for r in (records[0], records[2])) + 1  # 2 is 200 bytes longer
     examples, kept = encode_all(records, "phi3", enc, limit)
     assert kept == [0, 2] and len(examples) == 2
@@ -182,24 +188,45 @@ def workspace(tmp_path, small_tokenizer):
 
 
 def make_cfg(ws: Path, small_tokenizer, *extra: str):
-    return load_config(None, [f"tokenizer.path={small_tokenizer}", f"instruct.init_from={ws / 'base'}",
-                              "instruct.template=phi3", "instruct.device=cpu", "instruct.precision=fp32",
-                              "instruct.batch_size=8", "instruct.epochs=3", "instruct.lr=0.003",
-                              "instruct.eval_interval=4", "instruct.eval_batches=1", "instruct.n_responses=3",
-                              "instruct.max_new_tokens=8", *extra])
+    return load_config(
+        None,
+        [
+            f"tokenizer.path={small_tokenizer}",
+            f"instruct.init_from={ws / 'base'}",
+            "instruct.template=phi3",
+            "instruct.device=cpu",
+            "instruct.precision=fp32",
+            "instruct.batch_size=8",
+            "instruct.epochs=3",
+            "instruct.lr=0.003",
+            "instruct.eval_interval=4",
+            "instruct.eval_batches=1",
+            "instruct.n_responses=3",
+            "instruct.max_new_tokens=8",
+            *extra,
+        ],
+    )
 
 
 def run_recipe(ws: Path, cfg, run=None, **kw) -> dict:
-    return I.finetune_instruct(cfg, run=run or FakeRun(), data_dir=ws / "data", out_dir=ws / "ckpt",
-                               metrics_path=ws / "metrics.json", responses_path=ws / "responses.jsonl", **kw)
+    return I.finetune_instruct(
+        cfg,
+        run=run or FakeRun(),
+        data_dir=ws / "data",
+        out_dir=ws / "ckpt",
+        metrics_path=ws / "metrics.json",
+        responses_path=ws / "responses.jsonl",
+        **kw,
+    )
 
 
 def base_val_loss(ws: Path, small_tokenizer, cfg) -> float:
     enc = load_tokenizer(str(small_tokenizer))
     val, _ = encode_all(I.read_split(ws / "data" / "val.jsonl"), "phi3", enc, 64)
     rt = I.runtime("cpu", "fp32", param="instruct")
-    return I.split_loss(load_model(ws / "base"), val, batch_size=8, pad_id=enc.eot_token, max_length=64,
-                        mask_prompt=False, rt=rt)
+    return I.split_loss(
+        load_model(ws / "base"), val, batch_size=8, pad_id=enc.eot_token, max_length=64, mask_prompt=False, rt=rt
+    )
 
 
 def forced(token: int) -> GPT:
@@ -230,8 +257,14 @@ def test_full_finetuning_lowers_val_loss_and_writes_everything(workspace, small_
     run = FakeRun()
     metrics = run_recipe(ws, cfg, run)
 
-    assert set(metrics) >= {"val_loss", "test_loss", "val_perplexity", "response_tokens_per_sec",
-                            "trainable_params", "skipped_too_long"}
+    assert set(metrics) >= {
+        "val_loss",
+        "test_loss",
+        "val_perplexity",
+        "response_tokens_per_sec",
+        "trainable_params",
+        "skipped_too_long",
+    }
     assert json.loads((ws / "metrics.json").read_text()) == pytest.approx(metrics)
     before = base_val_loss(ws, small_tokenizer, cfg)
     assert metrics["val_loss"] < before - 1.0, (before, metrics["val_loss"])
@@ -246,8 +279,7 @@ def test_full_finetuning_lowers_val_loss_and_writes_everything(workspace, small_
     test = records(4, 205)
     for row, rec in zip(rows, test):
         assert set(row) == {"instruction", "input", "reference", "response"}
-        assert (row["instruction"], row["input"], row["reference"]) == (rec["instruction"], rec["input"],
-                                                                          rec["output"])
+        assert (row["instruction"], row["input"], row["reference"]) == (rec["instruction"], rec["input"], rec["output"])
         assert isinstance(row["response"], str) and "<|endoftext|>" not in row["response"]
 
     # Logged per step: train loss every step (35 - 3 skipped = 32 examples, 4 batches, 3 epochs),
@@ -265,14 +297,23 @@ def test_full_finetuning_lowers_val_loss_and_writes_everything(workspace, small_
 
 # peft says so when it loads the adapter onto HF's Conv1D: the switch this test checks.
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False")
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft meets transformers 5
+@pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)  # peft meets transformers 5
 def test_lora_trains_only_adapters_and_the_adapter_loads_in_hugging_face(workspace, small_tokenizer, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     ws = workspace
-    cfg = make_cfg(ws, small_tokenizer, "instruct.method=lora", "instruct.lora.r=4", "instruct.lora.alpha=8",
-                   "instruct.lr=0.01", "instruct.epochs=2")
+    cfg = make_cfg(
+        ws,
+        small_tokenizer,
+        "instruct.method=lora",
+        "instruct.lora.r=4",
+        "instruct.lora.alpha=8",
+        "instruct.lr=0.01",
+        "instruct.epochs=2",
+    )
     run = FakeRun()
     session = I.setup(cfg, ws / "data", run)
     before = {k: v.detach().clone() for k, v in session.model.named_parameters()}
@@ -294,14 +335,14 @@ def test_lora_trains_only_adapters_and_the_adapter_loads_in_hugging_face(workspa
     x = torch.randint(0, TINY.n_vocab, (2, 20), generator=torch.Generator().manual_seed(1))
     session.model.eval()
     with torch.no_grad():
-        adapter_logits = session.model(x)[0][..., :TINY.n_vocab].clone()
+        adapter_logits = session.model(x)[0][..., : TINY.n_vocab].clone()
     metrics = I.finish(session, cfg, run, ws / "ckpt", ws / "metrics.json", ws / "responses.jsonl")
     assert metrics["trainable_params"] == expected and metrics["skipped_too_long"] == 3
 
     # The merged checkpoint gives the adapter model's logits.
     merged = load_model(ws / "ckpt" / "final").eval()
     with torch.no_grad():
-        merged_logits = merged(x)[0][..., :TINY.n_vocab]
+        merged_logits = merged(x)[0][..., : TINY.n_vocab]
     torch.testing.assert_close(merged_logits, adapter_logits, atol=1e-5, rtol=0)
     # Only the adapted matrices differ from the base: embeddings, LayerNorms and biases are bitwise equal.
     base_state = load_model(ws / "base").state_dict()
@@ -314,7 +355,7 @@ def test_lora_trains_only_adapters_and_the_adapter_loads_in_hugging_face(workspa
     # peft's own loader on our GPT ...
     ours = PeftModel.from_pretrained(load_model(ws / "base"), str(adapter_dir)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(ours(x)[0][..., :TINY.n_vocab], adapter_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(x)[0][..., : TINY.n_vocab], adapter_logits, atol=1e-5, rtol=0)
     # ... and on Hugging Face's GPT-2 made from the same base (export_hf's model half: the test
     # tokenizer is a .tiktoken file, not the encoder.json/vocab.bpe folder export needs).
     to_hf(load_model(ws / "base")).save_pretrained(tmp_path / "hf_base")

@@ -11,21 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_support import cli_env, last_error_line, run_cli, set_params, snapshot
+from hf_models import make_tiny_causal_lm, make_tiny_encoder
+from test_dvc import dvc
+from test_evaluate import scores_from_samples
+from test_hf_downstream import lm_eval_pair, load, raw_loglikelihood
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune.common import epoch_batches, length_grouped_batches
 from gptforge.finetune.instruct import finetune_instruct, padding_stats
 from gptforge.finetune.templates import IGNORE_INDEX, collate, encode
 from gptforge.modeling.hf_causal import HFTokenizer
-from hf_models import make_tiny_causal_lm, make_tiny_encoder
-from test_dvc import dvc
-from test_evaluate import scores_from_samples
-from test_hf_downstream import lm_eval_pair, load, raw_loglikelihood
 
-RECORDS = [{"instruction": f"Name a colour, number {i}.", "input": "" if i % 2 else f"hint {i}",
-            "output": f"The colour is {'red' if i % 3 else 'blue'}" + " indeed" * (i % 7)} for i in range(48)]
+RECORDS = [
+    {
+        "instruction": f"Name a colour, number {i}.",
+        "input": "" if i % 2 else f"hint {i}",
+        "output": f"The colour is {'red' if i % 3 else 'blue'}" + " indeed" * (i % 7),
+    }
+    for i in range(48)
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +48,26 @@ def write_splits(folder: Path, records=RECORDS) -> Path:
 
 
 def config(init_from, *extra: str):
-    return load_config(None, [f"instruct.init_from={init_from}", "instruct.method=lora", "instruct.template=chat",
-                              "instruct.mask_prompt=true", "instruct.epochs=1", "instruct.batch_size=4",
-                              "instruct.lr=0.003", "instruct.eval_interval=4", "instruct.eval_batches=1",
-                              "instruct.n_responses=3", "instruct.max_new_tokens=6", "instruct.device=cpu",
-                              "tracking.enabled=false", "tokenizer.path=sample://gpt2_tokenizer", *extra])
+    return load_config(
+        None,
+        [
+            f"instruct.init_from={init_from}",
+            "instruct.method=lora",
+            "instruct.template=chat",
+            "instruct.mask_prompt=true",
+            "instruct.epochs=1",
+            "instruct.batch_size=4",
+            "instruct.lr=0.003",
+            "instruct.eval_interval=4",
+            "instruct.eval_batches=1",
+            "instruct.n_responses=3",
+            "instruct.max_new_tokens=6",
+            "instruct.device=cpu",
+            "tracking.enabled=false",
+            "tokenizer.path=sample://gpt2_tokenizer",
+            *extra,
+        ],
+    )
 
 
 def hf_tokenizer(folder: Path) -> HFTokenizer:
@@ -65,8 +86,9 @@ def test_chat_template_prompt_and_response_are_the_rendered_conversation(llama):
     prompt, response = encode(record, "chat", enc)
     tok = enc.tokenizer
     # independently: the template rendered as text by transformers, tokenized as a whole
-    text = tok.apply_chat_template([{"role": "user", "content": "Say hi.\n\nto Bob"},
-                                    {"role": "assistant", "content": "Hi Bob!"}], tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi.\n\nto Bob"}, {"role": "assistant", "content": "Hi Bob!"}], tokenize=False
+    )
     assert text == "<|im_start|>user\nSay hi.\n\nto Bob<|endoftext|>\n<|im_start|>assistant\nHi Bob!<|endoftext|>\n"
     assert prompt + response == tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(prompt) == "<|im_start|>user\nSay hi.\n\nto Bob<|endoftext|>\n<|im_start|>assistant\n"
@@ -122,20 +144,30 @@ def test_lora_on_llama_writes_adapter_and_merged_standard_folder(llama, tmp_path
     data = write_splits(tmp_path / "data")
     out = tmp_path / "out"
     cfg = config(llama)
-    metrics = finetune_instruct(cfg, data_dir=data, out_dir=out, metrics_path=tmp_path / "m.json",
-                                responses_path=tmp_path / "r.jsonl")
+    metrics = finetune_instruct(
+        cfg, data_dir=data, out_dir=out, metrics_path=tmp_path / "m.json", responses_path=tmp_path / "r.jsonl"
+    )
 
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert sorted(adapter["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                 "v_proj"]  # auto: every Linear of the blocks, not lm_head
+    assert sorted(adapter["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]  # auto: every Linear of the blocks, not lm_head
     final = out / "final"
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json"} <= {
-        p.name for p in final.iterdir()}
+        p.name for p in final.iterdir()
+    }
     assert AutoTokenizer.from_pretrained(str(final)).chat_template == hf_tokenizer(llama).tokenizer.chat_template
 
     merged = AutoModelForCausalLM.from_pretrained(str(final)).eval()
-    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(llama)),
-                                                  str(out / "adapter")).eval()
+    with_adapter = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(llama)), str(out / "adapter")
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(str(llama)).eval()
     idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -153,10 +185,20 @@ def test_lora_on_llama_writes_adapter_and_merged_standard_folder(llama, tmp_path
 
 def test_the_judge_endpoint_scores_the_stage_s_responses(llama, tmp_path, fake_judge):
     data = write_splits(tmp_path / "data")
-    cfg = config(llama, f"instruct.judge.url={fake_judge.url}", "instruct.judge.model=judge-7b",
-                 "instruct.n_responses=2", "instruct.max_new_tokens=2")
-    metrics = finetune_instruct(cfg, data_dir=data, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json",
-                                responses_path=tmp_path / "r.jsonl")
+    cfg = config(
+        llama,
+        f"instruct.judge.url={fake_judge.url}",
+        "instruct.judge.model=judge-7b",
+        "instruct.n_responses=2",
+        "instruct.max_new_tokens=2",
+    )
+    metrics = finetune_instruct(
+        cfg,
+        data_dir=data,
+        out_dir=tmp_path / "out",
+        metrics_path=tmp_path / "m.json",
+        responses_path=tmp_path / "r.jsonl",
+    )
     asked = [r["body"] for r in fake_judge.requests]
     assert [b["model"] for b in asked] == ["judge-7b", "judge-7b"]
     assert RECORDS[40]["output"] in asked[0]["messages"][0]["content"]
@@ -168,10 +210,20 @@ def test_the_judge_endpoint_scores_the_stage_s_responses(llama, tmp_path, fake_j
 def test_qwen2_with_alpaca_template_and_full_fine_tuning(tmp_path):
     qwen = make_tiny_causal_lm(tmp_path / "qwen", "qwen2")
     data = write_splits(tmp_path / "data")
-    cfg = config(qwen, "instruct.method=full", "instruct.template=alpaca", "instruct.gradient_checkpointing=true",
-                 "instruct.lr=0.001")
-    metrics = finetune_instruct(cfg, data_dir=data, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json",
-                                responses_path=tmp_path / "r.jsonl")
+    cfg = config(
+        qwen,
+        "instruct.method=full",
+        "instruct.template=alpaca",
+        "instruct.gradient_checkpointing=true",
+        "instruct.lr=0.001",
+    )
+    metrics = finetune_instruct(
+        cfg,
+        data_dir=data,
+        out_dir=tmp_path / "out",
+        metrics_path=tmp_path / "m.json",
+        responses_path=tmp_path / "r.jsonl",
+    )
     assert not (tmp_path / "out" / "adapter").exists()
     assert json.loads((tmp_path / "out" / "final" / "config.json").read_text())["model_type"] == "qwen2"
     assert metrics["trainable_params"] == metrics["total_params"]
@@ -181,20 +233,29 @@ def test_qwen2_with_alpaca_template_and_full_fine_tuning(tmp_path):
 # Bad input: one line, nothing written
 
 
-@pytest.mark.parametrize("case", ["hub_offline", "no_config", "bert", "chat_without_template", "chat_on_gpt",
-                                  "4bit_on_cpu"])
+@pytest.mark.parametrize(
+    "case", ["hub_offline", "no_config", "bert", "chat_without_template", "chat_on_gpt", "4bit_on_cpu"]
+)
 def test_bad_starting_points_fail_in_one_line_before_writing(case, tmp_path, llama):
     data = write_splits(tmp_path / "data")
     extra = []
     if case == "hub_offline":
-        init, want = "Qwen/Qwen2.5-0.5B-Instruct", (r"^instruct\.init_from: cannot fetch Qwen/Qwen2\.5-0\.5B-Instruct "
-                                                    r"from the Hugging Face hub .*; a local folder works")
+        init, want = (
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            (
+                r"^instruct\.init_from: cannot fetch Qwen/Qwen2\.5-0\.5B-Instruct "
+                r"from the Hugging Face hub .*; a local folder works"
+            ),
+        )
     elif case == "no_config":
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
         init, want = tmp_path / "empty", r"^instruct\.init_from: .* (not found|no config\.json)"
     elif case == "bert":
-        init, want = make_tiny_encoder(tmp_path / "bert"), r"^instruct\.init_from: .*bert is a BertModel model, not a causal"
+        init, want = (
+            make_tiny_encoder(tmp_path / "bert"),
+            r"^instruct\.init_from: .*bert is a BertModel model, not a causal",
+        )
     elif case == "chat_without_template":
         init = make_tiny_causal_lm(tmp_path / "plain", "llama", chat_template=None)
         want = r"^instruct\.template: chat: the tokenizer of .* has no chat template"
@@ -210,8 +271,13 @@ def test_bad_starting_points_fail_in_one_line_before_writing(case, tmp_path, lla
         want = r"^instruct\.quantize: 4bit \(QLoRA\) needs CUDA"
     out = tmp_path / "out"
     with pytest.raises(BadInput, match=want) as err:
-        finetune_instruct(config(init, *extra), data_dir=data, out_dir=out, metrics_path=tmp_path / "m.json",
-                          responses_path=tmp_path / "r.jsonl")
+        finetune_instruct(
+            config(init, *extra),
+            data_dir=data,
+            out_dir=out,
+            metrics_path=tmp_path / "m.json",
+            responses_path=tmp_path / "r.jsonl",
+        )
     assert "\n" not in str(err.value)
     assert not out.exists() and not (tmp_path / "m.json").exists() and not (tmp_path / "r.jsonl").exists()
 
@@ -220,8 +286,11 @@ def test_bad_starting_points_fail_in_one_line_before_writing(case, tmp_path, lla
 def test_cli_bad_start_is_the_last_line_and_exit_2(tmp_path, llama):
     write_splits(tmp_path / "data" / "instruct")
     before = snapshot(tmp_path)
-    proc = run_cli(["finetune", "instruct", "-S", "instruct.init_from=Qwen/Qwen2.5-0.5B-Instruct",
-                    "-S", "tracking.enabled=false"], cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"))
+    proc = run_cli(
+        ["finetune", "instruct", "-S", "instruct.init_from=Qwen/Qwen2.5-0.5B-Instruct", "-S", "tracking.enabled=false"],
+        cwd=tmp_path,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "instruct.init_from: cannot fetch Qwen/Qwen2.5-0.5B-Instruct" in last_error_line(proc.stderr)
     assert "a local folder works" in last_error_line(proc.stderr)
@@ -240,18 +309,45 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     random.Random(0).shuffle(records)
     (tmp_path / "qa.json").write_text(json.dumps(records))
     hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text("".join(json.dumps({
-        "activity_label": "Cooking", "ctx_a": f"A man cuts onion number {i}.", "ctx_b": "he",
-        "ctx": f"A man cuts onion number {i}. he", "label": i % 4,
-        "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]}) + "\n" for i in range(4)))
-    set_params(repo_copy, **{
-        "data.instruct.source": str(tmp_path / "qa.json"), "base.models": {"tiny": str(llama)},
-        "instruct.init_from": "checkpoints/base/tiny", "instruct.template": "chat", "instruct.method": "lora",
-        "instruct.mask_prompt": True, "instruct.epochs": 1, "instruct.batch_size": 8, "instruct.lr": 0.003,
-        "instruct.eval_interval": 5, "instruct.eval_batches": 1, "instruct.n_responses": 2,
-        "instruct.max_new_tokens": 6, "tracking.enabled": False,
-        "evaluate.models": {"instruct": "checkpoints/instruct/final"}, "evaluate.tasks": ["hellaswag"],
-        "evaluate.hellaswag.source": str(hellaswag), "evaluate.batch_size": 4})
+    hellaswag.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "activity_label": "Cooking",
+                    "ctx_a": f"A man cuts onion number {i}.",
+                    "ctx_b": "he",
+                    "ctx": f"A man cuts onion number {i}. he",
+                    "label": i % 4,
+                    "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."],
+                }
+            )
+            + "\n"
+            for i in range(4)
+        )
+    )
+    set_params(
+        repo_copy,
+        **{
+            "data.instruct.source": str(tmp_path / "qa.json"),
+            "base.models": {"tiny": str(llama)},
+            "instruct.init_from": "checkpoints/base/tiny",
+            "instruct.template": "chat",
+            "instruct.method": "lora",
+            "instruct.mask_prompt": True,
+            "instruct.epochs": 1,
+            "instruct.batch_size": 8,
+            "instruct.lr": 0.003,
+            "instruct.eval_interval": 5,
+            "instruct.eval_batches": 1,
+            "instruct.n_responses": 2,
+            "instruct.max_new_tokens": 6,
+            "tracking.enabled": False,
+            "evaluate.models": {"instruct": "checkpoints/instruct/final"},
+            "evaluate.tasks": ["hellaswag"],
+            "evaluate.hellaswag.source": str(hellaswag),
+            "evaluate.batch_size": 4,
+        },
+    )
     env = cli_env(PREFECT_API_URL=prefect_api)
     first = dvc(repo_copy, "repro", "finetune_instruct", env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -261,8 +357,21 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     metrics = json.loads((repo_copy / "metrics/instruct.json").read_text())
     assert {"padding_fraction", "rouge_l", "response_tokens_per_sec"} <= set(metrics)
 
-    gen = run_cli(["generate", "Name a colour.", "--checkpoint", str(final), "--chat", "--max-new-tokens", "5",
-                   "--temperature", "0"], cwd=repo_copy, env=env)
+    gen = run_cli(
+        [
+            "generate",
+            "Name a colour.",
+            "--checkpoint",
+            str(final),
+            "--chat",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0",
+        ],
+        cwd=repo_copy,
+        env=env,
+    )
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tokens/s" in gen.stderr.strip().splitlines()[-1]
 
@@ -278,8 +387,11 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
     # the score as transformers' own logits of the fine-tuned folder give it, request by request
     model, tok = load(final)
-    direct = scores_from_samples(repo_copy / "reports/evaluate/instruct", lambda context, continuation: (
-        raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None), tol=1e-3)
+    direct = scores_from_samples(
+        repo_copy / "reports/evaluate/instruct",
+        lambda context, continuation: (raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None),
+        tol=1e-3,
+    )
     assert evaluated["instruct.hellaswag.n"] == direct["hellaswag"]["n"] == 4
     assert evaluated["instruct.hellaswag.acc_norm"] == pytest.approx(direct["hellaswag"]["acc_norm"])
     again = dvc(repo_copy, "repro", "finetune_instruct", env=env)
@@ -311,8 +423,10 @@ def test_loss_on_targeted_positions_only_equals_the_full_logits_loss(llama):
 
     from gptforge.finetune.hf_models import full_logits_loss, lm_loss, targeted_logits
 
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(llama)),
-                                peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(llama)),
+        peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    )
     inputs = torch.randint(0, 50257, (3, 20), generator=torch.Generator().manual_seed(0))
     targets = inputs.roll(-1, 1).clone()
     targets[:, :7] = IGNORE_INDEX  # a masked prompt

@@ -16,36 +16,56 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cli_support import cli_env, last_error_line, run_cli
 from cli_support import snapshot as snapshot_all
 from fixture_data import FakeRun
+from hf_models import make_tiny_causal_lm
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import preference as P
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.weights import load_model, save_model
-from hf_models import make_tiny_causal_lm
 
 TOKENIZER = "sample://gpt2_tokenizer"
-TOPICS = ["the sky", "a cat", "the sea", "bread", "a song", "the moon", "rain", "a tree", "coffee", "snow",
-          "a river", "the sun"]
+TOPICS = [
+    "the sky",
+    "a cat",
+    "the sea",
+    "bread",
+    "a song",
+    "the moon",
+    "rain",
+    "a tree",
+    "coffee",
+    "snow",
+    "a river",
+    "the sun",
+]
 
 
 def records(n: int, offset: int = 0) -> list[dict]:
     out = []
     for i in range(offset, offset + n):
         topic = TOPICS[i % len(TOPICS)]
-        out.append({"instruction": f"Describe {topic} in a few words.", "input": "" if i % 2 else f"Case {i}.",
-                    "chosen": f"It is calm and lovely, like {topic}.",
-                    "rejected": f"Ugh, stop asking me about {topic}, it is boring."})
+        out.append(
+            {
+                "instruction": f"Describe {topic} in a few words.",
+                "input": "" if i % 2 else f"Case {i}.",
+                "chosen": f"It is calm and lovely, like {topic}.",
+                "rejected": f"Ugh, stop asking me about {topic}, it is boring.",
+            }
+        )
     return out
 
 
 def write_splits(folder: Path, train=None, val=None, test=None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, recs in (("train", train or records(24)), ("val", val or records(8, 100)),
-                       ("test", test or records(4, 200))):
+    for name, recs in (
+        ("train", train or records(24)),
+        ("val", val or records(8, 100)),
+        ("test", test or records(4, 200)),
+    ):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     return folder
 
@@ -58,17 +78,32 @@ def sft_gpt(tmp_path_factory) -> Path:
 
 
 def config(init_from, *extra: str):
-    return load_config(None, [f"tokenizer.path={TOKENIZER}", f"preference.init_from={init_from}",
-                              "preference.template=phi3", "preference.batch_size=4", "preference.lr=1e-3",
-                              "preference.n_responses=2", "preference.max_new_tokens=6", "tracking.enabled=false",
-                              *extra])
+    return load_config(
+        None,
+        [
+            f"tokenizer.path={TOKENIZER}",
+            f"preference.init_from={init_from}",
+            "preference.template=phi3",
+            "preference.batch_size=4",
+            "preference.lr=1e-3",
+            "preference.n_responses=2",
+            "preference.max_new_tokens=6",
+            "tracking.enabled=false",
+            *extra,
+        ],
+    )
 
 
 def run_stage(cfg, tmp_path: Path, data: Path, run=None) -> dict:
-    return P.finetune_preference(cfg, run=run or FakeRun(), data_dir=data, out_dir=tmp_path / "out",
-                                 metrics_path=tmp_path / "metrics" / "preference.json",
-                                 responses_path=tmp_path / "reports" / "preference_responses.jsonl",
-                                 plots_dir=tmp_path / "plots")
+    return P.finetune_preference(
+        cfg,
+        run=run or FakeRun(),
+        data_dir=data,
+        out_dir=tmp_path / "out",
+        metrics_path=tmp_path / "metrics" / "preference.json",
+        responses_path=tmp_path / "reports" / "preference_responses.jsonl",
+        plots_dir=tmp_path / "plots",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,8 +152,9 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
     policy_before = {k: v.clone() for k, v in session.models.policy.state_dict().items()}
     run = FakeRun()
     session = P.train(session, cfg, run)
-    metrics = P.finish(session, cfg, run, tmp_path / "out", tmp_path / "metrics.json", tmp_path / "responses.jsonl",
-                       tmp_path / "plots")
+    metrics = P.finish(
+        session, cfg, run, tmp_path / "out", tmp_path / "metrics.json", tmp_path / "responses.jsonl", tmp_path / "plots"
+    )
 
     after = session.models.reference.state_dict()
     assert all(torch.equal(reference_before[k], after[k]) for k in reference_before)  # bitwise unchanged
@@ -133,8 +169,15 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
     assert metrics["train_pairs"] == 24 and metrics["val_pairs"] == 8 and metrics["steps"] == 12
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
     logged = {k for m in run.metrics for k in m}
-    assert {"train_loss", "train_rewards_chosen", "train_rewards_rejected", "train_reward_accuracy",
-            "train_reward_margin", "val_reward_margin", "val_reward_accuracy"} <= logged
+    assert {
+        "train_loss",
+        "train_rewards_chosen",
+        "train_rewards_rejected",
+        "train_reward_accuracy",
+        "train_reward_margin",
+        "val_reward_margin",
+        "val_reward_accuracy",
+    } <= logged
 
     # The model: a gptforge checkpoint again, with the trained weights.
     model = load_model(tmp_path / "out" / "final")
@@ -148,8 +191,14 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
     assert torch.allclose(ours, trained, atol=1e-5)
 
     rows = [json.loads(line) for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and set(rows[0]) == {"instruction", "input", "chosen", "rejected", "sft_response",
-                                               "dpo_response"}
+    assert len(rows) == 2 and set(rows[0]) == {
+        "instruction",
+        "input",
+        "chosen",
+        "rejected",
+        "sft_response",
+        "dpo_response",
+    }
     assert rows[0]["instruction"] == records(4, 200)[0]["instruction"]
     train_csv = (tmp_path / "plots" / "preference.csv").read_text().splitlines()
     assert train_csv[0] == "step,train_loss,train_reward_margin,train_reward_accuracy" and len(train_csv) == 13
@@ -160,8 +209,12 @@ def test_full_dpo_trains_the_policy_leaves_the_reference_and_writes_its_records(
 
 @pytest.mark.slow
 def test_pairs_identical_within_max_length_are_dropped_and_counted(sft_gpt, tmp_path):
-    same_start = {"instruction": "Say hi.", "input": "", "chosen": "Hi there " * 30 + "friend.",
-                  "rejected": "Hi there " * 30 + "you fool."}
+    same_start = {
+        "instruction": "Say hi.",
+        "input": "",
+        "chosen": "Hi there " * 30 + "friend.",
+        "rejected": "Hi there " * 30 + "you fool.",
+    }
     cfg = config(sft_gpt, "preference.max_length=48", "preference.max_samples=4")
     train = records(6) + [same_start]
     metrics = run_stage(cfg, tmp_path, write_splits(tmp_path / "data", train=train))
@@ -174,13 +227,15 @@ def test_lora_uses_the_policy_without_its_adapter_as_the_reference(sft_gpt, tmp_
     cfg = config(sft_gpt, "preference.method=lora", "preference.max_samples=8", "preference.lr=5e-3")
     session = P.setup(cfg, write_splits(tmp_path / "data"))
     assert session.models.reference is None  # trl disables the adapter instead
-    base_before = {k: v.clone() for k, v in session.models.policy.get_base_model().state_dict().items()
-                   if "lora_" not in k}
+    base_before = {
+        k: v.clone() for k, v in session.models.policy.get_base_model().state_dict().items() if "lora_" not in k
+    }
     session = P.train(session, cfg)
     base_after = session.trainer.model.get_base_model().state_dict()
     assert all(torch.equal(v, base_after[k]) for k, v in base_before.items())  # the frozen weights: the reference
-    metrics = P.finish(session, cfg, FakeRun(), tmp_path / "out", tmp_path / "m.json", tmp_path / "r.jsonl",
-                       tmp_path / "plots")
+    metrics = P.finish(
+        session, cfg, FakeRun(), tmp_path / "out", tmp_path / "m.json", tmp_path / "r.jsonl", tmp_path / "plots"
+    )
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     assert metrics["trainable_params"] < metrics["total_params"] / 10
     assert metrics["val_reward_margin"] != 0
@@ -211,16 +266,19 @@ def test_reference_of_another_architecture_is_one_line_before_loading(sft_gpt, t
 
 
 def test_reference_with_another_vocabulary_is_refused(sft_gpt, tmp_path):
-    other = save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128, vocab_size=320, n_vocab=281)),
-                       tmp_path / "other")
+    other = save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128, vocab_size=320, n_vocab=281)), tmp_path / "other"
+    )
     with pytest.raises(BadInput, match=r"vocabulary of 281 tokens, the policy .* 50257"):
         P.setup(config(sft_gpt, f"preference.reference={other}"), write_splits(tmp_path / "data"))
 
 
 def test_a_reference_of_the_same_family_is_used_as_given(sft_gpt, tmp_path):
     torch.manual_seed(1)
-    other = save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128, vocab_size=50304,
-                                     n_vocab=50257)), tmp_path / "ref")
+    other = save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)),
+        tmp_path / "ref",
+    )
     cfg = config(sft_gpt, f"preference.reference={other}", "preference.max_samples=4")
     session = P.setup(cfg, write_splits(tmp_path / "data"))
     assert len(session.models.reference.transformer.h) == 1
@@ -258,8 +316,19 @@ def test_cli_bad_inputs_are_one_line_exit_2_and_write_nothing(sft_gpt, tmp_path)
     write_splits(tmp_path / "data" / "preference")
     llama = make_tiny_causal_lm(tmp_path / "llama")
     before = snapshot(tmp_path)
-    out = run_cli(["finetune", "preference", *base, "-S", f"preference.init_from={sft_gpt}",
-                   "-S", f"preference.reference={llama}"], tmp_path, env)
+    out = run_cli(
+        [
+            "finetune",
+            "preference",
+            *base,
+            "-S",
+            f"preference.init_from={sft_gpt}",
+            "-S",
+            f"preference.reference={llama}",
+        ],
+        tmp_path,
+        env,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "preference.reference" in last_error_line(out.stderr) and "llama" in last_error_line(out.stderr)
     assert snapshot(tmp_path) == before

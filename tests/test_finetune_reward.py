@@ -18,24 +18,40 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cli_support import cli_env, last_error_line, run_cli
 from fixture_data import FakeRun
-from gptforge.config.load import load_config
-from gptforge.errors import BadInput
-from gptforge.finetune import reward as R
 from hf_models import make_tiny_causal_lm
 from test_finetune_preference import TOKENIZER, sft_gpt, write_splits  # noqa: F401 - sft_gpt: a fixture
 
+from gptforge.config.load import load_config
+from gptforge.errors import BadInput
+from gptforge.finetune import reward as R
+
 
 def config(init_from, *extra: str):
-    return load_config(None, [f"tokenizer.path={TOKENIZER}", f"reward.init_from={init_from}", "reward.template=phi3",
-                              "reward.batch_size=4", "reward.lr=1e-3", "tracking.enabled=false", *extra])
+    return load_config(
+        None,
+        [
+            f"tokenizer.path={TOKENIZER}",
+            f"reward.init_from={init_from}",
+            "reward.template=phi3",
+            "reward.batch_size=4",
+            "reward.lr=1e-3",
+            "tracking.enabled=false",
+            *extra,
+        ],
+    )
 
 
 def run_stage(cfg, tmp_path: Path, data: Path, run=None) -> dict:
-    return R.train_reward(cfg, run=run or FakeRun(), data_dir=data, out_dir=tmp_path / "out",
-                          metrics_path=tmp_path / "metrics" / "reward.json", plots_dir=tmp_path / "plots")
+    return R.train_reward(
+        cfg,
+        run=run or FakeRun(),
+        data_dir=data,
+        out_dir=tmp_path / "out",
+        metrics_path=tmp_path / "metrics" / "reward.json",
+        plots_dir=tmp_path / "plots",
+    )
 
 
 def plain_rewards(model, rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +65,10 @@ def plain_rewards(model, rows: list[dict], pad_id: int) -> tuple[torch.Tensor, t
         with torch.no_grad():
             return model(input_ids=torch.tensor([ids])).logits[0, 0]
 
-    return (torch.stack([reward(r["chosen_ids"]) for r in rows]),
-            torch.stack([reward(r["rejected_ids"]) for r in rows]))
+    return (
+        torch.stack([reward(r["chosen_ids"]) for r in rows]),
+        torch.stack([reward(r["rejected_ids"]) for r in rows]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +115,14 @@ def test_training_ranks_held_out_pairs_better_and_the_saved_folder_scores_the_sa
     assert metrics["trainable_params"] == metrics["total_params"] and metrics["pairs_per_sec"] > 0
     assert json.loads((tmp_path / "metrics" / "reward.json").read_text()) == metrics
     logged = {k for m in run.metrics for k in m}
-    assert {"train_loss", "train_accuracy", "train_margin", "val_accuracy", "val_margin",
-            "val_accuracy_before"} <= logged
+    assert {
+        "train_loss",
+        "train_accuracy",
+        "train_margin",
+        "val_accuracy",
+        "val_margin",
+        "val_accuracy_before",
+    } <= logged
 
     # An ordinary Hugging Face folder: it loads, and its scores give the reported accuracy.
     final = tmp_path / "out" / "final"
@@ -177,8 +201,21 @@ def test_cli_trains_and_writes_the_stage_outputs(sft_gpt, tmp_path):
     write_splits(tmp_path / "data" / "preference")
     env = cli_env(GPTFORGE_PREFECT="0")
     base = ["-S", f"tokenizer.path={TOKENIZER}", "-S", "tracking.enabled=false", "-S", "reward.template=phi3"]
-    out = run_cli(["finetune", "reward", *base, "-S", f"reward.init_from={sft_gpt}", "-S", "reward.batch_size=4",
-                   "-S", "reward.max_samples=8"], tmp_path, env)
+    out = run_cli(
+        [
+            "finetune",
+            "reward",
+            *base,
+            "-S",
+            f"reward.init_from={sft_gpt}",
+            "-S",
+            "reward.batch_size=4",
+            "-S",
+            "reward.max_samples=8",
+        ],
+        tmp_path,
+        env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics" / "reward.json").read_text())
     assert metrics["steps"] == 2 and {"val_accuracy", "val_accuracy_before", "val_margin"} <= set(metrics)
@@ -202,21 +239,22 @@ def test_register_logs_the_reward_model_as_a_pipeline_that_returns_its_raw_score
     """The register stage's MLflow model of the reward model: text in, the score head's logit out
     (no sigmoid or softmax over the one label), as the RL stage reads it."""
     import mlflow
+    from hf_models import make_tokenizer
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     from gptforge.register import log_model
     from gptforge.runtime import mlflow_values, tracking
-    from hf_models import make_tokenizer
 
     torch.manual_seed(3)
     folder = tmp_path / "reward"
-    model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64,
-                                                     vocab_size=50257, num_labels=1, pad_token_id=50256)).eval()
+    model = GPT2ForSequenceClassification(
+        GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=50257, num_labels=1, pad_token_id=50256)
+    ).eval()
     model.save_pretrained(str(folder))
     tokenizer = make_tokenizer(folder, chat_template=None)
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
-    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
     with tracking.start_run(enabled=True, experiment="t", stage="register") as run:

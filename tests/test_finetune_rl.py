@@ -14,25 +14,30 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_support import cli_env, run_cli
 from fixture_data import FakeRun
+from hf_models import make_tokenizer
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
 from gptforge.finetune import rl as RL
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.weights import load_model, save_model
-from hf_models import make_tokenizer
 
 TOKENIZER = "sample://gpt2_tokenizer"
 TOPICS = ["the sky", "a cat", "the sea", "bread", "a song", "the moon", "rain", "a tree"]
 
 
 def records(n: int, offset: int = 0) -> list[dict]:
-    return [{"instruction": f"Describe {TOPICS[i % len(TOPICS)]} in a few words.",
-             "input": "" if i % 2 else f"Case {i}.", "output": f"It is calm, like {TOPICS[i % len(TOPICS)]}."}
-            for i in range(offset, offset + n)]
+    return [
+        {
+            "instruction": f"Describe {TOPICS[i % len(TOPICS)]} in a few words.",
+            "input": "" if i % 2 else f"Case {i}.",
+            "output": f"It is calm, like {TOPICS[i % len(TOPICS)]}.",
+        }
+        for i in range(offset, offset + n)
+    ]
 
 
 def write_splits(folder: Path) -> Path:
@@ -44,8 +49,9 @@ def write_splits(folder: Path) -> Path:
 
 def tiny_gpt(folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    return save_model(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304,
-                                    n_vocab=50257)), folder)
+    return save_model(
+        GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=128, vocab_size=50304, n_vocab=50257)), folder
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +64,9 @@ def world(tmp_path_factory) -> Path:
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     torch.manual_seed(2)
-    reward = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=256,
-                                                      vocab_size=50257, num_labels=1, pad_token_id=50256))
+    reward = GPT2ForSequenceClassification(
+        GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=256, vocab_size=50257, num_labels=1, pad_token_id=50256)
+    )
     reward.save_pretrained(str(root / "reward"))
     make_tokenizer(root / "reward", chat_template=None)
     write_splits(root / "data")
@@ -67,12 +74,26 @@ def world(tmp_path_factory) -> Path:
 
 
 def config(world: Path, *extra: str):
-    return load_config(None, [f"tokenizer.path={TOKENIZER}", f"rl.init_from={world / 'checkpoints/instruct/final'}",
-                              f"rl.reward_model={world / 'reward'}", "rl.template=phi3", "rl.num_generations=2",
-                              "rl.batch_size=4", "rl.max_completion_length=8", "rl.max_new_tokens=6",
-                              "rl.n_responses=2", "rl.lr=1e-3", "rl.max_prompts=6", "rl.length_target=4",
-                              "rl.rewards={reward_model: 1.0, length: 0.5, format: 1.0}", "tracking.enabled=false",
-                              *extra])
+    return load_config(
+        None,
+        [
+            f"tokenizer.path={TOKENIZER}",
+            f"rl.init_from={world / 'checkpoints/instruct/final'}",
+            f"rl.reward_model={world / 'reward'}",
+            "rl.template=phi3",
+            "rl.num_generations=2",
+            "rl.batch_size=4",
+            "rl.max_completion_length=8",
+            "rl.max_new_tokens=6",
+            "rl.n_responses=2",
+            "rl.lr=1e-3",
+            "rl.max_prompts=6",
+            "rl.length_target=4",
+            "rl.rewards={reward_model: 1.0, length: 0.5, format: 1.0}",
+            "tracking.enabled=false",
+            *extra,
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +148,15 @@ def test_grpo_run_keeps_the_reference_grows_the_kl_and_writes_its_records(world,
     assert all(torch.equal(before[k], start[k]) for k in start)  # the reference is the starting model
     s = RL.train(s, cfg, run)
     out = world / "checkpoints" / "rl"  # beside the SFT and the DPO model: their answers in the responses file
-    metrics = RL.finish(s, cfg, run, out, tmp_path / "metrics" / "rl.json",
-                        tmp_path / "reports" / "rl_responses.jsonl", tmp_path / "plots")
+    metrics = RL.finish(
+        s,
+        cfg,
+        run,
+        out,
+        tmp_path / "metrics" / "rl.json",
+        tmp_path / "reports" / "rl_responses.jsonl",
+        tmp_path / "plots",
+    )
 
     after = s.trainer.ref_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # bitwise unchanged
@@ -143,45 +171,67 @@ def test_grpo_run_keeps_the_reference_grows_the_kl_and_writes_its_records(world,
         assert f"heldout_{name}" in metrics and f"heldout_{name}_before" in metrics
     assert json.loads((tmp_path / "metrics" / "rl.json").read_text()) == metrics
     logged = {k for m in run.metrics for k in m}
-    assert {"train_reward", "train_reward_std", "train_kl", "train_answer_length", "train_clip_ratio",
-            "train_reward_model", "train_length", "train_format"} <= logged
+    assert {
+        "train_reward",
+        "train_reward_std",
+        "train_kl",
+        "train_answer_length",
+        "train_clip_ratio",
+        "train_reward_model",
+        "train_length",
+        "train_format",
+    } <= logged
     csv = (tmp_path / "plots" / "rl.csv").read_text().splitlines()
-    assert csv[0] == ("step,train_reward,train_reward_std,train_kl,train_answer_length,train_clip_ratio,"
-                      "train_truncated_ratio") and len(csv) == 3
+    assert (
+        csv[0]
+        == ("step,train_reward,train_reward_std,train_kl,train_answer_length,train_clip_ratio,train_truncated_ratio")
+        and len(csv) == 3
+    )
     assert (tmp_path / "plots" / "rl.png").stat().st_size > 1000
 
     rows = [json.loads(line) for line in (tmp_path / "reports" / "rl_responses.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and set(rows[0]) == {"instruction", "input", "output", "sft_response", "dpo_response",
-                                               "rl_response"}
+    assert len(rows) == 2 and set(rows[0]) == {
+        "instruction",
+        "input",
+        "output",
+        "sft_response",
+        "dpo_response",
+        "rl_response",
+    }
     assert rows[0]["instruction"] == records(4, 200)[0]["instruction"]
     assert all(isinstance(r[k], str) for r in rows for k in ("sft_response", "dpo_response", "rl_response"))
     from gptforge.finetune.answer_quality import distinct_share, token_f1
 
     for key in ("sft", "dpo", "rl"):  # each stage's answers against the references, as the file has them
         assert metrics[f"token_f1_{key}"] == pytest.approx(
-            sum(token_f1(r[f"{key}_response"], r["output"]) for r in rows) / len(rows))
+            sum(token_f1(r[f"{key}_response"], r["output"]) for r in rows) / len(rows)
+        )
         assert metrics[f"distinct_share_{key}"] == pytest.approx(
-            sum(distinct_share(r[f"{key}_response"]) for r in rows) / len(rows))
+            sum(distinct_share(r[f"{key}_response"]) for r in rows) / len(rows)
+        )
 
     model = load_model(out / "final")  # a gptforge checkpoint again, with the trained weights
     from gptforge.modeling.hf_convert import to_hf
 
     ids = torch.tensor([[464, 3290, 318, 257]])
     with torch.no_grad():
-        assert torch.allclose(to_hf(model)(input_ids=ids).logits, s.trainer.model.eval()(input_ids=ids).logits,
-                              atol=1e-5)
+        assert torch.allclose(
+            to_hf(model)(input_ids=ids).logits, s.trainer.model.eval()(input_ids=ids).logits, atol=1e-5
+        )
 
 
 def test_rloo_with_lora_trains_the_adapter_against_the_base(world, tmp_path):
-    cfg = config(world, "rl.algorithm=rloo", "rl.method=lora", "rl.max_prompts=2", "rl.lr=5e-3",
-                 "rl.rewards={length: 1.0}")
+    cfg = config(
+        world, "rl.algorithm=rloo", "rl.method=lora", "rl.max_prompts=2", "rl.lr=5e-3", "rl.rewards={length: 1.0}"
+    )
     s = RL.setup(cfg, world / "data")
     base = {k: v.clone() for k, v in s.models.policy.get_base_model().state_dict().items() if "lora_" not in k}
     s = RL.train(s, cfg)
     assert s.trainer.ref_model is None  # the policy with its adapter disabled is the reference
     assert all(torch.equal(v, s.trainer.model.get_base_model().state_dict()[k]) for k, v in base.items())
-    metrics = RL.finish(s, cfg, FakeRun(), tmp_path / "rl", tmp_path / "m.json", tmp_path / "r.jsonl",
-                        tmp_path / "plots")
+    metrics = RL.finish(
+        s, cfg, FakeRun(), tmp_path / "rl", tmp_path / "m.json", tmp_path / "r.jsonl", tmp_path / "plots"
+    )
     assert metrics["steps"] == 1 and metrics["trainable_params"] < metrics["total_params"] / 10
     assert (tmp_path / "rl" / "adapter" / "adapter_config.json").is_file()
     load_model(tmp_path / "rl" / "final")  # merged into a gptforge checkpoint
@@ -190,16 +240,16 @@ def test_rloo_with_lora_trains_the_adapter_against_the_base(world, tmp_path):
 
 
 def test_a_hugging_face_policy_stays_one_and_its_folder_is_the_reference(world, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from hf_models import make_tiny_causal_lm
+    from transformers import AutoModelForCausalLM
 
     llama = make_tiny_causal_lm(tmp_path / "llama")
     cfg = config(world, f"rl.init_from={llama}", "rl.template=chat", "rl.max_prompts=2")
     s = RL.train(RL.setup(cfg, world / "data"), cfg)
     assert s.trainer.ref_model.config._name_or_path == str(llama)  # trl loaded the starting folder, frozen
-    metrics = RL.finish(s, cfg, FakeRun(), tmp_path / "rl", tmp_path / "m.json", tmp_path / "r.jsonl",
-                        tmp_path / "plots")
+    metrics = RL.finish(
+        s, cfg, FakeRun(), tmp_path / "rl", tmp_path / "m.json", tmp_path / "r.jsonl", tmp_path / "plots"
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "rl" / "final")
     assert model.config.model_type == "llama" and (tmp_path / "rl" / "final" / "tokenizer_config.json").is_file()
     assert metrics["steps"] == 1 and "heldout_reward_before" in metrics
@@ -213,32 +263,44 @@ def test_weighted_reward_is_the_sum_of_weight_times_each_reward(world, monkeypat
     from gptforge.finetune import answer_quality
 
     rec = {"instruction": "Describe the sky in a few words.", "input": "", "output": "Blue and wide."}
-    answers = [R.Answer(rec, "Q: ", "Blue and wide.", 4, True),
-               R.Answer(rec, "Q: ", " It goes on", 3, False),  # cut at the limit: not ended
-               R.Answer(rec, "Q: ", "describe the SKY in a few   words. Blue.", 10, True),  # repeats the prompt
-               R.Answer(rec, "Q: ", "Blue.\n### Instruction:\nMore", 7, True),  # a template marker
-               R.Answer(rec, "Q: ", "", 0, True)]
+    answers = [
+        R.Answer(rec, "Q: ", "Blue and wide.", 4, True),
+        R.Answer(rec, "Q: ", " It goes on", 3, False),  # cut at the limit: not ended
+        R.Answer(rec, "Q: ", "describe the SKY in a few   words. Blue.", 10, True),  # repeats the prompt
+        R.Answer(rec, "Q: ", "Blue.\n### Instruction:\nMore", 7, True),  # a template marker
+        R.Answer(rec, "Q: ", "", 0, True),
+    ]
     assert [R.format_reward(a) for a in answers] == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert [R.length_reward(a, 4) for a in answers] == [0.0, -0.25, -1.5, -0.75, -1.0]
 
     judged = iter([[80, None, 20, 0, 100]])
-    monkeypatch.setattr(answer_quality, "judge_scores",
-                        lambda rows, **kw: answer_quality.JudgeResult(scores=next(judged)))
+    monkeypatch.setattr(
+        answer_quality, "judge_scores", lambda rows, **kw: answer_quality.JudgeResult(scores=next(judged))
+    )
     weights = {"reward_model": 0.5, "length": 2.0, "format": 1.5, "judge": 3.0}
     judge = type("Judge", (), {"url": "http://127.0.0.1:9/v1", "model": "m"})()
     rm = R.RewardModel(str(world / "reward"), torch.device("cpu"))
     rewards = R.Rewards(weights, length_target=4, reward_model=rm, judge=judge)
     components = rewards.components(answers)
 
-    texts = ["Q: Blue and wide.<|endoftext|>", "Q:  It goes on", "Q: describe the SKY in a few   words. Blue."
-             "<|endoftext|>", "Q: Blue.\n### Instruction:\nMore<|endoftext|>", "Q: <|endoftext|>"]
+    texts = [
+        "Q: Blue and wide.<|endoftext|>",
+        "Q:  It goes on",
+        "Q: describe the SKY in a few   words. Blue.<|endoftext|>",
+        "Q: Blue.\n### Instruction:\nMore<|endoftext|>",
+        "Q: <|endoftext|>",
+    ]
     with torch.no_grad():
         scores = [float(rm.model(**rm.tokenizer([t], return_tensors="pt")).logits[0, 0]) for t in texts]
     assert components["reward_model"] == pytest.approx(scores, abs=1e-5)
     assert components["judge"] == [0.8, None, 0.2, 0.0, 1.0]
-    expected = [0.5 * scores[i] + 2.0 * R.length_reward(a, 4) + 1.5 * R.format_reward(a)
-                + (3.0 * components["judge"][i] if components["judge"][i] is not None else 0.0)
-                for i, a in enumerate(answers)]
+    expected = [
+        0.5 * scores[i]
+        + 2.0 * R.length_reward(a, 4)
+        + 1.5 * R.format_reward(a)
+        + (3.0 * components["judge"][i] if components["judge"][i] is not None else 0.0)
+        for i, a in enumerate(answers)
+    ]
     assert rewards.weighted(components) == pytest.approx(expected, abs=1e-6)
     assert R.weighted_sum({"length": [None], "format": [None]}, {"length": 1, "format": 1}) == [None]
 
@@ -255,13 +317,16 @@ def no_models(monkeypatch):
     monkeypatch.setattr(R.RewardModel, "__init__", refuse)
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", r"rl.reward_model: .*missing not found; run `gptforge finetune reward` first"),
-    ("no_tokenizer", r"rl.reward_model: .* has no tokenizer"),
-    ("causal_lm", r"rl.reward_model: .* is a GPT2LMHeadModel, not a sequence classifier"),
-    ("judge", r"rl.rewards: judge needs an endpoint: set instruct.judge.url and instruct.judge.model"),
-    ("chat", r"instruct.template: chat uses the model's own chat template; gptforge's GPT models have none"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", r"rl.reward_model: .*missing not found; run `gptforge finetune reward` first"),
+        ("no_tokenizer", r"rl.reward_model: .* has no tokenizer"),
+        ("causal_lm", r"rl.reward_model: .* is a GPT2LMHeadModel, not a sequence classifier"),
+        ("judge", r"rl.rewards: judge needs an endpoint: set instruct.judge.url and instruct.judge.model"),
+        ("chat", r"instruct.template: chat uses the model's own chat template; gptforge's GPT models have none"),
+    ],
+)
 def test_bad_inputs_are_one_line_before_any_model_loads(world, tmp_path, monkeypatch, case, match):
     no_models(monkeypatch)
     folder = tmp_path / case
@@ -290,10 +355,30 @@ def test_cli_runs_the_stage(world, tmp_path):
     for sub in ("checkpoints/instruct/final", "reward"):
         shutil.copytree(world / sub, tmp_path / sub)
     shutil.copytree(world / "data", tmp_path / "data" / "instruct")
-    args = ["finetune", "rl", "-S", f"tokenizer.path={TOKENIZER}", "-S", "tracking.enabled=false",
-            "-S", "rl.reward_model=reward", "-S", "rl.template=phi3", "-S", "rl.num_generations=2",
-            "-S", "rl.batch_size=2", "-S", "rl.max_completion_length=6", "-S", "rl.max_new_tokens=6",
-            "-S", "rl.max_prompts=2", "-S", "rl.n_responses=1"]
+    args = [
+        "finetune",
+        "rl",
+        "-S",
+        f"tokenizer.path={TOKENIZER}",
+        "-S",
+        "tracking.enabled=false",
+        "-S",
+        "rl.reward_model=reward",
+        "-S",
+        "rl.template=phi3",
+        "-S",
+        "rl.num_generations=2",
+        "-S",
+        "rl.batch_size=2",
+        "-S",
+        "rl.max_completion_length=6",
+        "-S",
+        "rl.max_new_tokens=6",
+        "-S",
+        "rl.max_prompts=2",
+        "-S",
+        "rl.n_responses=1",
+    ]
     out = run_cli(args, tmp_path, cli_env(GPTFORGE_PREFECT="0"))
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics" / "rl.json").read_text())
@@ -317,12 +402,27 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
     tiny_gpt(repo / "checkpoints" / "preference" / "final", seed=1)  # the DPO column of the responses
     pref.write_splits(repo / "data" / "preference")  # polite chosen, rude rejected answers
     write_splits(repo / "data" / "instruct")
-    set_params(repo, **{
-        "tokenizer.path": TOKENIZER, "tracking.enabled": False, "instruct.template": "phi3",
-        "reward.init_from": str(sft), "reward.batch_size": 4, "reward.lr": 1e-3, "reward.epochs": 2,
-        "reward.eval_interval": 1000,
-        "rl.init_from": str(sft), "rl.num_generations": 4, "rl.batch_size": 8, "rl.max_prompts": 16,
-        "rl.max_completion_length": 8, "rl.max_new_tokens": 8, "rl.lr": 1e-3, "rl.n_responses": 2})
+    set_params(
+        repo,
+        **{
+            "tokenizer.path": TOKENIZER,
+            "tracking.enabled": False,
+            "instruct.template": "phi3",
+            "reward.init_from": str(sft),
+            "reward.batch_size": 4,
+            "reward.lr": 1e-3,
+            "reward.epochs": 2,
+            "reward.eval_interval": 1000,
+            "rl.init_from": str(sft),
+            "rl.num_generations": 4,
+            "rl.batch_size": 8,
+            "rl.max_prompts": 16,
+            "rl.max_completion_length": 8,
+            "rl.max_new_tokens": 8,
+            "rl.lr": 1e-3,
+            "rl.n_responses": 2,
+        },
+    )
     env = cli_env(GPTFORGE_PREFECT="0")
     for stage in ("train_reward", "finetune_rl"):  # --single-item: the fixtures stand in for the stages before
         out = dvc(repo, "repro", "--single-item", stage, env=env, timeout=600)
@@ -331,8 +431,10 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
     reward = json.loads((repo / "metrics" / "reward.json").read_text())
     assert reward["val_accuracy"] > max(0.6, reward["val_accuracy_before"]), reward
     rl = json.loads((repo / "metrics" / "rl.json").read_text())
-    print(f"reward model {reward['val_accuracy_before']:.3f} -> {reward['val_accuracy']:.3f}; held-out reward "
-          f"{rl['heldout_reward_before']:.4f} -> {rl['heldout_reward']:.4f}")
+    print(
+        f"reward model {reward['val_accuracy_before']:.3f} -> {reward['val_accuracy']:.3f}; held-out reward "
+        f"{rl['heldout_reward_before']:.4f} -> {rl['heldout_reward']:.4f}"
+    )
     assert rl["heldout_reward"] > rl["heldout_reward_before"], rl
     assert rl["steps"] == 8 and (repo / "plots" / "rl.png").is_file()
     shown = dvc(repo, "metrics", "show", "--json", env=env)

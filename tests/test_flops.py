@@ -32,41 +32,47 @@ def test_mfu_arithmetic():
     assert flops.mfu(0.0, 6e9, 1e13) == 0.0
 
 
-@pytest.mark.parametrize("name, precision, tf32, expected", [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, 989e12),
-    ("NVIDIA H100 80GB HBM3", "fp16", False, 989e12),
-    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7e12),
-    ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9e12),
-    ("NVIDIA H100 PCIe", "bf16", False, 756e12),
-    ("NVIDIA H100 NVL", "bf16", False, 835.5e12),
-    ("NVIDIA H200", "bf16", False, 989.5e12),
-    ("NVIDIA GH200 480GB", "bf16", False, 989.5e12),
-    ("NVIDIA A100-SXM4-80GB", "bf16", False, 312e12),
-    ("NVIDIA A100-SXM4-40GB", "fp32", True, 156e12),
-    ("NVIDIA A100 80GB PCIe", "fp32", False, 19.5e12),
-    ("NVIDIA A100-SXM4-80GB", "tf32", False, 156e12),
-    ("NVIDIA A10G", "bf16", False, 70e12),
-    ("NVIDIA A10", "bf16", False, 125e12),
-    ("NVIDIA L4", "bf16", False, 121e12),
-    ("NVIDIA L40S", "bf16", False, 366e12),
-    ("NVIDIA GeForce RTX 4090", "bf16", False, 165.2e12),
-    ("Tesla V100-SXM2-16GB", "fp16", False, 125e12),
-    ("Tesla V100-PCIE-32GB", "fp16", False, 112e12),
-    ("Tesla V100S-PCIE-32GB", "fp32", True, 16.4e12),  # no TF32 tensor cores: CUDA-core fp32
-    ("Tesla T4", "fp16", False, 65e12),
-    ("Tesla T4", "float32", False, 8.1e12),
-])
+@pytest.mark.parametrize(
+    "name, precision, tf32, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989e12),
+        ("NVIDIA H100 80GB HBM3", "fp16", False, 989e12),
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7e12),
+        ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9e12),
+        ("NVIDIA H100 PCIe", "bf16", False, 756e12),
+        ("NVIDIA H100 NVL", "bf16", False, 835.5e12),
+        ("NVIDIA H200", "bf16", False, 989.5e12),
+        ("NVIDIA GH200 480GB", "bf16", False, 989.5e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", False, 312e12),
+        ("NVIDIA A100-SXM4-40GB", "fp32", True, 156e12),
+        ("NVIDIA A100 80GB PCIe", "fp32", False, 19.5e12),
+        ("NVIDIA A100-SXM4-80GB", "tf32", False, 156e12),
+        ("NVIDIA A10G", "bf16", False, 70e12),
+        ("NVIDIA A10", "bf16", False, 125e12),
+        ("NVIDIA L4", "bf16", False, 121e12),
+        ("NVIDIA L40S", "bf16", False, 366e12),
+        ("NVIDIA GeForce RTX 4090", "bf16", False, 165.2e12),
+        ("Tesla V100-SXM2-16GB", "fp16", False, 125e12),
+        ("Tesla V100-PCIE-32GB", "fp16", False, 112e12),
+        ("Tesla V100S-PCIE-32GB", "fp32", True, 16.4e12),  # no TF32 tensor cores: CUDA-core fp32
+        ("Tesla T4", "fp16", False, 65e12),
+        ("Tesla T4", "float32", False, 8.1e12),
+    ],
+)
 def test_table_lookup(name, precision, tf32, expected):
     assert flops.lookup_peak(name, precision, tf32=tf32) == pytest.approx(expected, rel=1e-3)
 
 
-@pytest.mark.parametrize("name, precision", [
-    ("Tesla V100-SXM2-16GB", "bf16"),  # no bf16 tensor cores
-    ("Tesla T4", "bf16"),
-    ("NVIDIA RTX A1000 Laptop GPU", "bf16"),  # not an A100
-    ("NVIDIA L40", "bf16"),  # not an L4
-    ("AMD Instinct MI300X", "bf16"),
-])
+@pytest.mark.parametrize(
+    "name, precision",
+    [
+        ("Tesla V100-SXM2-16GB", "bf16"),  # no bf16 tensor cores
+        ("Tesla T4", "bf16"),
+        ("NVIDIA RTX A1000 Laptop GPU", "bf16"),  # not an A100
+        ("NVIDIA L40", "bf16"),  # not an L4
+        ("AMD Instinct MI300X", "bf16"),
+    ],
+)
 def test_table_has_no_peak(name, precision):
     assert flops.lookup_peak(name, precision) is None
 

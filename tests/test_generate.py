@@ -7,8 +7,8 @@ import re
 
 import pytest
 import torch
-
 from cli_support import REPO
+
 from gptforge.errors import BadInput
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig, KVCache
@@ -16,8 +16,9 @@ from gptforge.modeling.gpt import GPT, GPTConfig, KVCache
 
 def model(attention="sdpa", block_size=24, n_vocab=100, seed=0) -> GPT:
     torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=128, n_vocab=n_vocab,
-                    attention=attention)
+    cfg = GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=128, n_vocab=n_vocab, attention=attention
+    )
     m = GPT(cfg).eval()
     # Larger weights than the init: sharper, more varied predictions than a near-uniform
     # fresh model, so that a wrong cache position would change the argmax.
@@ -57,8 +58,9 @@ def test_cache_chunk_after_prefix_matches_full_forward(attention):
         second, _ = m(idx[:, 8:17], kv_cache=cache)
         third, _ = m(idx[:, 17:18], kv_cache=cache)
     assert cache.pos == 18
-    torch.testing.assert_close(torch.cat([first, second, third], 1)[..., :100], full[:, :18, :100],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([first, second, third], 1)[..., :100], full[:, :18, :100], atol=1e-5, rtol=1e-5
+    )
     with pytest.raises(BadInput, match="block_size"):
         m(torch.zeros(2, 7, dtype=torch.long), kv_cache=cache)
 
@@ -84,7 +86,7 @@ def test_sampling_is_reproducible_and_respects_top_k():
     # every sampled token is among the 3 most likely at its step
     with torch.no_grad():
         for i in range(5, a.size(1)):
-            logits, _ = m(a[:, max(0, i - m.config.block_size):i])
+            logits, _ = m(a[:, max(0, i - m.config.block_size) : i])
             top3 = logits[0, -1].topk(3).indices.tolist()
             assert int(a[0, i]) in top3, i
     # top_k=1 is greedy
@@ -164,8 +166,9 @@ def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
     from gptforge.modeling.decoding import Decoder
 
     torch.manual_seed(3)
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=128, n_vocab=100,
-                    attention=attention, bias=bias)
+    cfg = GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=128, n_vocab=100, attention=attention, bias=bias
+    )
     m = GPT(cfg).eval()
     idx = prompt(B=B, T=9)
     with torch.inference_mode():
@@ -174,7 +177,7 @@ def test_decoder_step_equals_the_module_path_bitwise(attention, B, bias):
         m.hidden_states(idx[:, :5], c2)
         step = Decoder(m, c2)
         for t in range(5, 9):
-            ref = m.hidden_states(idx[:, t:t + 1], c1)[:, -1, :]
+            ref = m.hidden_states(idx[:, t : t + 1], c1)[:, -1, :]
             got = step(idx[:, t])
             assert torch.equal(got, ref)
         assert c1.pos == c2.pos == 9
@@ -196,8 +199,11 @@ def _int8_op_runs() -> bool:
     if op is None:
         return False
     try:
-        op(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.int8),
-           torch.ones(8, dtype=torch.bfloat16))
+        op(
+            torch.zeros(1, 64, dtype=torch.bfloat16),
+            torch.zeros(8, 64, dtype=torch.int8),
+            torch.ones(8, dtype=torch.bfloat16),
+        )
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -208,8 +214,9 @@ needs_int8_op = pytest.mark.skipif(not INT8_OP, reason="this torch build has no 
 TORCH_PIN = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text()).group(1)
 
 
-@pytest.mark.skipif(torch.__version__.split("+")[0] != TORCH_PIN,
-                    reason=f"the int8 op is asserted on the pinned torch {TORCH_PIN} only")
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0] != TORCH_PIN, reason=f"the int8 op is asserted on the pinned torch {TORCH_PIN} only"
+)
 def test_the_pinned_torch_has_the_int8_screen():
     """The pinned torch's CPU build has the int8 kernel, so here the screen is on for a float32
     model: a bug that turned it off fails this test instead of showing as the skips below."""

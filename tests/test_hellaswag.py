@@ -14,17 +14,43 @@ from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.training import hellaswag as hs
 
 EXAMPLES = [
-    {"ind": 4, "activity_label": "Roof shingle removal", "ctx": "A man is sitting on a roof. he",
-     "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                 "is holding a rubik's cube.", "starts pulling up roofing on a roof."], "label": 3},
-    {"ctx": "The cat sat on the mat and then",
-     "endings": ["it slept.", "the dog ran in the garden and barked at the birds for an hour.",
-                 "and", "they ate the whole cake, one slice at a time."], "label": 0},
-    {"ctx": "In the evening, the children went outside to play in the park near their home, and",
-     "endings": ["the sun set.", "they played on the swings until dark.", "it rained",
-                 "their parents called them in for dinner"], "label": "1"},
-    {"ctx": "Is there anything more to say?",
-     "endings": ["No.", "Yes, there is.", "", "Maybe, but not now."], "label": 2},
+    {
+        "ind": 4,
+        "activity_label": "Roof shingle removal",
+        "ctx": "A man is sitting on a roof. he",
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "label": 3,
+    },
+    {
+        "ctx": "The cat sat on the mat and then",
+        "endings": [
+            "it slept.",
+            "the dog ran in the garden and barked at the birds for an hour.",
+            "and",
+            "they ate the whole cake, one slice at a time.",
+        ],
+        "label": 0,
+    },
+    {
+        "ctx": "In the evening, the children went outside to play in the park near their home, and",
+        "endings": [
+            "the sun set.",
+            "they played on the swings until dark.",
+            "it rained",
+            "their parents called them in for dinner",
+        ],
+        "label": "1",
+    },
+    {
+        "ctx": "Is there anything more to say?",
+        "endings": ["No.", "Yes, there is.", "", "Maybe, but not now."],
+        "label": 2,
+    },
 ]
 
 
@@ -80,7 +106,7 @@ class CausalMean(nn.Module):
     def forward(self, idx, targets=None):
         x = self.emb(idx).cumsum(dim=1) / torch.arange(1, idx.size(1) + 1).view(1, -1, 1)
         logits = self.head(self.drop(x))
-        logits[..., self.n_vocab:] = float("-inf")
+        logits[..., self.n_vocab :] = float("-inf")
         return logits, None
 
 
@@ -107,8 +133,14 @@ def reference_evaluate(model, enc, examples) -> dict:
         correct += min(range(4), key=lambda i: losses[i][0]) == label
         correct_norm += min(range(4), key=lambda i: losses[i][1]) == label
     n = len(examples)
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n, "correct": correct,
-            "correct_norm": correct_norm, "skipped": 0}
+    return {
+        "acc": correct / n,
+        "acc_norm": correct_norm / n,
+        "n": n,
+        "correct": correct,
+        "correct_norm": correct_norm,
+        "skipped": 0,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,21 +167,24 @@ def test_blank_lines_are_skipped(tmp_path):
     assert len(hs.load_examples(path)) == 2
 
 
-@pytest.mark.parametrize("bad, why", [
-    ("{oops", "bad JSON"),
-    ("[1, 2]", "JSON object"),
-    ({"endings": ["a", "b", "c", "d"], "label": 0}, "missing ctx"),
-    ({"ctx": 3, "endings": ["a", "b", "c", "d"], "label": 0}, "ctx must be a string"),
-    ({"ctx": "  ", "endings": ["a", "b", "c", "d"], "label": 0}, "ctx is empty"),
-    ({"ctx": "x", "endings": "abcd", "label": 0}, "endings must be a list"),
-    ({"ctx": "x", "endings": ["a", "b", 3, "d"], "label": 0}, "endings must be a list of strings"),
-    ({"ctx": "x", "endings": ["a", "b", "c"], "label": 0}, "4 strings, got 3"),
-    ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 4}, "0-3, got 4"),
-    ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": -1}, "0-3, got -1"),
-    ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": "two"}, "label must be an integer"),
-    ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 1.0}, "label must be an integer"),
-    ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": True}, "label must be an integer"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("{oops", "bad JSON"),
+        ("[1, 2]", "JSON object"),
+        ({"endings": ["a", "b", "c", "d"], "label": 0}, "missing ctx"),
+        ({"ctx": 3, "endings": ["a", "b", "c", "d"], "label": 0}, "ctx must be a string"),
+        ({"ctx": "  ", "endings": ["a", "b", "c", "d"], "label": 0}, "ctx is empty"),
+        ({"ctx": "x", "endings": "abcd", "label": 0}, "endings must be a list"),
+        ({"ctx": "x", "endings": ["a", "b", 3, "d"], "label": 0}, "endings must be a list of strings"),
+        ({"ctx": "x", "endings": ["a", "b", "c"], "label": 0}, "4 strings, got 3"),
+        ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 4}, "0-3, got 4"),
+        ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": -1}, "0-3, got -1"),
+        ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": "two"}, "label must be an integer"),
+        ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 1.0}, "label must be an integer"),
+        ({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": True}, "label must be an integer"),
+    ],
+)
 def test_bad_lines_name_file_line_and_key(tmp_path, bad, why):
     path = write_jsonl(tmp_path / "h.jsonl", [EXAMPLES[0], bad])
     with pytest.raises(BadInput) as e:
@@ -186,8 +221,8 @@ def test_render_layout(enc):
     for i, end in enumerate(ends):
         row = ctx + end
         assert tokens[i, : len(row)].tolist() == row
-        assert tokens[i, len(row):].eq(0).all() and mask[i, len(row):].eq(0).all()
-        assert mask[i, : len(ctx)].eq(0).all() and mask[i, len(ctx): len(row)].eq(1).all()
+        assert tokens[i, len(row) :].eq(0).all() and mask[i, len(row) :].eq(0).all()
+        assert mask[i, : len(ctx)].eq(0).all() and mask[i, len(ctx) : len(row)].eq(1).all()
 
 
 def test_render_with_gpt2_puts_a_space_before_endings(gpt2_tokenizer_dir):
@@ -380,8 +415,12 @@ def test_all_reduce_over_two_gloo_processes(tmp_path, small_tokenizer, examples_
 
     rows = EXAMPLES + [dict(ex, label=(int(ex["label"]) + 1) % 4) for ex in EXAMPLES] + EXAMPLES[:1]
     data = write_jsonl(tmp_path / "h9.jsonl", rows)  # 9 examples: ranks hold 5 and 4
-    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(small_tokenizer), str(data), str(tmp_path)),
-             nprocs=2, join=True)
+    mp.spawn(
+        _dist_worker,
+        args=(2, str(tmp_path / "init"), str(small_tokenizer), str(data), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     enc = load_tokenizer(str(small_tokenizer))
     single = hs.evaluate(CausalMean(enc.n_vocab, enc.n_vocab + 3, seed=11), hs.load_examples(data), enc)

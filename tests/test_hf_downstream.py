@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cli_support import cli_env, error_lines, last_error_line, run_cli
 from fixture_data import FakeRun
 from hf_models import CHATML, make_tiny_causal_lm, make_tiny_encoder
@@ -51,9 +50,14 @@ def load(folder: Path):
 def hf_greedy(folder: Path, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' greedy decoding with the folder's own settings: the new ids."""
     model, tok = load(folder)
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def cli(args: list[str], cwd: Path):
@@ -71,7 +75,7 @@ def test_generate_hf_greedy_is_the_argmax_of_each_forward(llama):
     model, tok = load_causal_lm(str(llama), param="--checkpoint")
     ids = tok(PROMPT)["input_ids"]
     out = generate_hf(model, tok, torch.tensor([ids]), 8, temperature=0)
-    assert out.shape == (1, len(ids) + 8) and out[0, :len(ids)].tolist() == ids
+    assert out.shape == (1, len(ids) + 8) and out[0, : len(ids)].tolist() == ids
     seq = list(ids)
     with torch.no_grad():
         for _ in range(8):  # no cache, the whole sequence each step
@@ -81,7 +85,7 @@ def test_generate_hf_greedy_is_the_argmax_of_each_forward(llama):
     assert torch.equal(generate_hf(model, tok, torch.tensor([ids]), 8, temperature=0.7, top_k=1), out)
     third = seq[len(ids) + 2]
     stopped = generate_hf(model, tok, torch.tensor([ids]), 8, temperature=0, stop=[third])
-    assert stopped[0].tolist() == seq[:seq.index(third, len(ids)) + 1]
+    assert stopped[0].tolist() == seq[: seq.index(third, len(ids)) + 1]
 
 
 def test_generate_hf_sampling_is_seeded_and_ignores_the_folder_s_sampling_defaults(llama, tmp_path):
@@ -102,7 +106,8 @@ def test_generate_hf_sampling_is_seeded_and_ignores_the_folder_s_sampling_defaul
     assert torch.equal(a, b) and not torch.equal(a, c)
     # greedy too: the plain folder's greedy tokens, no repetition penalty
     assert generate_hf(model, tok, ids, 8, temperature=0).tolist() == [
-        ids[0].tolist() + hf_greedy(llama, ids[0].tolist(), 8)]
+        ids[0].tolist() + hf_greedy(llama, ids[0].tolist(), 8)
+    ]
 
 
 def test_chat_on_a_gptforge_checkpoint_is_one_line(tmp_path, small_tokenizer, monkeypatch, capsys):
@@ -111,8 +116,9 @@ def test_chat_on_a_gptforge_checkpoint_is_one_line(tmp_path, small_tokenizer, mo
     from gptforge.modeling.weights import save_model
 
     monkeypatch.chdir(tmp_path)
-    save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=320, n_vocab=281)),
-               tmp_path / "ckpt")
+    save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=320, n_vocab=281)), tmp_path / "ckpt"
+    )
     rc = main(["generate", "hi", "--checkpoint", "ckpt", "--chat", "-S", f"tokenizer.path={small_tokenizer}"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -139,8 +145,20 @@ def test_generate_cli_greedy_equals_transformers_generate(llama, tmp_path):
 
 @pytest.mark.slow
 def test_generate_cli_chat_sends_the_prompt_through_the_chat_template(llama, tmp_path):
-    r = cli(["generate", "Name a colour.", "--checkpoint", str(llama), "--chat", "--temperature", "0",
-             "--max-new-tokens", "10"], tmp_path)
+    r = cli(
+        [
+            "generate",
+            "Name a colour.",
+            "--checkpoint",
+            str(llama),
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "10",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert SPEED.match(r.stderr.strip().splitlines()[-1]), r.stderr[-2000:]
     _, tok = load(llama)
@@ -167,10 +185,16 @@ def test_generate_cli_chat_without_a_chat_template_is_one_line(tmp_path):
 
 def write_mmlu(folder: Path) -> Path:
     for split in ("test", "dev"):
-        rows = [{"question": f"{split} question {n}: what is {n} + 1?", "subject": subject,
-                 "choices": [str(n), str(n + 1), str(n + 2), "none of these"], "answer": (n + 1) % 4}
-                for s, subject in enumerate(["abstract_algebra", "high_school_biology"])
-                for n in range(10 * s, 10 * s + 2)]
+        rows = [
+            {
+                "question": f"{split} question {n}: what is {n} + 1?",
+                "subject": subject,
+                "choices": [str(n), str(n + 1), str(n + 2), "none of these"],
+                "answer": (n + 1) % 4,
+            }
+            for s, subject in enumerate(["abstract_algebra", "high_school_biology"])
+            for n in range(10 * s, 10 * s + 2)
+        ]
         write_jsonl(folder / f"{split}.jsonl", rows)
     return folder
 
@@ -198,19 +222,20 @@ def lm_eval_pair(tok, context: str, continuation: str) -> tuple[list[int], list[
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
     whole = tok(context + continuation)["input_ids"]
-    return whole[:len(tok(context)["input_ids"])], whole[len(tok(context)["input_ids"]):]
+    return whole[: len(tok(context)["input_ids"])], whole[len(tok(context)["input_ids"]) :]
 
 
 def raw_loglikelihood(model, ctx: list[int], cont: list[int]) -> float:
     with torch.no_grad():
         logits = model(torch.tensor([ctx + cont])).logits[0].double()
-    logp = F.log_softmax(logits[len(ctx) - 1:-1], dim=-1)
+    logp = F.log_softmax(logits[len(ctx) - 1 : -1], dim=-1)
     return float(logp.gather(1, torch.tensor(cont)[:, None]).sum())
 
 
 @pytest.mark.slow
-def test_evaluate_scores_a_hugging_face_folder_with_lm_eval_s_hflm(tmp_path, monkeypatch, no_network, qwen,
-                                                                   small_tokenizer):
+def test_evaluate_scores_a_hugging_face_folder_with_lm_eval_s_hflm(
+    tmp_path, monkeypatch, no_network, qwen, small_tokenizer
+):
     from gptforge import evaluate as ev
     from gptforge.config.load import validate
     from gptforge.modeling.gpt import GPT, GPTConfig
@@ -220,14 +245,24 @@ def test_evaluate_scores_a_hugging_face_folder_with_lm_eval_s_hflm(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     n_vocab = load_tokenizer(str(small_tokenizer)).n_vocab
     torch.manual_seed(0)
-    ours = save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=n_vocab,
-                                    n_vocab=n_vocab)), tmp_path / "ckpt")
-    cfg = validate({
-        "tokenizer": {"path": str(small_tokenizer)}, "tracking": {"enabled": False},
-        "evaluate": {"tasks": ["hellaswag", "mmlu"], "models": {"hf": str(qwen), "gpt": str(ours)},
-                     "hellaswag": {"source": str(write_jsonl(tmp_path / "hellaswag.jsonl", HELLASWAG))},
-                     "mmlu": {"source": str(write_mmlu(tmp_path / "mmlu"))}, "batch_size": 8, "limit": 5},
-    })
+    ours = save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=n_vocab, n_vocab=n_vocab)),
+        tmp_path / "ckpt",
+    )
+    cfg = validate(
+        {
+            "tokenizer": {"path": str(small_tokenizer)},
+            "tracking": {"enabled": False},
+            "evaluate": {
+                "tasks": ["hellaswag", "mmlu"],
+                "models": {"hf": str(qwen), "gpt": str(ours)},
+                "hellaswag": {"source": str(write_jsonl(tmp_path / "hellaswag.jsonl", HELLASWAG))},
+                "mmlu": {"source": str(write_mmlu(tmp_path / "mmlu"))},
+                "batch_size": 8,
+                "limit": 5,
+            },
+        }
+    )
     run = FakeRun()
     metrics = ev.evaluate(cfg, run=run)
 
@@ -251,10 +286,16 @@ def test_evaluate_scores_a_hugging_face_folder_with_lm_eval_s_hflm(tmp_path, mon
     # the Hugging Face folder's logits through transformers, our GPT's in float64
     model, tok = load(qwen)
     assert len(Path("reports/evaluate/hf/samples_hellaswag.jsonl").read_text().splitlines()) == 5
-    direct = {"hf": scores_from_samples(Path("reports/evaluate/hf"), lambda context, continuation: (
-                  raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None), tol=1e-3),
-              "gpt": check_samples_against_model(Path("reports/evaluate/gpt"), load_model(ours),
-                                                 load_tokenizer(str(small_tokenizer)))[1]}
+    direct = {
+        "hf": scores_from_samples(
+            Path("reports/evaluate/hf"),
+            lambda context, continuation: (raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None),
+            tol=1e-3,
+        ),
+        "gpt": check_samples_against_model(
+            Path("reports/evaluate/gpt"), load_model(ours), load_tokenizer(str(small_tokenizer))
+        )[1],
+    }
     for name, scores in direct.items():
         subjects = [scores["mmlu_abstract_algebra"], scores["mmlu_high_school_biology"]]
         assert metrics[f"{name}.hellaswag.acc"] == pytest.approx(scores["hellaswag"]["acc"])
@@ -291,8 +332,11 @@ def test_measured_counts_requests_times_scoring_and_refuses_a_too_long_continuat
     assert lm.generate_until(["a", "b", "c"]) == ["x"] * 3
     assert lm.counts == {"loglikelihood": 2, "loglikelihood_rolling": 1, "generate_until": 3}
     assert lm.seconds >= 0.03 and lm.cut_continuations == 0 and lm.name == "hf"
-    with pytest.raises(BadInput, match=r"^evaluate.models.hf: a continuation of 5 tokens does not fit the "
-                                       r"model's 4 positions"):
+    with pytest.raises(
+        BadInput,
+        match=r"^evaluate.models.hf: a continuation of 5 tokens does not fit the "
+        r"model's 4 positions",
+    ):
         lm.loglikelihood([[1, 2, 3, 4, 5]])
 
 
@@ -305,9 +349,10 @@ def test_log_hf_model_loads_back_and_generates(llama, tmp_path, monkeypatch, mlf
     import mlflow
 
     from gptforge.runtime import mlflow_values, tracking
+
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "mlflow.db"
-    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
     assert tracking.NullRun().log_hf_model(llama) is None

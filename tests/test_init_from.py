@@ -82,15 +82,19 @@ def test_a_folder_named_like_a_hub_size_is_a_folder(original, tmp_path, monkeypa
     torch.testing.assert_close(_logits(loaded, idx, N_VOCAB), _logits(model, idx, N_VOCAB))
     # and a name that is neither a hub size nor a folder is a missing folder, not a hub download
     cfg = load_config(None, ["pretrain.init_from=gpt2-small"])
-    with pytest.raises(BadInput, match=r"^pretrain\.init_from: checkpoint folder gpt2-small not found; "
-                                       r"name a GPT-2 size \(gpt2, gpt2-medium, gpt2-large, gpt2-xl\)"):
+    with pytest.raises(
+        BadInput,
+        match=r"^pretrain\.init_from: checkpoint folder gpt2-small not found; "
+        r"name a GPT-2 size \(gpt2, gpt2-medium, gpt2-large, gpt2-xl\)",
+    ):
         build_model(cfg, N_VOCAB)
 
 
 def test_save_pretrained_gpt2_folder_gives_the_hf_models_logits(tmp_path):
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=64, n_positions=BLOCK, vocab_size=320)).eval()
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=BLOCK, vocab_size=320)
+    ).eval()
     _perturb(hf)
     hf.save_pretrained(tmp_path / "hf")
     ours, source = load_pretrained(str(tmp_path / "hf"), param="instruct.init_from")
@@ -103,34 +107,50 @@ def test_save_pretrained_gpt2_folder_gives_the_hf_models_logits(tmp_path):
 
 
 def test_other_architectures_are_refused_in_one_line(tmp_path):
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=320, max_position_embeddings=BLOCK)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=BLOCK,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     with pytest.raises(BadInput) as err:
         load_base(str(tmp_path / "llama"), 320, param="instruct.init_from")
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith(f"instruct.init_from: {tmp_path / 'llama' / 'config.json'} is a Hugging Face "
-                          "LlamaForCausalLM config (model_type 'llama'); gptforge's GPT starts only from GPT-2")
+    assert msg.startswith(
+        f"instruct.init_from: {tmp_path / 'llama' / 'config.json'} is a Hugging Face "
+        "LlamaForCausalLM config (model_type 'llama'); gptforge's GPT starts only from GPT-2"
+    )
 
 
 def test_hf_gpt2_config_without_weights_names_what_is_missing(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     cfg = load_config(None, [f"pretrain.init_from={tmp_path / 'hf'}"])
-    with pytest.raises(BadInput, match=r"^pretrain\.init_from: .*hf/config\.json is a Hugging Face gpt2 config, "
-                                       r"but .*hf holds no weights \(model\.safetensors or pytorch_model\.bin\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^pretrain\.init_from: .*hf/config\.json is a Hugging Face gpt2 config, "
+        r"but .*hf holds no weights \(model\.safetensors or pytorch_model\.bin\)$",
+    ):
         build_model(cfg, N_VOCAB)
 
 
 def test_hf_gpt2_weights_missing_tensors_are_refused_not_filled_at_random(tmp_path):
     from safetensors.torch import save_file
 
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=BLOCK,
-                                                              vocab_size=320))
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=BLOCK, vocab_size=320)
+    )
     hf.save_pretrained(tmp_path / "hf")
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if ".h.1." not in k and k != "lm_head.weight"}
     save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(BadInput, match=r"^classify\.init_from: the Hugging Face GPT-2 folder .*hf lacks tensors "
-                                       r"transformer\.h\.1\.attn\.c_attn\.bias, .* \(\+\d+ more\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^classify\.init_from: the Hugging Face GPT-2 folder .*hf lacks tensors "
+        r"transformer\.h\.1\.attn\.c_attn\.bias, .* \(\+\d+ more\)$",
+    ):
         load_base(str(tmp_path / "hf"), 320, param="classify.init_from")

@@ -16,15 +16,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_support import last_error_line
-from gptforge.config.load import load_config
-from gptforge.errors import BadInput
 from hf_models import make_tiny_causal_lm
 from test_finetune_instruct_hf import config, write_splits
 
-VARIANT = {"init_from": None, "method": "lora", "template": "chat", "mask_prompt": True, "max_samples": 12,
-           "score_before": True, "n_responses": 2, "max_new_tokens": 6, "lr": 0.003, "epochs": 1, "batch_size": 4}
+from gptforge.config.load import load_config
+from gptforge.errors import BadInput
+
+VARIANT = {
+    "init_from": None,
+    "method": "lora",
+    "template": "chat",
+    "mask_prompt": True,
+    "max_samples": 12,
+    "score_before": True,
+    "n_responses": 2,
+    "max_new_tokens": 6,
+    "lr": 0.003,
+    "epochs": 1,
+    "batch_size": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +45,16 @@ def llama(tmp_path_factory) -> Path:
 
 def variant_config(init_from: Path, **changes):
     models = {"tiny": {**VARIANT, "init_from": str(init_from), **changes}}
-    return load_config(None, ["tracking.enabled=false", "tokenizer.path=sample://gpt2_tokenizer", "instruct.device=cpu",
-                              f"instruct_variants.models={json.dumps(models)}", "instruct_variants.only=tiny"])
+    return load_config(
+        None,
+        [
+            "tracking.enabled=false",
+            "tokenizer.path=sample://gpt2_tokenizer",
+            "instruct.device=cpu",
+            f"instruct_variants.models={json.dumps(models)}",
+            "instruct_variants.only=tiny",
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,21 +62,33 @@ def variant_config(init_from: Path, **changes):
 
 
 def test_a_variant_is_the_instruct_section_with_its_keys_over_it(tmp_path):
-    cfg = load_config(None, ["instruct.lora.alpha=32", "instruct.lr=0.002",
-                             'instruct_variants.models={"v": {"init_from": "x", "lora": {"r": 4}, "epochs": 3}}'])
+    cfg = load_config(
+        None,
+        [
+            "instruct.lora.alpha=32",
+            "instruct.lr=0.002",
+            'instruct_variants.models={"v": {"init_from": "x", "lora": {"r": 4}, "epochs": 3}}',
+        ],
+    )
     v = cfg.instruct_variant("v")
     assert (v.lora.r, v.lora.alpha, v.epochs, v.lr, v.init_from) == (4, 32.0, 3, 0.002, "x")
     assert cfg.instruct.epochs != 3 and cfg.instruct.lora.r == 8  # the section itself is unchanged
 
 
-@pytest.mark.parametrize("models, message", [
-    ({"v": {"init_from": "x", "epoch": 2}}, r"instruct_variants.models.v.epoch: Extra inputs are not permitted"),
-    ({"v": {"init_from": "x", "lora": {"r": 0}}}, r"instruct_variants.models.v.lora.r: Input should be greater than 0"),
-    ({"v": {"epochs": 2}}, r"instruct_variants.models.v.init_from: set it"),
-    ({"v": {"init_from": "x", "nproc_per_node": 2}}, r"a variant trains in one process"),
-    ({"a.b": {"init_from": "x"}}, r"name 'a.b' must be letters"),
-    ({"v": "checkpoints/base/x"}, r"instruct_variants.models.v: Input should be a valid dictionary"),
-])
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        ({"v": {"init_from": "x", "epoch": 2}}, r"instruct_variants.models.v.epoch: Extra inputs are not permitted"),
+        (
+            {"v": {"init_from": "x", "lora": {"r": 0}}},
+            r"instruct_variants.models.v.lora.r: Input should be greater than 0",
+        ),
+        ({"v": {"epochs": 2}}, r"instruct_variants.models.v.init_from: set it"),
+        ({"v": {"init_from": "x", "nproc_per_node": 2}}, r"a variant trains in one process"),
+        ({"a.b": {"init_from": "x"}}, r"name 'a.b' must be letters"),
+        ({"v": "checkpoints/base/x"}, r"instruct_variants.models.v: Input should be a valid dictionary"),
+    ],
+)
 def test_bad_variants_are_one_line(models, message):
     with pytest.raises(BadInput, match=message) as info:
         load_config(None, [f"instruct_variants.models={json.dumps(models)}"])
@@ -107,15 +138,19 @@ def test_length_grouped_batches_weigh_every_target_token_alike(llama, tmp_path, 
     # Over an epoch of length-grouped batches, the weighted batch losses average to the per-token
     # mean cross-entropy over the whole training split, computed here one example at a time; the
     # plain mean of the batches' means (what grouping gave before) does not.
-    from gptforge.finetune import instruct
     from test_finetune_instruct_hf import RECORDS
+
+    from gptforge.finetune import instruct
 
     records = [{**r, "output": r["output"] * (1 + 6 * (i % 3 == 0))} for i, r in enumerate(RECORDS)]  # mixed lengths
     cfg = config(llama, "instruct.group_by_length=true", "instruct.lora.dropout=0.0")
     s = instruct.setup(cfg, write_splits(tmp_path / "data", records))
     seen = {}
-    monkeypatch.setattr(instruct, "train_epochs", lambda model, opt, loss_fn, batches, **kw: seen.update(
-        loss_fn=loss_fn, batches=batches))
+    monkeypatch.setattr(
+        instruct,
+        "train_epochs",
+        lambda model, opt, loss_fn, batches, **kw: seen.update(loss_fn=loss_fn, batches=batches),
+    )
     instruct.train(s, cfg)
     shape = dict(pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=True)
     batches = seen["batches"](0)
@@ -177,9 +212,14 @@ def test_variant_stage_scores_the_start_and_the_result(llama, tmp_path, monkeypa
     for record in test[:2]:
         prompt, _ = encode(record, "chat", enc)
         with torch.no_grad():
-            out_ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        answers.append(tok.decode(out_ids[0, len(prompt):], skip_special_tokens=True).strip())
+            out_ids = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+        answers.append(tok.decode(out_ids[0, len(prompt) :], skip_special_tokens=True).strip())
     assert [r["response_before"] for r in rows] == answers
     before = reference_scores([{**r, "response": r["response_before"]} for r in rows])
     for key in ("exact_match", "token_f1", "rouge_l"):
@@ -203,10 +243,22 @@ def test_cli_refuses_a_missing_start_folder_in_one_line(tmp_path):
     models = {"tiny": {**VARIANT, "init_from": str(tmp_path / "absent")}}
     write_splits(tmp_path / "data" / "instruct")
     (tmp_path / "params.yaml").write_text("{}\n")
-    proc = run_cli(["finetune", "instruct-variant", "-S", f"instruct_variants.models={json.dumps(models)}",
-                    "-S", "instruct_variants.only=tiny", "-S", "tracking.enabled=false",
-                    "-S", "tokenizer.path=sample://gpt2_tokenizer"], tmp_path,
-                   cli_env(GPTFORGE_PREFECT="0"))
+    proc = run_cli(
+        [
+            "finetune",
+            "instruct-variant",
+            "-S",
+            f"instruct_variants.models={json.dumps(models)}",
+            "-S",
+            "instruct_variants.only=tiny",
+            "-S",
+            "tracking.enabled=false",
+            "-S",
+            "tokenizer.path=sample://gpt2_tokenizer",
+        ],
+        tmp_path,
+        cli_env(GPTFORGE_PREFECT="0"),
+    )
     assert proc.returncode == 2 and "instruct.init_from" in last_error_line(proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists()
 
@@ -220,9 +272,20 @@ def test_closing_summary_shows_each_variant_before_and_after(tmp_path):
     from gptforge.pipeline.summary import closing_summary
 
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "instruct_smollm2.json").write_text(json.dumps(
-        {"test_loss": 0.972, "test_loss_before": 1.203, "token_f1": 0.815, "token_f1_before": 0.518,
-         "rouge_l": 0.76, "rouge_l_before": 0.42, "exact_match": 0.0, "exact_match_before": 0.0}))
+    (tmp_path / "metrics" / "instruct_smollm2.json").write_text(
+        json.dumps(
+            {
+                "test_loss": 0.972,
+                "test_loss_before": 1.203,
+                "token_f1": 0.815,
+                "token_f1_before": 0.518,
+                "rouge_l": 0.76,
+                "rouge_l_before": 0.42,
+                "exact_match": 0.0,
+                "exact_match_before": 0.0,
+            }
+        )
+    )
     report = PipelineReport(stages=[StageReport("finetune_instruct_variant@smollm2", "ran")])
     lines = closing_summary(report, tmp_path)
     assert "  smollm2 SFT test loss        1.203 -> 0.972" in lines
@@ -237,8 +300,11 @@ def test_serve_offers_the_variants_first(tmp_path, monkeypatch):
     cfg = load_config(None, ['instruct_variants.models={"smollm2": {"init_from": "checkpoints/base/smollm2"}}'])
     for folder in ("checkpoints/instruct_smollm2/final", "checkpoints/instruct/final", "checkpoints/classify/final"):
         Path(folder).mkdir(parents=True)
-    assert default_specs(cfg) == ["smollm2=checkpoints/instruct_smollm2/final", "instruct=checkpoints/instruct/final",
-                                  "classify=checkpoints/classify/final"]
+    assert default_specs(cfg) == [
+        "smollm2=checkpoints/instruct_smollm2/final",
+        "instruct=checkpoints/instruct/final",
+        "classify=checkpoints/classify/final",
+    ]
     assert default_specs(cfg, language_models_only=True)[0] == "smollm2=checkpoints/instruct_smollm2/final"
     Path("checkpoints/instruct_smollm2/final").rmdir()
     assert default_specs(cfg)[0] == "instruct=checkpoints/instruct/final"

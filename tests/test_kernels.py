@@ -44,8 +44,11 @@ from gptforge.modeling.gpt import GPT, GPTConfig, KVCache  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 EPS32 = torch.finfo(torch.float32).eps
-TOL = {torch.float32: 16 * EPS32, torch.float16: 2 * torch.finfo(torch.float16).eps,
-       torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps}
+TOL = {
+    torch.float32: 16 * EPS32,
+    torch.float16: 2 * torch.finfo(torch.float16).eps,
+    torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps,
+}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -68,10 +71,12 @@ def kern():
 
 
 if not KERNELS_HERE:
+
     def test_in_a_fresh_process(request):
         """The kernel tests this session selected (skipped here) run in a fresh process: all pass, none skip."""
-        ids = [item.nodeid for item in request.session.items
-               if item.path == request.path and "kern" in item.fixturenames]
+        ids = [
+            item.nodeid for item in request.session.items if item.path == request.path and "kern" in item.fixturenames
+        ]
         assert ids, "no kernel test selected beside this one: nothing to run in a fresh process"
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids]
@@ -132,8 +137,11 @@ def test_attention_each_dtype(kern, dtype, causal):
     check_attention(kern, dtype, causal, T=37, D=32, block_m=16, block_n=32)
 
 
-@pytest.mark.parametrize("D, dtype, causal", [(64, torch.float16, True), (128, torch.bfloat16, False)],
-                         ids=["d64-fp16-causal", "d128-bf16-full"])
+@pytest.mark.parametrize(
+    "D, dtype, causal",
+    [(64, torch.float16, True), (128, torch.bfloat16, False)],
+    ids=["d64-fp16-causal", "d128-bf16-full"],
+)
 def test_attention_other_head_dims(kern, D, dtype, causal):
     check_attention(kern, dtype, causal, T=21, D=D, block_m=16, block_n=16)
 
@@ -207,8 +215,9 @@ def test_without_the_interpreter_cpu_tensors_get_a_clear_error():
             assert "CUDA" in str(e), e
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=Path(__file__).parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -269,7 +278,9 @@ def test_cross_entropy_custom_ignore_index_and_all_ignored(kern):
 
     # No row counts: NaN loss, as F.cross_entropy, and an all-zero gradient.
     loss, grad = kern.ce.cross_entropy_forward(logits, torch.full((9,), -100, device=DEVICE))
-    assert torch.isnan(loss) and torch.isnan(torch.nn.functional.cross_entropy(logits, torch.full((9,), -100, device=DEVICE)))
+    assert torch.isnan(loss) and torch.isnan(
+        torch.nn.functional.cross_entropy(logits, torch.full((9,), -100, device=DEVICE))
+    )
     assert (grad == 0).all()
 
 

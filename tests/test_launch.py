@@ -19,17 +19,17 @@ import subprocess
 import sys
 
 import pytest
+from cli_support import BIN, cli_env, error_lines, run_cli
+from pretrain_support import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
+from process_support import Paused, free_port, started
+from test_cli import prefect_get
 from torch.distributed.run import parse_args as torchrun_args
 
-from cli_support import BIN, cli_env, error_lines, run_cli
-from process_support import Paused, free_port, started
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.runtime import child_output
 from gptforge.runtime.run_context import env_tags
 from gptforge.training import launch
-from pretrain_support import SMALL, losses, shards  # noqa: F401  (shards: a fixture, data/pretrain made once)
-from test_cli import prefect_get
 
 # --------------------------------------------------------------------------------------------
 # The command line
@@ -43,22 +43,43 @@ def test_single_node_is_standalone_and_passes_params_and_overrides():
     assert args.standalone and args.nproc_per_node == "4" and args.max_restarts == 0
     assert "--nnodes" not in cmd and "--rdzv_endpoint" not in cmd
     assert args.module and args.training_script == "gptforge.cli"
-    assert args.training_script_args == ["pretrain", "--params", "snap.yaml", "-S", "pretrain.max_steps=5",
-                                         "-S", "model.n_layer=2"]
+    assert args.training_script_args == [
+        "pretrain",
+        "--params",
+        "snap.yaml",
+        "-S",
+        "pretrain.max_steps=5",
+        "-S",
+        "model.n_layer=2",
+    ]
 
 
 def test_multi_node_has_the_rendezvous():
-    cfg = load_config(None, ["pretrain.nproc_per_node=8", "distributed.nnodes=4",
-                             "distributed.rdzv_endpoint=node0:29500", "distributed.rdzv_id=job7",
-                             "distributed.max_restarts=3"])
+    cfg = load_config(
+        None,
+        [
+            "pretrain.nproc_per_node=8",
+            "distributed.nnodes=4",
+            "distributed.rdzv_endpoint=node0:29500",
+            "distributed.rdzv_id=job7",
+            "distributed.max_restarts=3",
+        ],
+    )
     cmd = launch.torchrun_command(cfg, None)
     args = torchrun_args(cmd[3:])
     assert not args.standalone
-    assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
-            args.max_restarts) == ("8", "4", "c10d", "node0:29500", "job7", 3)
+    assert (
+        args.nproc_per_node,
+        args.nnodes,
+        args.rdzv_backend,
+        args.rdzv_endpoint,
+        args.rdzv_id,
+        args.max_restarts,
+    ) == ("8", "4", "c10d", "node0:29500", "job7", 3)
     assert args.training_script_args == ["pretrain"]
-    static = load_config(None, ["distributed.nnodes=2", "distributed.rdzv_endpoint=10.0.0.1:29400",
-                                "distributed.rdzv_backend=static"])
+    static = load_config(
+        None, ["distributed.nnodes=2", "distributed.rdzv_endpoint=10.0.0.1:29400", "distributed.rdzv_backend=static"]
+    )
     assert torchrun_args(launch.torchrun_command(static, "p.yaml")[3:]).rdzv_backend == "static"
 
 
@@ -67,8 +88,9 @@ def test_launch_only_above_one_process_and_never_inside_a_worker(monkeypatch):
     assert not launch.needs_launch(load_config(None, []))
     two_nodes = load_config(None, ["distributed.nnodes=2", "distributed.rdzv_endpoint=node0"])
     assert two_nodes.world_size("pretrain") == 2 and launch.needs_launch(two_nodes)
-    cfg = load_config(None, ["pretrain.nproc_per_node=2", "distributed.nnodes=3",
-                             "distributed.rdzv_endpoint=node0:1234"])
+    cfg = load_config(
+        None, ["pretrain.nproc_per_node=2", "distributed.nnodes=3", "distributed.rdzv_endpoint=node0:1234"]
+    )
     assert cfg.world_size("pretrain") == 6 and launch.needs_launch(cfg)
     # every training stage reads the nodes from distributed and its own nproc_per_node
     assert cfg.world_size("instruct") == 3 and launch.needs_launch(cfg, "finetune_instruct")
@@ -77,23 +99,33 @@ def test_launch_only_above_one_process_and_never_inside_a_worker(monkeypatch):
     assert not launch.needs_launch(cfg)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["distributed.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
-    (["distributed.nnodes=2", "distributed.rdzv_endpoint=node0:http"], "must be HOST or HOST:PORT, got 'node0:http'"),
-    (["distributed.rdzv_endpoint=:29400"], "must be HOST or HOST:PORT"),
-    (["distributed.nnodes=0"], "distributed.nnodes: expected"),
-    (["distributed.rdzv_backend=etcd"], "distributed.rdzv_backend: expected one of 'c10d', 'static'"),
-    (["distributed.max_restarts=-1"], "distributed.max_restarts"),
-    # the names these settings had first, in the pretrain section, still work, moved
-    (["pretrain.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
-    (["pretrain.nnodes=2", "distributed.nnodes=3", "distributed.rdzv_endpoint=h"],
-     "pretrain.nnodes (2) and distributed.nnodes (3) disagree: set distributed.nnodes only"),
-    # the fine-tuning stages' processes
-    (["preference.strategy=fsdp"], "preference.strategy: fsdp is not available for DPO"),
-    (["instruct.strategy=fsdp", "instruct.method=lora", "instruct.quantize=4bit"],
-     "instruct.quantize: 4bit (QLoRA) keeps the base in bitsandbytes' 4-bit tensors"),
-    (["classify.strategy=zero1"], "classify.strategy: expected one of 'ddp', 'fsdp'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["distributed.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
+        (
+            ["distributed.nnodes=2", "distributed.rdzv_endpoint=node0:http"],
+            "must be HOST or HOST:PORT, got 'node0:http'",
+        ),
+        (["distributed.rdzv_endpoint=:29400"], "must be HOST or HOST:PORT"),
+        (["distributed.nnodes=0"], "distributed.nnodes: expected"),
+        (["distributed.rdzv_backend=etcd"], "distributed.rdzv_backend: expected one of 'c10d', 'static'"),
+        (["distributed.max_restarts=-1"], "distributed.max_restarts"),
+        # the names these settings had first, in the pretrain section, still work, moved
+        (["pretrain.nnodes=2"], "distributed.rdzv_endpoint is required when distributed.nnodes > 1"),
+        (
+            ["pretrain.nnodes=2", "distributed.nnodes=3", "distributed.rdzv_endpoint=h"],
+            "pretrain.nnodes (2) and distributed.nnodes (3) disagree: set distributed.nnodes only",
+        ),
+        # the fine-tuning stages' processes
+        (["preference.strategy=fsdp"], "preference.strategy: fsdp is not available for DPO"),
+        (
+            ["instruct.strategy=fsdp", "instruct.method=lora", "instruct.quantize=4bit"],
+            "instruct.quantize: 4bit (QLoRA) keeps the base in bitsandbytes' 4-bit tensors",
+        ),
+        (["classify.strategy=zero1"], "classify.strategy: expected one of 'ddp', 'fsdp'"),
+    ],
+)
 def test_multi_node_settings_are_validated(overrides, message):
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
@@ -104,12 +136,29 @@ def test_cli_bad_multi_node_settings_are_one_line(tmp_path):
     env = cli_env(GPTFORGE_PREFECT="0")
     r = run_cli(["pretrain", "-S", "distributed.nnodes=2"], cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == error_lines(r.stderr) == [
-        "gptforge: error: config with -S overrides: distributed.rdzv_endpoint is required when distributed.nnodes "
-        "> 1 (got 2): the host:port of the rendezvous, the same on every node"]
+    assert (
+        r.stderr.strip().splitlines()
+        == error_lines(r.stderr)
+        == [
+            "gptforge: error: config with -S overrides: distributed.rdzv_endpoint is required when distributed.nnodes "
+            "> 1 (got 2): the host:port of the rendezvous, the same on every node"
+        ]
+    )
     # The batch split counts every process of every node: 12 sequences x 64 tokens x 2 x 2.
-    r = run_cli(["pretrain", "-S", "pretrain.nproc_per_node=2", "-S", "pretrain.nnodes=2", "-S",
-                 "pretrain.rdzv_endpoint=node0:29400"], cwd=tmp_path, env=env, timeout=120)
+    r = run_cli(
+        [
+            "pretrain",
+            "-S",
+            "pretrain.nproc_per_node=2",
+            "-S",
+            "pretrain.nnodes=2",
+            "-S",
+            "pretrain.rdzv_endpoint=node0:29400",
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and len(error_lines(r.stderr)) == 1 and "(12*64*4 = 3072)" in r.stderr, r.stderr
 
 
@@ -122,8 +171,11 @@ def test_workers_skip_prefect_and_get_the_tags(monkeypatch, caplog):
     monkeypatch.setenv("GPTFORGE_RUN_TAGS", json.dumps({"team": "lm", "prefect.flow_run_id": "outer"}))
     env = launch.worker_env({"prefect.flow_run_id": "f1", "prefect.flow_run_name": "brave-fox", "none": None})
     assert env["GPTFORGE_PREFECT"] == "0" and env["GPTFORGE_PARENT_RUN_ID"] == "parent123"
-    assert json.loads(env["GPTFORGE_RUN_TAGS"]) == {"team": "lm", "prefect.flow_run_id": "f1",
-                                                    "prefect.flow_run_name": "brave-fox"}
+    assert json.loads(env["GPTFORGE_RUN_TAGS"]) == {
+        "team": "lm",
+        "prefect.flow_run_id": "f1",
+        "prefect.flow_run_name": "brave-fox",
+    }
     monkeypatch.setenv("GPTFORGE_RUN_TAGS", json.dumps({"a": 1}))
     assert env_tags() == {"a": 1}
     monkeypatch.setenv("GPTFORGE_RUN_TAGS", "[1, 2]")
@@ -158,9 +210,16 @@ def test_output_goes_raw_to_stderr_and_line_by_line_to_the_log(monkeypatch, caps
     monkeypatch.setattr(child_output, "PROGRESS_EVERY", 0.0)
     out = child_output.ChildOutput()
     error = "gptforge: error: boom \u2713\n".encode()  # a 3-byte character, cut between two reads
-    raw = [b"W0101 torchrun warning\n12:00:01 INFO gptforge: pretraining 0.10M para", b"meters on cpu\n",
-           b"\rpretrain:  10%|#   | 1/10", b"\rpretrain:  20%|##  | 2/10", b"\rpretrain: 100%|####| 10/10\n",
-           b"12:00:09 WARNING gptforge: slow disk\n" + error[:-2], error[-2:], b"tail without newline"]
+    raw = [
+        b"W0101 torchrun warning\n12:00:01 INFO gptforge: pretraining 0.10M para",
+        b"meters on cpu\n",
+        b"\rpretrain:  10%|#   | 1/10",
+        b"\rpretrain:  20%|##  | 2/10",
+        b"\rpretrain: 100%|####| 10/10\n",
+        b"12:00:09 WARNING gptforge: slow disk\n" + error[:-2],
+        error[-2:],
+        b"tail without newline",
+    ]
     for chunk in raw:
         out.feed(chunk)
     out.close()
@@ -168,11 +227,13 @@ def test_output_goes_raw_to_stderr_and_line_by_line_to_the_log(monkeypatch, caps
     assert collected == [
         ("INFO", "W0101 torchrun warning"),
         ("INFO", "pretraining 0.10M parameters on cpu"),
-        ("INFO", "pretrain:  10%|#   | 1/10"), ("INFO", "pretrain:  20%|##  | 2/10"),
+        ("INFO", "pretrain:  10%|#   | 1/10"),
+        ("INFO", "pretrain:  20%|##  | 2/10"),
         ("INFO", "pretrain: 100%|####| 10/10"),
         ("WARNING", "slow disk"),
         ("ERROR", "boom \u2713"),
-        ("INFO", "tail without newline")]
+        ("INFO", "tail without newline"),
+    ]
     assert out.last_error == "boom \u2713"
 
 
@@ -180,11 +241,16 @@ def test_a_line_another_rank_left_unterminated_does_not_hide_a_log_line(capsys, 
     # One rank's exit message (nanobind's leak report ends without a newline) runs into the
     # next rank's log line or error line: each still reaches the log as its own record.
     out = child_output.ChildOutput()
-    out.feed(b"See https://nanobind.readthedocs.io/refleaks.html12:00:09 INFO gptforge: pretrain done: step 6\n"
-             b"leak reportgptforge: error: boom\n")
-    assert collected == [("INFO", "See https://nanobind.readthedocs.io/refleaks.html"),
-                         ("INFO", "pretrain done: step 6"),
-                         ("INFO", "leak report"), ("ERROR", "boom")]
+    out.feed(
+        b"See https://nanobind.readthedocs.io/refleaks.html12:00:09 INFO gptforge: pretrain done: step 6\n"
+        b"leak reportgptforge: error: boom\n"
+    )
+    assert collected == [
+        ("INFO", "See https://nanobind.readthedocs.io/refleaks.html"),
+        ("INFO", "pretrain done: step 6"),
+        ("INFO", "leak report"),
+        ("ERROR", "boom"),
+    ]
     assert out.last_error == "boom"
 
 
@@ -221,16 +287,20 @@ def _stage_runs(uri: str, experiment: str):
 
 
 @pytest.mark.slow
-def test_two_processes_from_the_cli_match_one_and_make_one_mlflow_run(tmp_path, shards, small_tokenizer,
-                                                                      mlflow_uri):
+def test_two_processes_from_the_cli_match_one_and_make_one_mlflow_run(tmp_path, shards, small_tokenizer, mlflow_uri):
     common = [*TINY, f"tokenizer.path={small_tokenizer}"]
     experiment = f"launch-{tmp_path.name}"
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
     one = run_cli(["pretrain", *_args(*common)], cwd=_workdir(tmp_path, "one", shards), env=env)
     assert one.returncode == 0, one.stderr
-    ddp = run_cli(["pretrain", *_args(*common, "pretrain.nproc_per_node=2", "tracking.enabled=true",
-                                      f"tracking.experiment={experiment}")],
-                  cwd=_workdir(tmp_path, "ddp", shards), env=env)
+    ddp = run_cli(
+        [
+            "pretrain",
+            *_args(*common, "pretrain.nproc_per_node=2", "tracking.enabled=true", f"tracking.experiment={experiment}"),
+        ],
+        cwd=_workdir(tmp_path, "ddp", shards),
+        env=env,
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "launching 2 processes (1 node x 2)" in ddp.stderr and "--standalone" in ddp.stderr
     assert "(fp32, 2 processes)" in ddp.stderr  # the workers trained with DDP, world size 2
@@ -250,13 +320,25 @@ def test_two_processes_from_the_cli_match_one_and_make_one_mlflow_run(tmp_path, 
 
 
 @pytest.mark.slow
-def test_through_prefect_it_is_the_pretrain_flow_run_with_a_launch_task(tmp_path, shards, small_tokenizer,
-                                                                        prefect_api, mlflow_uri):
+def test_through_prefect_it_is_the_pretrain_flow_run_with_a_launch_task(
+    tmp_path, shards, small_tokenizer, prefect_api, mlflow_uri
+):
     experiment = f"launch-{tmp_path.name}"
     env = cli_env(PREFECT_API_URL=prefect_api, OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
-    r = run_cli(["pretrain", *_args(*TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nproc_per_node=2",
-                                    "tracking.enabled=true", f"tracking.experiment={experiment}")],
-                cwd=_workdir(tmp_path, "w", shards), env=env)
+    r = run_cli(
+        [
+            "pretrain",
+            *_args(
+                *TINY,
+                f"tokenizer.path={small_tokenizer}",
+                "pretrain.nproc_per_node=2",
+                "tracking.enabled=true",
+                f"tracking.experiment={experiment}",
+            ),
+        ],
+        cwd=_workdir(tmp_path, "w", shards),
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [run] = _stage_runs(mlflow_uri, experiment)
     flow_run_id = run.data.tags["prefect.flow_run_id"]  # handed by the launching flow to rank 0
@@ -279,10 +361,27 @@ def test_two_nodes_meet_at_the_rendezvous_and_only_rank_0_writes(tmp_path, shard
     """Two "nodes" on this machine, each in its own folder (no shared working directory)."""
     endpoint = f"127.0.0.1:{free_port()}"
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
-    args = ["pretrain", *_args(*TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nnodes=2",
-                               f"pretrain.rdzv_endpoint={endpoint}", f"pretrain.rdzv_id={tmp_path.name}")]
-    nodes = [subprocess.Popen([str(BIN / "gptforge"), *args], cwd=_workdir(tmp_path, f"node{i}", shards), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    args = [
+        "pretrain",
+        *_args(
+            *TINY,
+            f"tokenizer.path={small_tokenizer}",
+            "pretrain.nnodes=2",
+            f"pretrain.rdzv_endpoint={endpoint}",
+            f"pretrain.rdzv_id={tmp_path.name}",
+        ),
+    ]
+    nodes = [
+        subprocess.Popen(
+            [str(BIN / "gptforge"), *args],
+            cwd=_workdir(tmp_path, f"node{i}", shards),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         stderrs = [node.communicate(timeout=240)[1] for node in nodes]
     finally:
@@ -306,14 +405,16 @@ def test_a_failed_job_raises_stage_failed_with_the_workers_reason(tmp_path, monk
     monkeypatch.chdir(tmp_path)  # no data/pretrain here: the workers' input check fails
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config(None, [*TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nproc_per_node=2"])
-    with pytest.raises(StageFailed, match=r"pretrain under torchrun failed \(exit code 1\): a worker said: "
-                                          r"data/pretrain/manifest.json not found"):
+    with pytest.raises(
+        StageFailed,
+        match=r"pretrain under torchrun failed \(exit code 1\): a worker said: "
+        r"data/pretrain/manifest.json not found",
+    ):
         launch.launch_pretrain(cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, returncode", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig, returncode", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokenizer, sig, returncode):
     """The signal comes while the workers train: rank 0 paused after step 2 (gptforge.runtime.pause),
     rank 1 waiting for it in its next collective; released once rank 0 has taken it."""
@@ -322,9 +423,18 @@ def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokeniz
     pause = Paused(tmp_path, 2)
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **pause.env())
     log = tmp_path / "job.log"
-    with started([str(BIN / "gptforge"), "pretrain", *_args(*TINY, f"tokenizer.path={small_tokenizer}",
-                                                           "pretrain.nproc_per_node=2", "pretrain.max_steps=100000")],
-                 _workdir(tmp_path, "w", shards), env, log) as proc:
+    with started(
+        [
+            str(BIN / "gptforge"),
+            "pretrain",
+            *_args(
+                *TINY, f"tokenizer.path={small_tokenizer}", "pretrain.nproc_per_node=2", "pretrain.max_steps=100000"
+            ),
+        ],
+        _workdir(tmp_path, "w", shards),
+        env,
+        log,
+    ) as proc:
         pause.wait(proc, output=log.read_text)
         job = psutil.Process(proc.pid).children(recursive=True)
         assert len(job) >= 3, [p.cmdline() for p in job]  # torchrun and its two workers
@@ -337,8 +447,9 @@ def test_a_signal_stops_every_process_of_the_job(tmp_path, shards, small_tokeniz
     output = log.read_text()
     assert proc.returncode == returncode, output[-3000:]
     # Rank 0 took it in the pause and stopped after the next step, with its checkpoint.
-    assert f"pretrain stopped by {sig.name} at step 3; checkpoint checkpoints/pretrain/step_00000003 saved" in output, \
+    assert f"pretrain stopped by {sig.name} at step 3; checkpoint checkpoints/pretrain/step_00000003 saved" in output, (
         output[-3000:]
+    )
     assert (tmp_path / "w/checkpoints/pretrain/step_00000003/checksums.json").is_file()
     assert f"pretrain stopped by {sig.name} at step 3; checkpoint of rank 0 saved" in output  # rank 1's line
     # The launcher waits for the whole job before it exits: this only reaps what it left.

@@ -106,17 +106,25 @@ def test_every_package_of_the_tree_is_in_the_layer_table_and_every_name_in_it_ex
 
 def test_every_package_of_the_library_has_a_row_in_the_package_table():
     text = (REPO / "docs" / "layout.md").read_text(encoding="utf-8").split("## The packages", 1)[1]
-    named = {n.rstrip("/") for cell in re.findall(r"^\| ([^|]+) \|", text, re.M) for n in re.findall(r"`([\w/]+)`", cell)}
+    named = {
+        n.rstrip("/") for cell in re.findall(r"^\| ([^|]+) \|", text, re.M) for n in re.findall(r"`([\w/]+)`", cell)
+    }
     library = {package_of(m) for m in MODULES if m.startswith("gptforge.")}
     assert library - named == set(), "library packages or modules without a row in docs/layout.md's package table"
     for row_name in named - {"package"}:
         path = LIBRARY / row_name
-        assert path.is_dir() or path.with_suffix(".py").is_file(), f"docs/layout.md names {row_name}, which is not in src/gptforge"
+        assert path.is_dir() or path.with_suffix(".py").is_file(), (
+            f"docs/layout.md names {row_name}, which is not in src/gptforge"
+        )
 
 
 def test_no_import_points_up_a_layer():
-    against = sorted(f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
-                     for m, targets in GRAPH.items() for t in targets if layer_of(t) > layer_of(m))
+    against = sorted(
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if layer_of(t) > layer_of(m)
+    )
     assert against == []
 
 
@@ -127,15 +135,19 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
         if root in index:
             continue
         work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]; counter[0] += 1
-        stack.append(root); on_stack.add(root)
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
         while work:
             node, children = work[-1]
             child = next(children, None)
             if child is not None:
                 if child not in index:
-                    index[child] = low[child] = counter[0]; counter[0] += 1
-                    stack.append(child); on_stack.add(child)
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
                     work.append((child, iter(sorted(graph.get(child, ())))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
@@ -146,7 +158,9 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
             if low[node] == index[node]:
                 component = []
                 while True:
-                    member = stack.pop(); on_stack.discard(member); component.append(member)
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
                     if member == node:
                         break
                 if len(component) > 1:
@@ -165,8 +179,11 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_no_module_is_over_600_lines():
-    long = {name: n for name, path in MODULES.items()
-            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
@@ -178,8 +195,13 @@ def test_prefect_is_imported_only_by_the_orchestration_layer_and_the_stage_comma
         if package_of(name) in ("tasks", "flows") or name == "gptforge.cli.stages":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             if any(n == library or n.startswith(library + ".") for n in names):
                 importers.add(name)
     assert importers - allowed == set()

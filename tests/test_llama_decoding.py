@@ -15,9 +15,18 @@ from gptforge.modeling.llama_decoding import LlamaDecoder, unsupported
 def tiny(arch: str, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                 tie_word_embeddings=arch == "llama")
+    shape = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=arch == "llama",
+    )
     shape.update(extra)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     torch.manual_seed(0)
@@ -31,6 +40,7 @@ def tiny(arch: str, **extra):
 
 class _Tok:
     """The two attributes generate_hf asks of a tokenizer."""
+
     pad_token_id = None
     eos_token_id = 2
 
@@ -45,7 +55,7 @@ def test_hidden_states_equal_transformers_forward_in_float64(arch):
     decoder = LlamaDecoder(model, batch=2, max_len=12)
     with torch.inference_mode():
         got = [decoder(ids[:, :5])]  # prefill
-        got += [decoder(ids[:, t:t + 1]) for t in range(5, 8)]  # decode steps
+        got += [decoder(ids[:, t : t + 1]) for t in range(5, 8)]  # decode steps
         got += [decoder(ids[:, 8:12])]  # a chunk at position 8: the explicit causal mask
     for last, h in zip([4, 5, 6, 7, 11], got):
         torch.testing.assert_close(h, reference[:, last], rtol=0, atol=1e-12)
@@ -77,7 +87,7 @@ def test_a_batch_stops_row_by_row_as_transformers_does():
     lean = generate_hf(model, _Tok(), ids, 20, temperature=0, stop=[stop])
     stock = generate_hf(model, _Tok(), ids, 20, temperature=0, stop=[stop], lean=False)
     assert torch.equal(lean, stock)
-    assert lean[0, 6 + 3] == stop and (lean[0, 6 + 4:] == stop).all()  # padded with the stop id (no pad id)
+    assert lean[0, 6 + 3] == stop and (lean[0, 6 + 4 :] == stop).all()  # padded with the stop id (no pad id)
 
 
 def test_float32_greedy_through_the_int8_head_screen_equals_transformers():
@@ -131,8 +141,20 @@ def test_dtype_flag_loads_the_weights_in_that_dtype(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(hf_causal, "load_causal_lm", recording)
     monkeypatch.chdir(tmp_path)
-    rc = main(["generate", "The fox", "--checkpoint", str(folder), "--temperature", "0", "--max-new-tokens", "6",
-               "--dtype", "bfloat16"])
+    rc = main(
+        [
+            "generate",
+            "The fox",
+            "--checkpoint",
+            str(folder),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "6",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert rc == 0 and seen == [torch.bfloat16]
     assert "gptforge: 6 tokens in" in capsys.readouterr().err
     scheduler, _ = build_scheduler(EngineSpec("hf", str(folder), dtype="bfloat16", prefix_cache_mb=0))
@@ -171,7 +193,7 @@ def test_int8_layers_compute_the_model_with_dequantized_weights(dtype, tol):
         expected = reference.model(input_ids=ids).last_hidden_state[0]
     decoder = LlamaDecoder(model, batch=1, max_len=10, weights="int8")
     with torch.inference_mode():
-        got = [decoder(ids[:, :6])] + [decoder(ids[:, t:t + 1]) for t in range(6, 10)]
+        got = [decoder(ids[:, :6])] + [decoder(ids[:, t : t + 1]) for t in range(6, 10)]
     for last, h in zip([5, 6, 7, 8, 9], got):
         torch.testing.assert_close(h[0].double(), expected[last], rtol=tol, atol=tol)
 
@@ -192,8 +214,22 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
         generate_hf(model, _Tok(), ids, 4, temperature=0, quantize="int4")
     folder = make_tiny_causal_lm(tmp_path / "llama")
     monkeypatch.chdir(tmp_path)
-    rc = main(["generate", "The fox", "--checkpoint", str(folder), "--temperature", "0", "--max-new-tokens", "5",
-               "--dtype", "bfloat16", "--quantize", "int8"])
+    rc = main(
+        [
+            "generate",
+            "The fox",
+            "--checkpoint",
+            str(folder),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+            "--dtype",
+            "bfloat16",
+            "--quantize",
+            "int8",
+        ]
+    )
     assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err
     rc = main(["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8"])
     lines = capsys.readouterr().err.strip().splitlines()

@@ -30,7 +30,8 @@ def write_shards(folder: Path, val: list[int], train: list[int], seed: int = 0) 
             parts.append(data)
         streams[split] = np.concatenate(parts) if parts else np.empty(0, np.uint16)
     manifest = {
-        "source": "test", "name": None,
+        "source": "test",
+        "name": None,
         "tokenizer": {"name": "small.tiktoken", "n_vocab": N_VOCAB, "eot": N_VOCAB - 1},
         "dtype": "uint16",
         "documents": {"val": 1, "train": 1},
@@ -233,8 +234,11 @@ def test_reset_rereads_the_first_batches(data):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(batch_size=2), "saved with batch_size 4, block_size 8, world_size 1; this run has batch_size 2, "
-                             "block_size 8, world_size 1"),
+        (
+            dict(batch_size=2),
+            "saved with batch_size 4, block_size 8, world_size 1; this run has batch_size 2, "
+            "block_size 8, world_size 1",
+        ),
         (dict(block_size=4), "this run has batch_size 4, block_size 4, world_size 1"),
         (dict(world_size=2), "this run has batch_size 4, block_size 8, world_size 2"),
     ],
@@ -284,8 +288,10 @@ def test_missing_shard(data):
 
 @pytest.mark.parametrize(
     "content, says",
-    [(np.zeros(36, np.uint16), "holds uint16 (36,), manifest.json says uint16 (37,)"),
-     (np.zeros(37, np.int32), "holds int32 (37,), manifest.json says uint16 (37,)")],
+    [
+        (np.zeros(36, np.uint16), "holds uint16 (36,), manifest.json says uint16 (37,)"),
+        (np.zeros(37, np.int32), "holds int32 (37,), manifest.json says uint16 (37,)"),
+    ],
 )
 def test_shard_that_differs_from_the_manifest(data, content, says):
     folder, _ = data

@@ -37,8 +37,9 @@ def hf_model(vocab: int = 100, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=32, vocab_size=vocab,
-                                  bos_token_id=None, eos_token_id=None)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=64, n_positions=32, vocab_size=vocab, bos_token_id=None, eos_token_id=None
+    )
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     randomize(hf, seed)
     return hf
@@ -107,8 +108,9 @@ def test_hf_state_dict_layout():
     sd = hf_state_dict(ours)
     # Conv1D weights are (in, out): the transpose of nn.Linear's (out, in).
     assert sd["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)
-    torch.testing.assert_close(sd["transformer.h.1.mlp.c_proj.weight"],
-                               ours.transformer.h[1].mlp.c_proj.weight.t(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        sd["transformer.h.1.mlp.c_proj.weight"], ours.transformer.h[1].mlp.c_proj.weight.t(), rtol=0, atol=0
+    )
     assert sd["transformer.wte.weight"].shape == (100, 64)  # padding trimmed
     assert torch.all(sd["transformer.h.0.ln_1.bias"] == 0)  # bias=False exports zero biases
     assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
@@ -154,12 +156,10 @@ def test_loss_is_cross_entropy_over_real_vocab():
     assert logits.shape == (4, 32, 128)
     assert torch.all(logits[..., 100:] == float("-inf"))
     assert torch.isfinite(logits[..., :100]).all()
-    want = F.cross_entropy(logits[..., :100].detach().double().reshape(-1, 100), targets.reshape(-1),
-                           ignore_index=-100)
+    want = F.cross_entropy(logits[..., :100].detach().double().reshape(-1, 100), targets.reshape(-1), ignore_index=-100)
     assert abs(loss.item() - want.item()) < 1e-5
     # ignore_index is honoured: counting the ignored positions as class 0 changes the value
-    wrong = F.cross_entropy(logits[..., :100].detach().double().reshape(-1, 100),
-                            targets.clamp(min=0).reshape(-1))
+    wrong = F.cross_entropy(logits[..., :100].detach().double().reshape(-1, 100), targets.clamp(min=0).reshape(-1))
     assert abs(loss.item() - wrong.item()) > 1e-3
 
     loss.backward()
@@ -354,7 +354,10 @@ def test_model_module_imports_no_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, gptforge.modeling.gpt, gptforge.modeling.decoding, gptforge.modeling.weights, gptforge.modeling.hf_convert, gptforge.modeling.export; "
-            "bad = [m for m in ('transformers', 'pydantic', 'yaml', 'mlflow', 'prefect') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, gptforge.modeling.gpt, gptforge.modeling.decoding, gptforge.modeling.weights, "
+        "gptforge.modeling.hf_convert, gptforge.modeling.export; "
+        "bad = [m for m in ('transformers', 'pydantic', 'yaml', 'mlflow', 'prefect') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from chat_endpoint import ChatEndpoint
+
 from gptforge.openai_client import BadReply, ChatClient, EndpointError
 from gptforge.synthesize.generate import Unparseable, pair_fields, parse_pairs, parse_rating, parse_verdict
 
@@ -33,8 +33,11 @@ def test_retry_after_is_honoured_and_the_usage_counts_come_back(no_proxy):
     assert done.content == "hello" and done.finish_reason == "stop"
     assert done.completion_tokens == 1 and done.prompt_tokens > 0 and done.seconds >= 0
     assert sleeps == [0.5, 1.0] and len(server.requests) == 3
-    assert server.requests[0]["body"] == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                          "temperature": 0}
+    assert server.requests[0]["body"] == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+    }
 
 
 def test_a_4xx_is_raised_at_once_with_the_server_s_message(no_proxy):
@@ -64,28 +67,36 @@ def test_a_reply_that_is_not_a_chat_completion_is_bad_reply(no_proxy):
 PAIR = {"question": "Where does the Rhine rise?", "answer": "In the Swiss Alps."}
 
 
-@pytest.mark.parametrize("content", [
-    json.dumps([PAIR]),
-    "```json\n" + json.dumps([PAIR], indent=2) + "\n```",
-    "Here you go:\n```\n" + json.dumps([PAIR]) + "\n```\nAnything else?",
-    json.dumps({"pairs": [PAIR]}),  # a json_schema endpoint's wrapper object
-    json.dumps(PAIR),  # one object alone
-    "Sure! " + json.dumps([PAIR]) + " Hope this helps.",
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps([PAIR]),
+        "```json\n" + json.dumps([PAIR], indent=2) + "\n```",
+        "Here you go:\n```\n" + json.dumps([PAIR]) + "\n```\nAnything else?",
+        json.dumps({"pairs": [PAIR]}),  # a json_schema endpoint's wrapper object
+        json.dumps(PAIR),  # one object alone
+        "Sure! " + json.dumps([PAIR]) + " Hope this helps.",
+    ],
+)
 def test_pairs_are_found_in_the_shapes_endpoints_reply_in(content):
     assert [pair_fields(item) for item in parse_pairs(content)] == [(PAIR["question"], PAIR["answer"])]
 
 
-@pytest.mark.parametrize("content", ["", "I cannot help with that.", '[{"question": "x", "answer": "y"',
-                                     json.dumps({"a": [1], "b": [2]})])
+@pytest.mark.parametrize(
+    "content", ["", "I cannot help with that.", '[{"question": "x", "answer": "y"', json.dumps({"a": [1], "b": [2]})]
+)
 def test_replies_without_an_array_are_unparseable(content):
     with pytest.raises(Unparseable):
         parse_pairs(content)
 
 
 def test_items_that_are_not_two_strings_are_malformed():
-    assert [pair_fields(i) for i in [PAIR, {"q": "x"}, {"question": 1, "answer": "y"}, "text"]] == \
-        [(PAIR["question"], PAIR["answer"]), None, None, None]
+    assert [pair_fields(i) for i in [PAIR, {"q": "x"}, {"question": 1, "answer": "y"}, "text"]] == [
+        (PAIR["question"], PAIR["answer"]),
+        None,
+        None,
+        None,
+    ]
 
 
 def test_verdicts_and_ratings():

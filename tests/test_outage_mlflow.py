@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_support import BIN, cli_env, run_cli, set_params, stage_params
 from process_support import Paused, free_port, records_delivered, wait_http
-from gptforge.runtime import tracking
 
+from gptforge.runtime import tracking
 
 # ---------------------------------------------------------------------------------------------
 # A real server that is away at the start or at the end
@@ -50,10 +49,26 @@ class MlflowServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
-             "--artifacts-destination", str(self.folder / "artifacts")],
-            cwd=self.folder, env=cli_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{self.folder}/mlflow.db",
+                "--artifacts-destination",
+                str(self.folder / "artifacts"),
+            ],
+            cwd=self.folder,
+            env=cli_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_http(f"{self.url}/health", timeout=120, proc=self.proc)
 
     def kill(self) -> None:
@@ -81,7 +96,7 @@ class MlflowServer:
 
 @pytest.fixture
 def server(tmp_path, mlflow_uri):
-    srv = MlflowServer(tmp_path / "mlflow-server", mlflow_uri[len("sqlite:///"):])
+    srv = MlflowServer(tmp_path / "mlflow-server", mlflow_uri[len("sqlite:///") :])
     srv.start()
     yield srv
     srv.close()
@@ -98,9 +113,9 @@ def quick_http(monkeypatch):
 
 
 def test_a_server_down_at_the_start_is_a_one_line_error(monkeypatch, quick_http):
-    from gptforge.errors import StageFailed
-
     import mlflow.tracking  # noqa: F401 - imported before the clock starts: its import is not the point
+
+    from gptforge.errors import StageFailed
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
@@ -114,13 +129,16 @@ def test_a_server_down_at_the_start_is_a_one_line_error(monkeypatch, quick_http)
     # here, even on a loaded machine); a start that retried, as MLflow's own retries would, takes minutes.
     assert took < 30, took
     message = str(info.value)
-    assert message.startswith(f"MLflow tracking server at {url} is unreachable; start it, or set "
-                              "tracking.enabled=false (") and "\n" not in message
+    assert (
+        message.startswith(f"MLflow tracking server at {url} is unreachable; start it, or set tracking.enabled=false (")
+        and "\n" not in message
+    )
 
 
 @pytest.mark.slow
-def test_a_stopped_run_with_its_server_gone_waits_a_bounded_time_and_leaves_mlflow_clean(server, monkeypatch,
-                                                                                         quick_http, caplog, tmp_path):
+def test_a_stopped_run_with_its_server_gone_waits_a_bounded_time_and_leaves_mlflow_clean(
+    server, monkeypatch, quick_http, caplog, tmp_path
+):
     """Ctrl-C (or SIGTERM, as a stop request) while the server is away: the run ends within its
     bound, says what it could not record, and MLflow's fluent state is clean. (A normal end with
     the server away is the CLI test below; the bounds for each status are checked above.)"""
@@ -133,8 +151,9 @@ def test_a_stopped_run_with_its_server_gone_waits_a_bounded_time_and_leaves_mlfl
     caplog.set_level(logging.WARNING, logger="gptforge")
     ended = {}
     with pytest.raises(KeyboardInterrupt):
-        with tracking.start_run(enabled=True, experiment="gone", stage="pretrain", params={"a": 1},
-                                system_metrics=True) as run:
+        with tracking.start_run(
+            enabled=True, experiment="gone", stage="pretrain", params={"a": 1}, system_metrics=True
+        ) as run:
             run.log_metrics({"train_loss": 2.0}, step=1)
             assert run.flush(30)  # the server is up: sent
             server.kill()
@@ -153,8 +172,10 @@ def test_a_stopped_run_with_its_server_gone_waits_a_bounded_time_and_leaves_mlfl
     # 5 s even with a larger bound: test_a_killed_run_waits_at_most_five_seconds.)
     assert 2.99 <= took < 3 + 10, took
     [line] = [r.getMessage() for r in caplog.records if "could not record" in r.getMessage()]
-    assert line.startswith(f"MLflow: run {run.run_id} could not record 2 metrics, 1 tag, 2 artifacts and its status "
-                           f"KILLED: the server at {server.url} was unreachable for the last "), line
+    assert line.startswith(
+        f"MLflow: run {run.run_id} could not record 2 metrics, 1 tag, 2 artifacts and its status "
+        f"KILLED: the server at {server.url} was unreachable for the last "
+    ), line
     assert line.endswith("(waited 3 s; last error: [Errno 111] Connection refused (MlflowException))"), line
     # MLflow's fluent state is clean: no active run, and its atexit end_run has nothing to do
     # (with the run still on its stack it would ask the dead server to end it, and could
@@ -179,8 +200,15 @@ def _prepared_repo(repo: Path, params: dict, env: dict) -> None:
 def _pretrain(repo: Path, env: dict, log: Path, *extra: str) -> subprocess.Popen:
     """`gptforge pretrain` with its output in `log` (a file: read while it runs, never a full pipe)."""
     with open(log, "w") as f:
-        return subprocess.Popen([str(BIN / "gptforge"), "pretrain", *extra], cwd=repo, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            [str(BIN / "gptforge"), "pretrain", *extra],
+            cwd=repo,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
 
 def _the_run(client, experiment: str):
@@ -209,8 +237,12 @@ def _paused_with_steps_sent(paused: Paused, proc: subprocess.Popen, log: Path, c
     returns the MLflow run id."""
     paused.wait(proc, output=log.read_text)
     run_id = _until(lambda: (r := _the_run(client, "outage")) and r.info.run_id, proc, log, "the MLflow run")
-    _until(lambda: _logged_steps(client, run_id) == list(range(1, paused.step + 1)), proc, log,
-           f"steps 1..{paused.step} on the server")
+    _until(
+        lambda: _logged_steps(client, run_id) == list(range(1, paused.step + 1)),
+        proc,
+        log,
+        f"steps 1..{paused.step} on the server",
+    )
     return run_id
 
 
@@ -220,25 +252,41 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-OUTAGE_PRETRAIN = {"pretrain.batch_tokens": 1024, "pretrain.log_interval": 1, "pretrain.eval_interval": 500,
-                   "pretrain.ckpt_interval": 1000, "pretrain.keep_last": 1, "model.dropout": 0.1,
-                   "tracking.enabled": True, "tracking.experiment": "outage"}
+OUTAGE_PRETRAIN = {
+    "pretrain.batch_tokens": 1024,
+    "pretrain.log_interval": 1,
+    "pretrain.eval_interval": 500,
+    "pretrain.ckpt_interval": 1000,
+    "pretrain.keep_last": 1,
+    "model.dropout": 0.1,
+    "tracking.enabled": True,
+    "tracking.experiment": "outage",
+}
 
 
 @pytest.mark.slow
-def test_pretrain_survives_a_tracking_server_restart(tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file,
-                                                      server):
+def test_pretrain_survives_a_tracking_server_restart(
+    tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file, server
+):
     """The run is paused after step `cut` with steps 1..cut on the server (the recorder delivered
     them from the stage's journal); the server is killed, then the run goes on: steps cut+1..steps
     are journaled while the server is down, by construction, and the stage ends without waiting
     for it. The server is started again once the run trained; the recorder delivers the rest."""
     steps, cut, sampling = 200, 50, 1
-    params = {**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **OUTAGE_PRETRAIN,
-              "pretrain.max_steps": steps}
+    params = {
+        **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+        **OUTAGE_PRETRAIN,
+        "pretrain.max_steps": steps,
+    }
     paused = Paused(tmp_path, cut)
     # The stage does not wait for its records (GPTFORGE_WAIT_FOR_RECORDS=0, a user's default).
-    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=server.url,
-                  MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL=str(sampling), GPTFORGE_WAIT_FOR_RECORDS="0")
+    env = cli_env(
+        GPTFORGE_PREFECT="0",
+        OMP_NUM_THREADS="1",
+        MLFLOW_TRACKING_URI=server.url,
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL=str(sampling),
+        GPTFORGE_WAIT_FOR_RECORDS="0",
+    )
     _prepared_repo(repo_copy, params, env)
     reference = tmp_path / "reference"
     shutil.copytree(repo_copy, reference)
@@ -254,8 +302,13 @@ def test_pretrain_survives_a_tracking_server_restart(tmp_path, repo_copy, small_
         down = time.monotonic(), time.time()
         # The undisturbed run, while the disturbed one is paused (never two trainings at once).
         t0 = time.monotonic()
-        straight = _pretrain(reference, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"), tmp_path / "reference.log",
-                             "-S", "tracking.enabled=false")
+        straight = _pretrain(
+            reference,
+            cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"),
+            tmp_path / "reference.log",
+            "-S",
+            "tracking.enabled=false",
+        )
         assert straight.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
         untracked = time.monotonic() - t0
         # The system-metrics sampler publishes every `sampling` s on its own thread: the server
@@ -294,8 +347,10 @@ def test_pretrain_survives_a_tracking_server_restart(tmp_path, repo_copy, small_
     assert any(int(down_ms) <= m.timestamp <= up_ms for m in system)  # the sampler went on too
     assert {a.path for a in client.list_artifacts(run_id)} >= {"checkpoint", "pretrain.csv"}
 
-    print(f"tracked run {ran:.1f} s (server down {up - down[1]:.1f} s from {down[0] - started:.1f} s), "
-          f"{len(during)} train losses logged while down, untracked run {untracked:.1f} s")
+    print(
+        f"tracked run {ran:.1f} s (server down {up - down[1]:.1f} s from {down[0] - started:.1f} s), "
+        f"{len(during)} train losses logged while down, untracked run {untracked:.1f} s"
+    )
     print("\n".join(x for x in recorder_log.splitlines() if "unreachable" in x)[:2000])
     # The outage changed nothing in training: the same weights as a run without tracking.
     from safetensors.torch import load_file
@@ -303,22 +358,28 @@ def test_pretrain_survives_a_tracking_server_restart(tmp_path, repo_copy, small_
     a = load_file(reference / "checkpoints/pretrain/final/model.safetensors")
     b = load_file(repo_copy / "checkpoints/pretrain/final/model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() and a[k].dtype == b[k].dtype for k in a)
-    assert (reference / "checkpoints/pretrain/final/model.safetensors").read_bytes() == \
-           (repo_copy / "checkpoints/pretrain/final/model.safetensors").read_bytes()
+    assert (reference / "checkpoints/pretrain/final/model.safetensors").read_bytes() == (
+        repo_copy / "checkpoints/pretrain/final/model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.slow
-def test_pretrain_ends_on_time_when_the_server_never_comes_back(tmp_path, repo_copy, small_tokenizer, sms_file,
-                                                                alpaca_file, server):
+def test_pretrain_ends_on_time_when_the_server_never_comes_back(
+    tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file, server
+):
     """A stage asked to wait for its records (GPTFORGE_WAIT_FOR_RECORDS) waits that long and no
     longer when the tracking server is gone for good; its records stay in its journal, on disk,
     for the recorder to deliver whenever the server is back."""
     bound, cut = 5, 20
-    params = {**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **OUTAGE_PRETRAIN,
-              "pretrain.max_steps": 100}
+    params = {
+        **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+        **OUTAGE_PRETRAIN,
+        "pretrain.max_steps": 100,
+    }
     paused = Paused(tmp_path, cut)
-    env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=server.url,
-                  GPTFORGE_WAIT_FOR_RECORDS=str(bound))
+    env = cli_env(
+        GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=server.url, GPTFORGE_WAIT_FOR_RECORDS=str(bound)
+    )
     _prepared_repo(repo_copy, params, env)
     client = server.client()
     log = tmp_path / "pretrain.log"

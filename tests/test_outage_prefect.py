@@ -25,10 +25,9 @@ from typing import Callable
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_support import BIN, cli_env, run_cli, set_params, stage_params
 from process_support import Paused, free_port, prefect_home, records_delivered, wait_http
+from safetensors.torch import load_file
 
 
 class PrefectServer:
@@ -45,9 +44,13 @@ class PrefectServer:
         env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         env.pop("PREFECT_API_URL", None)
         with open(self.home / "server.log", "a") as log:
-            self.proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                          str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         wait_http(f"{self.url}/health", timeout=180, proc=self.proc)
 
     def kill(self) -> None:
@@ -56,8 +59,12 @@ class PrefectServer:
             self.proc.wait()
 
     def post(self, path: str, body: dict) -> list[dict]:
-        req = urllib.request.Request(f"{self.url}/{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.load(r)
 
@@ -77,15 +84,22 @@ def _repo_with_data(tmp_path: Path, name: str, small_tokenizer, sms_file, alpaca
 
     for f in ("dvc.yaml", "params.yaml"):
         shutil.copy(REPO / f, repo / f)
-    set_params(repo, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), "tracking.enabled": False,
-                        **params})
+    set_params(
+        repo, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), "tracking.enabled": False, **params}
+    )
     out = run_cli(["prepare", "pretrain"], repo, cli_env(GPTFORGE_PREFECT="0"))
     assert out.returncode == 0, out.stderr[-2000:]
     return repo
 
 
-TRAINING = {"pretrain.max_steps": 200, "pretrain.log_interval": 100, "pretrain.eval_interval": 1000,
-            "pretrain.ckpt_interval": 1000, "pretrain.keep_last": 1, "model.dropout": 0.1}
+TRAINING = {
+    "pretrain.max_steps": 200,
+    "pretrain.log_interval": 100,
+    "pretrain.eval_interval": 1000,
+    "pretrain.ckpt_interval": 1000,
+    "pretrain.keep_last": 1,
+    "model.dropout": 0.1,
+}
 PAUSE_AT = 100  # the server is killed while the run is held after this step
 
 
@@ -102,14 +116,20 @@ def _until(condition: Callable[[], bool], proc: subprocess.Popen, log: Path, wha
         time.sleep(0.2)
 
 
-def _pretrain_through(outage: Callable[[subprocess.Popen, Path, Paused], None], repo: Path, env: dict,
-                      log: Path) -> tuple[subprocess.Popen, str]:
+def _pretrain_through(
+    outage: Callable[[subprocess.Popen, Path, Paused], None], repo: Path, env: dict, log: Path
+) -> tuple[subprocess.Popen, str]:
     """`gptforge pretrain`, held after step PAUSE_AT, where `outage(proc, log, paused)` acts
     (it releases the run); returns the ended process and its output."""
     paused = Paused(log.parent, PAUSE_AT)
     with open(log, "w") as f:
-        proc = subprocess.Popen([str(BIN / "gptforge"), "pretrain"], cwd=repo, env={**env, **paused.env()}, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [str(BIN / "gptforge"), "pretrain"],
+            cwd=repo,
+            env={**env, **paused.env()},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         paused.wait(proc, output=log.read_text)
         outage(proc, log, paused)
@@ -148,8 +168,10 @@ def test_prefect_server_restarted_mid_run(tmp_path, prefect_server, small_tokeni
 
     proc, output = _pretrain_through(outage, repo, env, tmp_path / "pretrain.log")
     records_delivered(repo)
-    print(f"server down {times['up'] - times['down']:.1f} s; the records were delivered "
-          f"{time.monotonic() - times['up']:.1f} s after it was back")
+    print(
+        f"server down {times['up'] - times['down']:.1f} s; the records were delivered "
+        f"{time.monotonic() - times['up']:.1f} s after it was back"
+    )
     assert proc.returncode == 0, output[-3000:]
     a, b = _weights(reference), _weights(repo)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -213,7 +235,10 @@ def test_api_unreachable_tells_outages_from_failures():
     request = httpx.Request("POST", "http://127.0.0.1:1/api/x")
     assert api_unreachable(httpx.ConnectError("refused", request=request))
     assert api_unreachable(httpx.ReadTimeout("slow", request=request))
-    assert api_unreachable(PrefectHTTPStatusError("503", request=request, response=httpx.Response(503, request=request)))
-    assert not api_unreachable(PrefectHTTPStatusError("422", request=request,
-                                                      response=httpx.Response(422, request=request)))
+    assert api_unreachable(
+        PrefectHTTPStatusError("503", request=request, response=httpx.Response(503, request=request))
+    )
+    assert not api_unreachable(
+        PrefectHTTPStatusError("422", request=request, response=httpx.Response(422, request=request))
+    )
     assert not api_unreachable(ValueError("a bad param"))

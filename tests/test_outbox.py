@@ -117,8 +117,15 @@ def test_records_go_out_in_order_with_metrics_batched():
     assert box.flush(HANG)
     assert sender.sent() == [{"a": "1"}, *[f"m{s}" for s in range(12)], {"t": "x"}, "last", "FINISHED"]
     # Consecutive metrics go together, up to `batch` values; other kinds one at a time.
-    assert [(k, len(p)) for k, p in sender.calls] == [("params", 1), ("metric", 5), ("metric", 5), ("metric", 2),
-                                                      ("tags", 1), ("metric", 1), ("end", 1)]
+    assert [(k, len(p)) for k, p in sender.calls] == [
+        ("params", 1),
+        ("metric", 5),
+        ("metric", 5),
+        ("metric", 2),
+        ("tags", 1),
+        ("metric", 1),
+        ("end", 1),
+    ]
     assert box.close(1) == {} and box.dropped == 0
     assert box.sent == {"params": 1, "metric": 13, "tags": 1, "end": 1}
 
@@ -140,7 +147,8 @@ def test_transient_failures_are_retried_in_order_until_they_pass(caplog):
     assert sender.attempts >= 4 and box.dropped == 0 and box.failing_since is None
     messages = [r.getMessage() for r in caplog.records]
     assert [m for m in messages if "unreachable" in m] == [
-        "the fake server is unreachable (Transient: connection refused); keeping what the run logs and retrying"]
+        "the fake server is unreachable (Transient: connection refused); keeping what the run logs and retrying"
+    ]
     assert sum("reachable again" in m for m in messages) == 1
 
 
@@ -238,4 +246,5 @@ def test_backoff_doubles_up_to_its_cap_and_starts_over_after_a_success(caplog):
         "the fake server is unreachable (Transient: refused); keeping what the run logs and retrying",
         "the fake server is reachable again after 25 s; sending the 2 records kept meanwhile",
         "the fake server is unreachable (Transient: refused); keeping what the run logs and retrying",
-        "the fake server is reachable again after 3 s; sending the 1 records kept meanwhile"]
+        "the fake server is reachable again after 3 s; sending the 1 records kept meanwhile",
+    ]

@@ -11,23 +11,34 @@ import subprocess
 
 import pytest
 import yaml
-
 from cli_support import BIN, cli_env, error_lines, last_error_line, run_cli, set_params, snapshot
 from process_support import free_port
+
 from gptforge.errors import BadInput
 from gptforge.pipeline.dvc import ReproOutcome, check_stage_names
 from gptforge.pipeline.run import PipelineReport, StageReport, stage_reports
 
 
 def test_stage_reports_follow_dvc_output():
-    events = [(0.0, "skipped", "prepare_pretrain"), (1.0, "running", "prepare_classify"), (3.5, "locked", ""),
-              (4.0, "restored", "prepare_instruct"), (5.0, "running", "finetune_classify")]
-    reports, failed = stage_reports(ReproOutcome(1, events, [], end=9.0),
-                                    ["prepare_pretrain", "prepare_classify", "prepare_instruct", "finetune_classify",
-                                     "evaluate"])
+    events = [
+        (0.0, "skipped", "prepare_pretrain"),
+        (1.0, "running", "prepare_classify"),
+        (3.5, "locked", ""),
+        (4.0, "restored", "prepare_instruct"),
+        (5.0, "running", "finetune_classify"),
+    ]
+    reports, failed = stage_reports(
+        ReproOutcome(1, events, [], end=9.0),
+        ["prepare_pretrain", "prepare_classify", "prepare_instruct", "finetune_classify", "evaluate"],
+    )
     by = {r.name: r for r in reports}
-    assert [r.name for r in reports] == ["prepare_pretrain", "prepare_classify", "prepare_instruct",
-                                         "finetune_classify", "evaluate"]
+    assert [r.name for r in reports] == [
+        "prepare_pretrain",
+        "prepare_classify",
+        "prepare_instruct",
+        "finetune_classify",
+        "evaluate",
+    ]
     assert by["prepare_pretrain"].status == "up to date" and by["prepare_pretrain"].seconds is None
     assert by["prepare_classify"].status == "ran" and by["prepare_classify"].seconds == pytest.approx(2.5)
     assert by["prepare_instruct"].status == "restored"
@@ -37,10 +48,21 @@ def test_stage_reports_follow_dvc_output():
 
 
 def test_markdown_names_failed_stage_and_links():
-    report = PipelineReport(stages=[StageReport("pretrain", "failed", 3.0),
-                                    StageReport("prepare_pretrain", "ran", 1.25, {"tokens": 100}, "abc123",
-                                                "http://127.0.0.1:5000/#/experiments/1/runs/abc123")],
-                            failed_stage="pretrain", error="stage pretrain failed: loss is nan")
+    report = PipelineReport(
+        stages=[
+            StageReport("pretrain", "failed", 3.0),
+            StageReport(
+                "prepare_pretrain",
+                "ran",
+                1.25,
+                {"tokens": 100},
+                "abc123",
+                "http://127.0.0.1:5000/#/experiments/1/runs/abc123",
+            ),
+        ],
+        failed_stage="pretrain",
+        error="stage pretrain failed: loss is nan",
+    )
     md = report.markdown()
     assert "FAILED at stage `pretrain`" in md and "loss is nan" in md
     assert "[abc123](http://127.0.0.1:5000/#/experiments/1/runs/abc123)" in md
@@ -58,12 +80,14 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
     before = snapshot(repo_copy)
     out = run_cli(["pipeline", "prepare_classify", "nosuchstage"], repo_copy, cli_env(), timeout=120)
     assert out.returncode == 2, out.stderr
-    assert error_lines(out.stderr) == ["gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
-                                       "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
-                                       "prepare_instruct, prepare_preference, pretrain, finetune_classify, "
-                                       "finetune_instruct, finetune_instruct_variant, finetune_preference, train_reward, "
-                                       "finetune_rl, evaluate, "
-                                       "register, benchmark"]
+    assert error_lines(out.stderr) == [
+        "gptforge: error: unknown stage 'nosuchstage'; stages in dvc.yaml: "
+        "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
+        "prepare_instruct, prepare_preference, pretrain, finetune_classify, "
+        "finetune_instruct, finetune_instruct_variant, finetune_preference, train_reward, "
+        "finetune_rl, evaluate, "
+        "register, benchmark"
+    ]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
 
 
@@ -71,8 +95,10 @@ def test_cli_bad_override_fails_before_any_work(repo_copy):
     before = (repo_copy / "params.yaml").read_bytes()
     out = run_cli(["pipeline", "-S", "pretrain.max_stepz=3"], repo_copy, cli_env(), timeout=120)
     assert out.returncode == 2
-    assert error_lines(out.stderr) == ["gptforge: error: params.yaml with -S overrides: unknown key "
-                                       "'pretrain.max_stepz' (did you mean 'pretrain.max_steps'?)"]
+    assert error_lines(out.stderr) == [
+        "gptforge: error: params.yaml with -S overrides: unknown key "
+        "'pretrain.max_stepz' (did you mean 'pretrain.max_steps'?)"
+    ]
     assert (repo_copy / "params.yaml").read_bytes() == before
 
 
@@ -95,13 +121,13 @@ def test_pool_without_a_server(repo_copy):
 
 
 @pytest.mark.slow
-def test_pipeline_nests_stages_and_survives_an_unreachable_remote(repo_copy, tmp_path, small_tokenizer, sms_file,
-                                                                  alpaca_file, prefect_api, mlflow_uri):
+def test_pipeline_nests_stages_and_survives_an_unreachable_remote(
+    repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, prefect_api, mlflow_uri
+):
     set_params(repo_copy, **{"data.classify.source": str(sms_file)})
     # A DVC remote nobody listens on: pull and push fail, the pipeline still runs locally.
     dead = f"http://127.0.0.1:{free_port()}/dvc-store"
-    subprocess.run([str(BIN / "dvc"), "remote", "add", "-d", "broken", dead], cwd=repo_copy, check=True,
-                   env=cli_env())
+    subprocess.run([str(BIN / "dvc"), "remote", "add", "-d", "broken", dead], cwd=repo_copy, check=True, env=cli_env())
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     out = run_cli(["pipeline", "prepare_classify", "-S", "data.classify.seed=7"], repo_copy, env, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -117,8 +143,12 @@ def test_pipeline_nests_stages_and_survives_an_unreachable_remote(repo_copy, tmp
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name("gptforge")
-    [parent] = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'",
-                                  order_by=["attributes.start_time DESC"], max_results=1)
+    [parent] = client.search_runs(
+        [exp.experiment_id],
+        "tags.`gptforge.stage` = 'pipeline'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     assert parent.info.status == "FINISHED" and parent.data.metrics["stages_ran"] == 1
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert [c.data.tags["gptforge.stage"] for c in children] == ["prepare_classify"]
@@ -162,8 +192,12 @@ def test_failed_stage_fails_the_pipeline_naming_it(repo_copy, prefect_api, mlflo
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name("gptforge")
-    [parent] = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'",
-                                  order_by=["attributes.start_time DESC"], max_results=1)
+    [parent] = client.search_runs(
+        [exp.experiment_id],
+        "tags.`gptforge.stage` = 'pipeline'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     assert parent.data.tags["gptforge.pipeline.failed_stage"] == "prepare_classify"
     assert json.loads(json.dumps(parent.data.metrics))["stages_failed"] == 1
 
@@ -172,9 +206,14 @@ def test_failed_stage_fails_the_pipeline_naming_it(repo_copy, prefect_api, mlflo
 def test_offline_hub_source_fails_naming_stage_and_param(repo_copy, small_tokenizer, prefect_api, mlflow_uri):
     """A real run's config offline: the pipeline stops at the first remote source, one line
     naming the stage, the source and the param to set."""
-    set_params(repo_copy, **{"tokenizer.path": str(small_tokenizer),
-                             "data.pretrain.source": "hf://HuggingFaceFW/fineweb-edu",
-                             "data.pretrain.name": "sample-10BT"})
+    set_params(
+        repo_copy,
+        **{
+            "tokenizer.path": str(small_tokenizer),
+            "data.pretrain.source": "hf://HuggingFaceFW/fineweb-edu",
+            "data.pretrain.name": "sample-10BT",
+        },
+    )
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=mlflow_uri)
     out = run_cli(["pipeline", "prepare_pretrain"], repo_copy, env, timeout=300)
     assert out.returncode == 1
@@ -185,8 +224,9 @@ def test_offline_hub_source_fails_naming_stage_and_param(repo_copy, small_tokeni
 
 
 @pytest.mark.slow
-def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_summary(repo_copy, sms_file,
-                                                                                       mlflow_uri):
+def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_summary(
+    repo_copy, sms_file, mlflow_uri
+):
     """The pipeline journals its flow run: a configured Prefect server that is down holds the
     journals (delivered when it is back), and the pipeline does not wait for them at its end."""
     set_params(repo_copy, **{"data.classify.source": str(sms_file)})
@@ -196,8 +236,9 @@ def test_a_prefect_api_that_does_not_answer_delays_neither_the_pipeline_nor_its_
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"the Prefect API at {dead} does not answer: 1 stage journal(s) wait in" in out.stderr, out.stderr[-3000:]
     assert "has not delivered" not in out.stderr, out.stderr[-3000:]
-    waiting = sorted(p.name.split("-", 1)[1].rsplit("-", 1)[0]
-                     for p in (repo_copy / ".gptforge" / "records").glob("*.jsonl"))
+    waiting = sorted(
+        p.name.split("-", 1)[1].rsplit("-", 1)[0] for p in (repo_copy / ".gptforge" / "records").glob("*.jsonl")
+    )
     assert waiting == ["pipeline", "prepare_classify"], waiting  # kept until the server answers
 
 
@@ -205,12 +246,19 @@ def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_aft
     from gptforge.pipeline.summary import closing_summary
 
     (tmp_path / "metrics").mkdir()
-    for name, values in {"preference": {"val_reward_accuracy": 0.655},
-                         "reward": {"val_accuracy": 0.7037, "val_accuracy_before": 0.5},
-                         "rl": {"heldout_reward": 1.6107, "heldout_reward_before": 0.078, "token_f1_sft": 0.59,
-                                "token_f1_rl": 0.612, "distinct_share_sft": 0.95, "distinct_share_rl": 0.9},
-                         "register": {"rl.version": 2, "rl.champion": 1, "reward.version": 1, "reward.champion": 0}
-                         }.items():
+    for name, values in {
+        "preference": {"val_reward_accuracy": 0.655},
+        "reward": {"val_accuracy": 0.7037, "val_accuracy_before": 0.5},
+        "rl": {
+            "heldout_reward": 1.6107,
+            "heldout_reward_before": 0.078,
+            "token_f1_sft": 0.59,
+            "token_f1_rl": 0.612,
+            "distinct_share_sft": 0.95,
+            "distinct_share_rl": 0.9,
+        },
+        "register": {"rl.version": 2, "rl.champion": 1, "reward.version": 1, "reward.champion": 0},
+    }.items():
         (tmp_path / "metrics" / f"{name}.json").write_text(json.dumps(values))
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports" / "rl_responses.jsonl").write_text("{}\n")

@@ -9,16 +9,27 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from fixture_data import FakeRun
 
 from gptforge.config.load import load_config
 from gptforge.data import sources
 from gptforge.data.classify import prepare_classify
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.runtime.steps import Steps
-from fixture_data import FakeRun
 
-METRIC_KEYS = {"total_lines", "bad_lines", "train_ham", "train_spam", "val_ham", "val_spam", "test_ham",
-               "test_spam", "train", "val", "test"}
+METRIC_KEYS = {
+    "total_lines",
+    "bad_lines",
+    "train_ham",
+    "train_spam",
+    "val_ham",
+    "val_spam",
+    "test_ham",
+    "test_spam",
+    "train",
+    "val",
+    "test",
+}
 
 
 class RecordingSteps(Steps):
@@ -54,9 +65,13 @@ def cfg_for(source, *overrides: str):
 
 
 def run_prepare(tmp_path: Path, source, *overrides: str, **kwargs) -> dict:
-    return prepare_classify(cfg_for(source, *overrides), out_dir=tmp_path / "out",
-                            metrics_path=tmp_path / "metrics" / "prepare_classify.json", raw_dir=tmp_path / "raw",
-                            **kwargs)
+    return prepare_classify(
+        cfg_for(source, *overrides),
+        out_dir=tmp_path / "out",
+        metrics_path=tmp_path / "metrics" / "prepare_classify.json",
+        raw_dir=tmp_path / "raw",
+        **kwargs,
+    )
 
 
 def read_split(tmp_path: Path, name: str) -> list[dict]:
@@ -128,8 +143,11 @@ def test_no_balance_keeps_every_message_and_decodes_latin1_lines(tmp_path):
 
 def test_csv_and_jsonl_records(tmp_path):
     csv_file = tmp_path / "sms.csv"
-    csv_file.write_text("text,label\n" + "".join(f'"hello, {i}",ham\n' for i in range(8))
-                        + "".join(f"prize {i},spam\n" for i in range(4)))
+    csv_file.write_text(
+        "text,label\n"
+        + "".join(f'"hello, {i}",ham\n' for i in range(8))
+        + "".join(f"prize {i},spam\n" for i in range(4))
+    )
     metrics = run_prepare(tmp_path / "csv", csv_file)
     assert metrics["total_lines"] == 12 and metrics["train"] + metrics["val"] + metrics["test"] == 8
 
@@ -164,17 +182,21 @@ def test_few_malformed_lines_are_skipped_with_a_warning(tmp_path, caplog):
 
 def test_malformed_records_count_too(tmp_path):
     f = tmp_path / "sms.jsonl"
-    f.write_text('{"text": "a", "label": "ham"}\n{"text": "b", "label": "maybe"}\n{"label": 1}\n'
-                 '{"text": "c", "label": 1}\n')
+    f.write_text(
+        '{"text": "a", "label": "ham"}\n{"text": "b", "label": "maybe"}\n{"label": 1}\n{"text": "c", "label": 1}\n'
+    )
     with pytest.raises(BadInput, match=r"2 of 4 records malformed \(50.0%\) .*first bad record: 2"):
         run_prepare(tmp_path, f)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "no lines to read"),
-    (b"\n\n", "no lines to read"),
-    (b"ham\thello\nham\tthere\n", "needs both ham and spam examples, found only ham \\(2\\)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "no lines to read"),
+        (b"\n\n", "no lines to read"),
+        (b"ham\thello\nham\tthere\n", "needs both ham and spam examples, found only ham \\(2\\)"),
+    ],
+)
 def test_empty_or_single_class_corpus(tmp_path, content, message):
     f = tmp_path / "SMSSpamCollection"
     f.write_bytes(content)
@@ -184,8 +206,11 @@ def test_empty_or_single_class_corpus(tmp_path, content, message):
 
 def test_zip_without_the_collection(tmp_path):
     z = sms_zip(tmp_path / "other.zip", sms_bytes(), member="data.txt")
-    with pytest.raises(BadInput, match=r"data.classify.source .*other.zip: no SMSSpamCollection file in it "
-                                       r"\(found: data.txt, readme\)"):
+    with pytest.raises(
+        BadInput,
+        match=r"data.classify.source .*other.zip: no SMSSpamCollection file in it "
+        r"\(found: data.txt, readme\)",
+    ):
         run_prepare(tmp_path, z)
 
 
@@ -196,11 +221,14 @@ def test_corrupt_zip_source(tmp_path):
         run_prepare(tmp_path, z)
 
 
-@pytest.mark.parametrize("source, message", [
-    ("hf://ucirvine/sms_spam", "data.classify.source: hub datasets are not supported"),
-    ("{tmp}/missing.zip", "data.classify.source: local source not found"),
-    ("{tmp}/sms.xlsx", "unsupported file type '.xlsx'"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("hf://ucirvine/sms_spam", "data.classify.source: hub datasets are not supported"),
+        ("{tmp}/missing.zip", "data.classify.source: local source not found"),
+        ("{tmp}/sms.xlsx", "unsupported file type '.xlsx'"),
+    ],
+)
 def test_unusable_sources(tmp_path, source, message):
     (tmp_path / "sms.xlsx").write_bytes(b"PK")
     with pytest.raises(BadInput, match=message):
@@ -218,10 +246,15 @@ def test_url_source_downloads_into_raw_dir(tmp_path, monkeypatch):
         return Path(dest)
 
     monkeypatch.setattr(sources, "download_url", fake_download)
-    metrics = run_prepare(tmp_path, "https://archive.example/static/sms+spam+collection.zip",
-                          "data.download.timeout=9", "data.download.backoff=0.01")
-    assert calls == [("https://archive.example/static/sms+spam+collection.zip",
-                      tmp_path / "raw" / "sms+spam+collection.zip", 9.0)]
+    metrics = run_prepare(
+        tmp_path,
+        "https://archive.example/static/sms+spam+collection.zip",
+        "data.download.timeout=9",
+        "data.download.backoff=0.01",
+    )
+    assert calls == [
+        ("https://archive.example/static/sms+spam+collection.zip", tmp_path / "raw" / "sms+spam+collection.zip", 9.0)
+    ]
     assert metrics["total_lines"] == 50
 
 
@@ -230,6 +263,10 @@ def test_unreachable_url_fails_with_the_param_and_keeps_old_output(tmp_path):
     out.mkdir()
     (out / "train.jsonl").write_text("previous run\n")
     with pytest.raises(SourceUnreachable, match=r"\(after 2 attempts\); set data.classify.source to a local copy"):
-        run_prepare(tmp_path, f"https://127.0.0.1:{closed_port()}/sms.zip", "data.download.retries=1",
-                    "data.download.backoff=0.01")
+        run_prepare(
+            tmp_path,
+            f"https://127.0.0.1:{closed_port()}/sms.zip",
+            "data.download.retries=1",
+            "data.download.backoff=0.01",
+        )
     assert (out / "train.jsonl").read_text() == "previous run\n"

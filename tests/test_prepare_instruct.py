@@ -7,17 +7,19 @@ import logging
 from pathlib import Path
 
 import pytest
+from fixture_data import FakeRun
+from test_sources import https_to_loopback, server  # noqa: F401  (fixtures: a counting loopback server)
 
 from gptforge.config.load import load_config
 from gptforge.data.instruct import prepare_instruct
 from gptforge.errors import BadInput, SourceUnreachable
-from fixture_data import FakeRun
-from test_sources import https_to_loopback, server  # noqa: F401  (fixtures: a counting loopback server)
 
 
 def alpaca(n: int) -> list[dict]:
-    return [{"instruction": f"Do task {i}.", "input": f"x={i}" if i % 3 == 0 else "", "output": f"Done {i}."}
-            for i in range(n)]
+    return [
+        {"instruction": f"Do task {i}.", "input": f"x={i}" if i % 3 == 0 else "", "output": f"Done {i}."}
+        for i in range(n)
+    ]
 
 
 def write_json(path: Path, records) -> Path:
@@ -28,8 +30,9 @@ def write_json(path: Path, records) -> Path:
 def run_prepare(tmp_path: Path, source, *overrides: str, **kwargs) -> dict:
     cfg = load_config(None, [f"data.instruct.source={source}", *overrides])
     kwargs.setdefault("raw_dir", tmp_path / "raw")
-    return prepare_instruct(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "metrics" / "prepare_instruct.json",
-                            **kwargs)
+    return prepare_instruct(
+        cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "metrics" / "prepare_instruct.json", **kwargs
+    )
 
 
 def read_split(tmp_path: Path, name: str) -> list[dict]:
@@ -73,8 +76,9 @@ def test_invalid_and_empty_records_are_counted_and_skipped(tmp_path, caplog):
         {"instruction": "Null input.", "input": None, "output": "ok"},
     ]
     with caplog.at_level(logging.WARNING, logger="gptforge"):
-        metrics = run_prepare(tmp_path, write_json(tmp_path / "d.json", records),
-                              "data.instruct.splits=[0.5,0.25,0.25]")
+        metrics = run_prepare(
+            tmp_path, write_json(tmp_path / "d.json", records), "data.instruct.splits=[0.5,0.25,0.25]"
+        )
     assert metrics == {"records": 27, "invalid": 3, "dropped_empty": 2, "train": 11, "val": 5, "test": 6}
     assert "skipped 3 invalid records of 27 (first: record 21: no 'output')" in caplog.text
     out = {r["instruction"]: r for s in ("train", "val", "test") for r in read_split(tmp_path, s)}
@@ -103,11 +107,14 @@ def test_nothing_left_after_dropping_empty(tmp_path):
         run_prepare(tmp_path, write_json(tmp_path / "d.json", records))
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"instruction": "x", "output": "y"}', "expected a JSON list of records, got dict"),
-    ("[]", "no records"),
-    ("[{]", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"instruction": "x", "output": "y"}', "expected a JSON list of records, got dict"),
+        ("[]", "no records"),
+        ("[{]", "not valid JSON"),
+    ],
+)
 def test_bad_json_files(tmp_path, content, message):
     f = tmp_path / "d.json"
     f.write_text(content)
@@ -154,8 +161,11 @@ def test_hub_unreachable(tmp_path, monkeypatch):
         raise ConnectionError("Couldn't reach 'tatsu-lab/alpaca' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(SourceUnreachable, match=r"cannot load hf://tatsu-lab/alpaca .*Couldn't reach.*"
-                                                r"set data.instruct.source to a local copy"):
+    with pytest.raises(
+        SourceUnreachable,
+        match=r"cannot load hf://tatsu-lab/alpaca .*Couldn't reach.*"
+        r"set data.instruct.source to a local copy",
+    ):
         run_prepare(tmp_path, "hf://tatsu-lab/alpaca")
 
 
@@ -182,14 +192,26 @@ def test_url_source_goes_through_the_download_cache(tmp_path, server, https_to_l
 # synthetic://NAME: the pairs the synthesize stage kept
 
 
-SYNTHETIC = ["synthesize.documents={docs: manual}", "synthesize.endpoint.url=http://127.0.0.1:9/v1",
-             "synthesize.endpoint.model=m"]
+SYNTHETIC = [
+    "synthesize.documents={docs: manual}",
+    "synthesize.endpoint.url=http://127.0.0.1:9/v1",
+    "synthesize.endpoint.model=m",
+]
 
 
 def test_synthetic_source_reads_the_kept_pairs_and_keeps_their_provenance(tmp_path):
-    kept = [{"instruction": f"What is point {i}?", "input": "", "output": f"Point {i} is a fact.",
-             "source": "guide.md", "chunk": f"guide.md#{i // 3}", "span": [i * 10, i * 10 + 40],
-             "scores": {"grounding": 1.0}} for i in range(20)]
+    kept = [
+        {
+            "instruction": f"What is point {i}?",
+            "input": "",
+            "output": f"Point {i} is a fact.",
+            "source": "guide.md",
+            "chunk": f"guide.md#{i // 3}",
+            "span": [i * 10, i * 10 + 40],
+            "scores": {"grounding": 1.0},
+        }
+        for i in range(20)
+    ]
     folder = tmp_path / "synthetic" / "docs"
     folder.mkdir(parents=True)
     (folder / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
@@ -200,14 +222,20 @@ def test_synthetic_source_reads_the_kept_pairs_and_keeps_their_provenance(tmp_pa
 
 
 def test_synthetic_source_not_made_yet_names_the_command(tmp_path):
-    with pytest.raises(BadInput, match=r"synthetic://docs reads .*qa.jsonl, which does not exist: run "
-                                       r"`gptforge synthesize -S synthesize.only=docs`"):
+    with pytest.raises(
+        BadInput,
+        match=r"synthetic://docs reads .*qa.jsonl, which does not exist: run "
+        r"`gptforge synthesize -S synthesize.only=docs`",
+    ):
         run_prepare(tmp_path, "synthetic://docs", *SYNTHETIC, synthetic_root=tmp_path / "synthetic")
 
 
 def test_synthetic_source_must_name_a_documents_entry():
-    with pytest.raises(BadInput, match=r"data.instruct.source: synthetic://other names no entry of "
-                                       r"synthesize.documents \(entries: docs\)"):
+    with pytest.raises(
+        BadInput,
+        match=r"data.instruct.source: synthetic://other names no entry of "
+        r"synthesize.documents \(entries: docs\)",
+    ):
         load_config(None, ["data.instruct.source=synthetic://other", *SYNTHETIC])
 
 
@@ -215,6 +243,8 @@ def test_a_split_that_would_be_empty_is_refused_with_the_record_count(tmp_path):
     before = list((tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else []
     with pytest.raises(BadInput) as refused:
         run_prepare(tmp_path, write_json(tmp_path / "few.json", alpaca(12)))
-    assert str(refused.value) == ("data.instruct.splits: 12 records leave the val split (0.05) empty: give it a "
-                                  "larger share or the source more records")
+    assert str(refused.value) == (
+        "data.instruct.splits: 12 records leave the val split (0.05) empty: give it a "
+        "larger share or the source more records"
+    )
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").rglob("*")) == before

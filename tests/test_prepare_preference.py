@@ -7,19 +7,27 @@ import logging
 from pathlib import Path
 
 import pytest
+from fixture_data import FakeRun
 
 from gptforge.config.load import load_config
 from gptforge.data.preference import prepare_preference
 from gptforge.errors import BadInput
-from fixture_data import FakeRun
 
 FIELDS = ["instruction", "input", "chosen", "rejected"]
 SPLITS = ("train", "val", "test")
 
 
 def ch7(n: int, start: int = 0) -> list[dict]:
-    return [{"instruction": f"Rewrite sentence {i}.", "input": f"s{i}" if i % 2 else "", "output": f"Out {i}.",
-             "chosen": f"Polite {i}.", "rejected": f"Rude {i}."} for i in range(start, start + n)]
+    return [
+        {
+            "instruction": f"Rewrite sentence {i}.",
+            "input": f"s{i}" if i % 2 else "",
+            "output": f"Out {i}.",
+            "chosen": f"Polite {i}.",
+            "rejected": f"Rude {i}.",
+        }
+        for i in range(start, start + n)
+    ]
 
 
 def hf(n: int, start: int = 0) -> list[dict]:
@@ -27,12 +35,20 @@ def hf(n: int, start: int = 0) -> list[dict]:
     rows = []
     for i in range(start, start + n):
         prompt = f"Question {i}?"
-        rows.append({"prompt": prompt, "prompt_id": f"id{i}", "score_chosen": 8.0, "score_rejected": 3.0,
-                     "chosen": [{"role": "user", "content": prompt + " "},
-                                {"role": "assistant", "content": f"Good answer {i}."}],
-                     "rejected": [{"role": "user", "content": prompt},
-                                  {"role": "assistant", "content": f"Bad answer {i}."}],
-                     "messages": [{"role": "user", "content": prompt}]})
+        rows.append(
+            {
+                "prompt": prompt,
+                "prompt_id": f"id{i}",
+                "score_chosen": 8.0,
+                "score_rejected": 3.0,
+                "chosen": [
+                    {"role": "user", "content": prompt + " "},
+                    {"role": "assistant", "content": f"Good answer {i}."},
+                ],
+                "rejected": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"Bad answer {i}."}],
+                "messages": [{"role": "user", "content": prompt}],
+            }
+        )
     return rows
 
 
@@ -52,8 +68,9 @@ def metrics_file(tmp_path: Path) -> Path:
 
 def run_prepare(tmp_path: Path, source, *overrides: str, **kwargs) -> dict:
     cfg = load_config(None, [f"data.preference.source={source}", *overrides])
-    return prepare_preference(cfg, out_dir=tmp_path / "out", metrics_path=metrics_file(tmp_path),
-                              raw_dir=tmp_path / "raw", **kwargs)
+    return prepare_preference(
+        cfg, out_dir=tmp_path / "out", metrics_path=metrics_file(tmp_path), raw_dir=tmp_path / "raw", **kwargs
+    )
 
 
 def read_split(tmp_path: Path, name: str) -> list[dict]:
@@ -70,7 +87,11 @@ def test_embedded_sample(tmp_path, caplog):
         metrics = run_prepare(tmp_path, "sample://instruction-data-with-preference.json.gz", run=run)
 
     assert {k: metrics[k] for k in ("records", "invalid", "identical", "dropped_empty")} == {
-        "records": 1100, "invalid": 0, "identical": 6, "dropped_empty": 0}
+        "records": 1100,
+        "invalid": 0,
+        "identical": 6,
+        "dropped_empty": 0,
+    }
     assert metrics["train"] + metrics["val"] + metrics["test"] == 1094
     assert (metrics["train"], metrics["val"]) == (int(1094 * 0.85), int(1094 * 0.10))
     assert list(metrics) == ["records", "invalid", "identical", "dropped_empty", "train", "val", "test"]
@@ -79,8 +100,10 @@ def test_embedded_sample(tmp_path, caplog):
     out = read_all(tmp_path)
     assert len(out) == 1094 and all(list(r) == FIELDS for r in out)
     assert all(all(isinstance(v, str) for v in r.values()) and r["chosen"] != r["rejected"] for r in out)
-    assert ("dropped 6 records with identical chosen and rejected of 1100 "
-            "(first: record 123: chosen and rejected are identical)") in caplog.text
+    assert (
+        "dropped 6 records with identical chosen and rejected of 1100 "
+        "(first: record 123: chosen and rejected are identical)"
+    ) in caplog.text
 
 
 def test_hf_jsonl_with_message_lists_and_string_prompts(tmp_path):
@@ -89,12 +112,23 @@ def test_hf_jsonl_with_message_lists_and_string_prompts(tmp_path):
     rows[4]["prompt"] = [{"role": "user", "content": "Prompt as messages?"}]
     metrics = run_prepare(tmp_path, write_jsonl(tmp_path / "prefs.jsonl", rows))
 
-    assert metrics == {"records": 20, "invalid": 0, "identical": 0, "dropped_empty": 0,
-                       "train": 17, "val": 2, "test": 1}
+    assert metrics == {
+        "records": 20,
+        "invalid": 0,
+        "identical": 0,
+        "dropped_empty": 0,
+        "train": 17,
+        "val": 2,
+        "test": 1,
+    }
     out = {r["instruction"]: r for r in read_all(tmp_path)}
     assert all(list(r) == FIELDS for r in out.values())
-    assert out["Question 0?"] == {"instruction": "Question 0?", "input": "", "chosen": "Good answer 0.",
-                                  "rejected": "Bad answer 0."}
+    assert out["Question 0?"] == {
+        "instruction": "Question 0?",
+        "input": "",
+        "chosen": "Good answer 0.",
+        "rejected": "Bad answer 0.",
+    }
     assert out["Question 3?"]["chosen"] == "Plain good." and out["Question 3?"]["rejected"] == "Plain bad."
     assert out["Prompt as messages?"]["chosen"] == "Good answer 4."
 
@@ -107,12 +141,20 @@ def test_json_mixing_both_formats(tmp_path):
 
     assert metrics["records"] == 20 and metrics["train"] + metrics["val"] + metrics["test"] == 20
     out = {r["instruction"]: r for r in read_all(tmp_path)}
-    assert out["Rewrite sentence 0."] == {"instruction": "Rewrite sentence 0.", "input": "", "chosen": "Polite 0.",
-                                          "rejected": "Rude 0."}
+    assert out["Rewrite sentence 0."] == {
+        "instruction": "Rewrite sentence 0.",
+        "input": "",
+        "chosen": "Polite 0.",
+        "rejected": "Rude 0.",
+    }
     assert out["Rewrite sentence 1."]["input"] == ""
     assert out["Rewrite sentence 3."]["input"] == "s3"
-    assert out["Question 5?"] == {"instruction": "Question 5?", "input": "", "chosen": "Good answer 5.",
-                                  "rejected": "Bad answer 5."}
+    assert out["Question 5?"] == {
+        "instruction": "Question 5?",
+        "input": "",
+        "chosen": "Good answer 5.",
+        "rejected": "Bad answer 5.",
+    }
 
 
 def test_seeded_splits(tmp_path):
@@ -123,7 +165,8 @@ def test_seeded_splits(tmp_path):
     assert read_split(tmp_path / "a", "train") == read_split(tmp_path / "b", "train")
     assert read_split(tmp_path / "a", "train") != read_split(tmp_path / "c", "train")
     assert read_split(tmp_path / "a", "train") != [
-        {k: r.get(k) or "" for k in FIELDS} for r in ch7(60)[:51]]  # shuffled
+        {k: r.get(k) or "" for k in FIELDS} for r in ch7(60)[:51]
+    ]  # shuffled
 
 
 def test_too_many_bad_records_writes_nothing(tmp_path):
@@ -136,8 +179,10 @@ def test_too_many_bad_records_writes_nothing(tmp_path):
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith("data.preference.source ") and "bad.json" in msg
-    assert ("3 of 6 records are unusable (1 invalid, 2 with identical chosen and rejected; "
-            "first: record 2: no 'rejected'); at most data.preference.max_bad_fraction=0.01 may be") in msg
+    assert (
+        "3 of 6 records are unusable (1 invalid, 2 with identical chosen and rejected; "
+        "first: record 2: no 'rejected'); at most data.preference.max_bad_fraction=0.01 may be"
+    ) in msg
     assert not (tmp_path / "out").exists()
     assert not metrics_file(tmp_path).exists()
 
@@ -166,30 +211,64 @@ def test_bad_records_below_the_limit_are_dropped_and_counted(tmp_path, caplog):
         {"instruction": "Same.", "chosen": "a", "rejected": "a "},
     ]
     with caplog.at_level(logging.WARNING, logger="gptforge"):
-        metrics = run_prepare(tmp_path, write_json(tmp_path / "d.json", records),
-                              "data.preference.max_bad_fraction=0.3", "data.preference.splits=[0.5,0.25,0.25]")
-    assert metrics == {"records": 27, "invalid": 4, "identical": 1, "dropped_empty": 2,
-                       "train": 10, "val": 5, "test": 5}
+        metrics = run_prepare(
+            tmp_path,
+            write_json(tmp_path / "d.json", records),
+            "data.preference.max_bad_fraction=0.3",
+            "data.preference.splits=[0.5,0.25,0.25]",
+        )
+    assert metrics == {
+        "records": 27,
+        "invalid": 4,
+        "identical": 1,
+        "dropped_empty": 2,
+        "train": 10,
+        "val": 5,
+        "test": 5,
+    }
     assert "dropped 4 invalid records of 27 (first: record 21: a list, expected an object)" in caplog.text
     assert "dropped 1 record with identical chosen and rejected of 27 (first: record 27" in caplog.text
-    assert ("dropped 2 records with a blank instruction, chosen or rejected of 27 "
-            "(first: record 25: blank 'instruction')") in caplog.text
+    assert (
+        "dropped 2 records with a blank instruction, chosen or rejected of 27 (first: record 25: blank 'instruction')"
+    ) in caplog.text
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                 {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]},
-     "chosen is a 4-message conversation; one user turn and one assistant turn are supported"),
-    ({"rejected": [{"role": "user", "content": "q"}, {"role": "user", "content": "a"}]},
-     "rejected is a conversation of user then user; one user turn and one assistant turn are supported"),
-    ({"chosen": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                 {"role": "assistant", "content": "a"}]},
-     "chosen is a 3-message conversation; one user turn and one assistant turn are supported"),
-    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ["a"]}]},
-     "chosen assistant content is list, expected a string"),
-    ({"rejected": 5}, "'rejected' is int, expected a string or a list of messages"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (
+            {
+                "chosen": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": "a2"},
+                ]
+            },
+            "chosen is a 4-message conversation; one user turn and one assistant turn are supported",
+        ),
+        (
+            {"rejected": [{"role": "user", "content": "q"}, {"role": "user", "content": "a"}]},
+            "rejected is a conversation of user then user; one user turn and one assistant turn are supported",
+        ),
+        (
+            {
+                "chosen": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
+            "chosen is a 3-message conversation; one user turn and one assistant turn are supported",
+        ),
+        (
+            {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ["a"]}]},
+            "chosen assistant content is list, expected a string",
+        ),
+        ({"rejected": 5}, "'rejected' is int, expected a string or a list of messages"),
+    ],
+)
 def test_unsupported_conversations_are_invalid(tmp_path, change, reason):
     records = hf(4)
     records[2].update(change)

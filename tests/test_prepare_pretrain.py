@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import snapshot
+from fixture_data import write_tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gptforge.data.pretrain as P
-from cli_support import snapshot
-from fixture_data import write_tiktoken
 from gptforge import samples
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
@@ -36,7 +36,9 @@ def read_tokens(out: Path, split: str | None = None) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Cutting big documents never changes the ids
 
-TEXT_ALPHABET = st.sampled_from(list("the and of is ing  \n\n\r\n\t.,!?'s'll 0123 éü中文 \u00a0\u3000xyzTHE") + ["'re", " the"])
+TEXT_ALPHABET = st.sampled_from(
+    list("the and of is ing  \n\n\r\n\t.,!?'s'll 0123 éü中文 \u00a0\u3000xyzTHE") + ["'re", " the"]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -84,8 +86,13 @@ def test_fineweb_edu_sample_gives_tiktokens_gpt2_ids(tmp_path, gpt2_tokenizer_di
     `sample://` as one gzip-compressed .txt document, cut into many pieces."""
     monkeypatch.setattr(P, "PIECE_CHARS", 40_000)  # force many cuts and several work items
     monkeypatch.setattr(P, "READ_CHARS", 100_000)
-    cfg = config("sample://fineweb_edu_sample.txt.gz", gpt2_tokenizer_dir, val_tokens=30_000, shard_tokens=100_000,
-                 workers=workers)
+    cfg = config(
+        "sample://fineweb_edu_sample.txt.gz",
+        gpt2_tokenizer_dir,
+        val_tokens=30_000,
+        shard_tokens=100_000,
+        workers=workers,
+    )
     out = tmp_path / "data/pretrain"
     metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
     ids = read_tokens(out)
@@ -100,7 +107,8 @@ def test_fineweb_edu_sample_gives_tiktokens_gpt2_ids(tmp_path, gpt2_tokenizer_di
         pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
         mergeable_ranks=data_gym_to_mergeable_bpe_ranks(
             vocab_bpe_file=str(gpt2_tokenizer_dir / "vocab.bpe"),
-            encoder_json_file=str(gpt2_tokenizer_dir / "encoder.json")),
+            encoder_json_file=str(gpt2_tokenizer_dir / "encoder.json"),
+        ),
         special_tokens={"<|endoftext|>": 50256},
     )
     with gzip.open(samples.resolve("sample://fineweb_edu_sample.txt.gz"), "rt", encoding="utf-8") as f:
@@ -206,13 +214,13 @@ def test_empty_corpus(tmp_path, small_tokenizer, previous_output):
 
 def test_no_training_tokens_left(tmp_path, small_tokenizer, previous_output):
     (tmp_path / "tiny.txt").write_text("the cat")
-    assert_fails(config(tmp_path / "tiny.txt", small_tokenizer, val_tokens=1000), previous_output,
-                 "no training tokens")
+    assert_fails(config(tmp_path / "tiny.txt", small_tokenizer, val_tokens=1000), previous_output, "no training tokens")
 
 
 def test_missing_local_file(tmp_path, small_tokenizer, previous_output):
-    assert_fails(config(tmp_path / "nope.txt", small_tokenizer), previous_output,
-                 r"data.pretrain.source: local source not found")
+    assert_fails(
+        config(tmp_path / "nope.txt", small_tokenizer), previous_output, r"data.pretrain.source: local source not found"
+    )
 
 
 def test_jsonl_without_text_field(tmp_path, small_tokenizer, previous_output):
@@ -260,9 +268,18 @@ def tricky_documents() -> list[str]:
         lines = f.read().split("\n")
     docs = ["\n".join(lines[i : i + 1 + i % 9]) for i in range(0, 600, 7)]  # real English, non-ASCII too
     docs[3:3] = [
-        "", " ", "\n\n", "  leading and trailing spaces  ", "tab\tand\r\nCRLF\r\n",
-        "a document that holds <|endoftext|> as plain text", "<|endoftext|>", "<|endoftext", "|>tail",
-        "lone surrogate \ud800 from a JSON escape", "emoji \U0001F600 and 中文 text", "x" * 5000,
+        "",
+        " ",
+        "\n\n",
+        "  leading and trailing spaces  ",
+        "tab\tand\r\nCRLF\r\n",
+        "a document that holds <|endoftext|> as plain text",
+        "<|endoftext|>",
+        "<|endoftext",
+        "|>tail",
+        "lone surrogate \ud800 from a JSON escape",
+        "emoji \U0001f600 and 中文 text",
+        "x" * 5000,
         "words " * 3000 + "end",  # one long document, cut into several work items
     ]
     return docs
@@ -294,8 +311,12 @@ def test_jsonl_shards_equal_the_plain_reference(tmp_path, gpt2_tokenizer_dir, mo
     assert json.loads((out / "manifest.json").read_text())["truncated_at_max_tokens"]
 
 
-ITEM_TEXT = st.lists(st.sampled_from(["the", " the", "<|endoftext|>", "<|", "endoftext", "|>", " ", "\n", "é", "s",
-                                      "\ud800", "'ll", "12"]), max_size=12).map("".join)
+ITEM_TEXT = st.lists(
+    st.sampled_from(
+        ["the", " the", "<|endoftext|>", "<|", "endoftext", "|>", " ", "\n", "é", "s", "\ud800", "'ll", "12"]
+    ),
+    max_size=12,
+).map("".join)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -321,20 +342,25 @@ def old_jsonl_reader(path: Path, text_field: str = "text") -> list[str]:
 @pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
 def test_jsonl_reader_splits_lines_as_text_mode_does(tmp_path, monkeypatch, block):
     monkeypatch.setattr(P, "READ_BYTES", block)
-    raw = ('{"text": "a"}\r\n\r\n{"text": "b\\r\\nc"}\r{"text": "é"}\n \t\n\u3000\n'
-           '{"text": "\\ud83d\\ude00 \\ud800", "n": 12345678901234567890123}\n{"text": "x", "text": "last"}\r\n'
-           '{"text": "no newline at the end"}')
+    raw = (
+        '{"text": "a"}\r\n\r\n{"text": "b\\r\\nc"}\r{"text": "é"}\n \t\n\u3000\n'
+        '{"text": "\\ud83d\\ude00 \\ud800", "n": 12345678901234567890123}\n{"text": "x", "text": "last"}\r\n'
+        '{"text": "no newline at the end"}'
+    )
     path = tmp_path / "d.jsonl"
     path.write_bytes(raw.encode("utf-8"))
     assert list(P._jsonl_texts(path, "text")) == old_jsonl_reader(path)
 
 
-@pytest.mark.parametrize("content, line, message", [
-    (b'{"text": "a"}\r\n{"text": "b",}\n', 2, "Expecting property name enclosed in double quotes"),
-    (b'{"text": "a"}\r{"text": "b"}\r{"text": }\r', 3, "Expecting value"),
-    (b'\xef\xbb\xbf{"text": "a"}\n', 1, "Unexpected UTF-8 BOM (decode using utf-8-sig)"),
-    (b'{"text": "a"}\n\n{"text": "a"} x\n', 3, "Extra data"),
-])
+@pytest.mark.parametrize(
+    "content, line, message",
+    [
+        (b'{"text": "a"}\r\n{"text": "b",}\n', 2, "Expecting property name enclosed in double quotes"),
+        (b'{"text": "a"}\r{"text": "b"}\r{"text": }\r', 3, "Expecting value"),
+        (b'\xef\xbb\xbf{"text": "a"}\n', 1, "Unexpected UTF-8 BOM (decode using utf-8-sig)"),
+        (b'{"text": "a"}\n\n{"text": "a"} x\n', 3, "Extra data"),
+    ],
+)
 def test_jsonl_errors_keep_their_messages(tmp_path, small_tokenizer, content, line, message):
     path = tmp_path / "d.jsonl"
     path.write_bytes(content)

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import yaml
-
 from cli_support import REPO
+
 from gptforge.config.load import load_config
 from gptforge.finetune.answer_quality import normalize
 from gptforge.rag import evaluate_qa as E
@@ -59,8 +59,12 @@ def test_the_index_of_docs_finds_the_named_page(tmp_path):
 
     cfg = load_config(None, [])
     enc = load_tokenizer(resolve("sample://gpt2_tokenizer"))
-    chunks = chunk_documents(read_documents(DOCS, param="docs"), count_tokens=lambda t: len(enc.encode_ordinary(t)),
-                             chunk_tokens=cfg.synthesize.chunk_tokens, overlap=cfg.synthesize.chunk_overlap)
+    chunks = chunk_documents(
+        read_documents(DOCS, param="docs"),
+        count_tokens=lambda t: len(enc.encode_ordinary(t)),
+        chunk_tokens=cfg.synthesize.chunk_tokens,
+        overlap=cfg.synthesize.chunk_overlap,
+    )
     index = build(chunks, tmp_path / "index", name="gptforge-docs", chunks_sha256="-")
     recs = records()
     E.rank_sources(recs, index, cfg.index.top_k, param="evaluate_qa.questions.gptforge-docs", path=QUESTIONS)

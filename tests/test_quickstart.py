@@ -43,8 +43,13 @@ def test_expected_configs_are_shipped():
 def test_build_nanogpt_numbers():
     c = load_config(REPO / "configs" / "gpt2-124m-fineweb.yaml")
     p = c.pretrain
-    assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size, c.model.vocab_size) == \
-        (12, 12, 768, 1024, 50304)
+    assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size, c.model.vocab_size) == (
+        12,
+        12,
+        768,
+        1024,
+        50304,
+    )
     assert (p.batch_tokens, p.batch_size, p.nproc_per_node, p.max_steps, p.warmup_steps) == (524288, 64, 8, 19073, 715)
     assert (p.lr, p.min_lr, p.weight_decay, p.grad_clip, p.seed) == (6e-4, 6e-5, 0.1, 1.0, 1337)
     assert p.precision == "bf16" and p.compile is True and c.model.attention == "sdpa"
@@ -59,11 +64,19 @@ def test_qwen_7b_config_is_full_fine_tuning_on_8_gpus_with_fsdp_and_the_plan_say
     c = load_config(path)
     i = c.instruct
     assert c.base.models[Path(i.init_from).name] == "Qwen/Qwen2.5-7B-Instruct"
-    assert (i.method, i.strategy, i.nproc_per_node, i.precision, c.world_size("instruct")) == \
-        ("full", "fsdp", 8, "bf16", 8)
+    assert (i.method, i.strategy, i.nproc_per_node, i.precision, c.world_size("instruct")) == (
+        "full",
+        "fsdp",
+        8,
+        "bf16",
+        8,
+    )
     assert main(["plan", "--params", str(path)]) == 0
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split()[:1] in (["ddp"], ["zero1"], ["fsdp"])}
+    rows = {
+        line.split()[0]: line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.split()[:1] in (["ddp"], ["zero1"], ["fsdp"])
+    }
     assert rows["fsdp"][-1] == "yes" and rows["ddp"][-1] == rows["zero1"][-1] == "no"
 
 
@@ -71,8 +84,14 @@ def test_quickstart_reads_only_embedded_samples():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     cfg = load_config(REPO / "params.yaml")
     folder = str(samples.FOLDER)
-    for value in (cfg.tokenizer.path, cfg.data.pretrain.source, cfg.data.classify.source, cfg.data.instruct.source,
-                  cfg.evaluate.hellaswag.source, cfg.evaluate.mmlu.source):
+    for value in (
+        cfg.tokenizer.path,
+        cfg.data.pretrain.source,
+        cfg.data.classify.source,
+        cfg.data.instruct.source,
+        cfg.evaluate.hellaswag.source,
+        cfg.evaluate.mmlu.source,
+    ):
         assert value.startswith(folder) and Path(value).exists()
     assert params["data"]["pretrain"]["source"].startswith("sample://")
 
@@ -111,8 +130,9 @@ def test_quickstart_context_holds_the_instruction_records():
     enc = load_tokenizer(cfg.tokenizer.path)
     records = read_records(cfg.data.instruct.source, param="data.instruct.source")
     assert len(records) == 1100
-    fits = sum(len(enc.encode_ordinary("".join(render(r, cfg.instruct.template)))) + 1 <= cfg.model.block_size
-               for r in records)
+    fits = sum(
+        len(enc.encode_ordinary("".join(render(r, cfg.instruct.template)))) + 1 <= cfg.model.block_size for r in records
+    )
     assert fits / len(records) >= 0.9
 
 
@@ -210,4 +230,4 @@ def test_prepare_base_fetches_a_local_hf_folder(tmp_path):
     assert json.loads((tmp_path / "metrics/tiny.json").read_text())["parameters"] > 0
     shutil.rmtree(tmp_path / "src")
     with pytest.raises(BadInput, match="no entry 'other'"):
-        prepare_base(load_config(None, [f"base.models={{tiny: x}}", "base.only=other"]), out_root=tmp_path / "o")
+        prepare_base(load_config(None, ["base.models={tiny: x}", "base.only=other"]), out_root=tmp_path / "o")

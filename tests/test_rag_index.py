@@ -17,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from cli_support import REPO, cli_env, error_lines, run_cli
+
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 from gptforge.rag import index as I
@@ -27,14 +27,20 @@ from gptforge.rag.terms import terms
 from gptforge.synthesize.chunks import Chunk, chunk_documents, write_chunks
 from gptforge.synthesize.documents import read_documents
 
-
 # a document set needs its endpoint named (the synthesize stage's); the index never calls it
 ENDPOINT = ["synthesize.endpoint.url=http://127.0.0.1:9/v1", "synthesize.endpoint.model=m"]
 
 
 def chunk(i: int, text: str, source: str = "doc.md", headings=()) -> Chunk:
-    return Chunk(id=f"{source}#{i}", source=source, headings=tuple(headings), start=0, end=len(text), text=text,
-                 tokens=len(text.split()))
+    return Chunk(
+        id=f"{source}#{i}",
+        source=source,
+        headings=tuple(headings),
+        start=0,
+        end=len(text),
+        text=text,
+        tokens=len(text.split()),
+    )
 
 
 def manual_chunks(tmp_path: Path) -> list[Chunk]:
@@ -47,8 +53,12 @@ def manual_chunks(tmp_path: Path) -> list[Chunk]:
         (folder / page).write_text((REPO / "docs" / page).read_text(encoding="utf-8"), encoding="utf-8")
     enc = load_tokenizer(resolve("sample://gpt2_tokenizer"))
     cfg = load_config(None)
-    return chunk_documents(read_documents(folder, param="docs"), count_tokens=lambda t: len(enc.encode_ordinary(t)),
-                           chunk_tokens=cfg.synthesize.chunk_tokens, overlap=cfg.synthesize.chunk_overlap)
+    return chunk_documents(
+        read_documents(folder, param="docs"),
+        count_tokens=lambda t: len(enc.encode_ordinary(t)),
+        chunk_tokens=cfg.synthesize.chunk_tokens,
+        overlap=cfg.synthesize.chunk_overlap,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,9 +73,13 @@ def test_terms_are_words_and_cjk_bigrams():
 
 
 def test_bm25_scores_are_the_formula_in_float64(tmp_path):
-    texts = ["the nile is the longest river in africa", "the amazon river carries the most water",
-             "rivers flow into the sea and the sea is salt", "a cat sat on the mat near the river bank",
-             "deserts receive little rain"]
+    texts = [
+        "the nile is the longest river in africa",
+        "the amazon river carries the most water",
+        "rivers flow into the sea and the sea is salt",
+        "a cat sat on the mat near the river bank",
+        "deserts receive little rain",
+    ]
     chunks = [chunk(i, t) for i, t in enumerate(texts)]
     idx = I.build(chunks, tmp_path / "i", name="t", chunks_sha256="x", k1=1.2, b=0.75)
     docs = [Counter(terms(t)) for t in texts]  # headings are empty: the indexed text is the chunk's
@@ -86,7 +100,7 @@ def test_bm25_scores_are_the_formula_in_float64(tmp_path):
         expected = sorted(((score(query, d), i) for i, d in enumerate(docs)), key=lambda x: (-x[0], x[1]))
         expected = [(i, s) for s, i in expected if s > 0]
         got = [(int(h.chunk.id.split("#")[1]), h.score) for h in idx.search(query, 5)]
-        assert [i for i, _ in got] == [i for i, _ in expected][:len(got)] and len(got) == len(expected)
+        assert [i for i, _ in got] == [i for i, _ in expected][: len(got)] and len(got) == len(expected)
         for (_, s_got), (_, s_exp) in zip(got, expected):
             assert s_got == pytest.approx(s_exp, rel=1e-5)
     assert idx.search("zebra quantum", 5) == []  # no term in the index: no hits
@@ -110,7 +124,11 @@ def test_recall_at_5_on_questions_from_the_chunks_own_sentences(tmp_path):
 
 
 def test_chinese_text_is_found_by_its_bigrams(tmp_path):
-    texts = ["长江是中国最长的河流，全长约六千三百公里。", "黄河被称为中华民族的母亲河。", "珠穆朗玛峰是世界最高的山峰。"]
+    texts = [
+        "长江是中国最长的河流，全长约六千三百公里。",
+        "黄河被称为中华民族的母亲河。",
+        "珠穆朗玛峰是世界最高的山峰。",
+    ]
     idx = I.build([chunk(i, t, "zh.md") for i, t in enumerate(texts)], tmp_path / "i", name="zh", chunks_sha256="x")
     assert idx.search("中国最长的河流是哪条？", 1)[0].chunk.text == texts[0]
     assert idx.search("世界最高的山", 1)[0].chunk.text == texts[2]
@@ -124,14 +142,21 @@ def test_chinese_text_is_found_by_its_bigrams(tmp_path):
 def encoder_folder(tmp_path_factory) -> Path:
     """A tiny random BERT with the GPT-2 tokenizer (vocabulary 50257): an encoder folder offline."""
     import torch
-    from transformers import BertConfig, BertModel
-
     from hf_models import make_tokenizer
+    from transformers import BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("encoder")
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=50257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(str(folder))
+    BertModel(
+        BertConfig(
+            vocab_size=50257,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(str(folder))
     make_tokenizer(folder, chat_template=None)
     return folder
 
@@ -141,13 +166,21 @@ def test_dense_embeddings_are_the_masked_mean_and_hybrid_is_rank_fusion(tmp_path
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    texts = ["the nile is the longest river", "deserts receive little rain", "the sea is salt water",
-             "mountains are cold at the top", "a river runs to the sea"]
+    texts = [
+        "the nile is the longest river",
+        "deserts receive little rain",
+        "the sea is salt water",
+        "mountains are cold at the top",
+        "a river runs to the sea",
+    ]
     chunks = [chunk(i, t) for i, t in enumerate(texts)]
     idx = I.build(chunks, tmp_path / "i", name="t", chunks_sha256="x", embedding_model=str(encoder_folder))
     assert idx.method == "hybrid" and idx.manifest["methods"] == ["bm25", "dense"]
     stored = np.load(tmp_path / "i" / "embeddings.npy")
-    model, tok = AutoModel.from_pretrained(str(encoder_folder)).eval(), AutoTokenizer.from_pretrained(str(encoder_folder))
+    model, tok = (
+        AutoModel.from_pretrained(str(encoder_folder)).eval(),
+        AutoTokenizer.from_pretrained(str(encoder_folder)),
+    )
     for i, t in enumerate(texts):  # one text at a time: no padding, the plain mean
         with torch.no_grad():
             h = model(**tok(t, return_tensors="pt")).last_hidden_state[0].double().mean(0)
@@ -179,27 +212,46 @@ def synthetic_set(root: Path, name: str, chunks: list[Chunk], pairs: list[dict])
 def test_the_stage_writes_the_index_and_its_retrieval_metrics(tmp_path, monkeypatch):
     from gptforge.rag.stage import index as index_stage
 
-    texts = {0: "The Nile flows north through Egypt.", 1: "The Amazon carries more water than any river.",
-             2: "Lake Baikal is the deepest lake on Earth."}
+    texts = {
+        0: "The Nile flows north through Egypt.",
+        1: "The Amazon carries more water than any river.",
+        2: "Lake Baikal is the deepest lake on Earth.",
+    }
     chunks = [chunk(i, t, "rivers.md", ("Rivers",)) for i, t in texts.items()]
-    pairs = [{"instruction": "Which way does the Nile flow?", "input": "", "output": "North.", "chunk": "rivers.md#0"},
-             {"instruction": "Which river carries the most water?", "input": "", "output": "The Amazon.",
-              "chunk": "rivers.md#1"},
-             {"instruction": "What is the deepest lake?", "input": "", "output": "Baikal.", "chunk": "rivers.md#2"}]
+    pairs = [
+        {"instruction": "Which way does the Nile flow?", "input": "", "output": "North.", "chunk": "rivers.md#0"},
+        {
+            "instruction": "Which river carries the most water?",
+            "input": "",
+            "output": "The Amazon.",
+            "chunk": "rivers.md#1",
+        },
+        {"instruction": "What is the deepest lake?", "input": "", "output": "Baikal.", "chunk": "rivers.md#2"},
+    ]
     monkeypatch.chdir(tmp_path)
     synthetic_set(tmp_path, "rivers", chunks, pairs)
     (tmp_path / "data" / "instruct").mkdir(parents=True)
     (tmp_path / "data" / "instruct" / "test.jsonl").write_text(json.dumps(pairs[2]) + "\n")
-    cfg = load_config(None, ["synthesize.documents={rivers: docs}", "synthesize.only=rivers", *ENDPOINT,
-                             "data.instruct.source=synthetic://rivers"])
+    cfg = load_config(
+        None,
+        [
+            "synthesize.documents={rivers: docs}",
+            "synthesize.only=rivers",
+            *ENDPOINT,
+            "data.instruct.source=synthetic://rivers",
+        ],
+    )
     metrics = index_stage(cfg)
     written = json.loads((tmp_path / "metrics" / "index_rivers.json").read_text())
     assert written == metrics
     assert metrics["chunks"] == 3 and metrics["questions"] == 3
     assert metrics["recall_at_1"] == metrics["mrr"] == 1.0
     assert metrics["heldout_questions"] == 1 and metrics["heldout_recall_at_1"] == 1.0
-    idx = I.Index.load(tmp_path / "data" / "index" / "rivers", name="rivers",
-                       chunks_sha256=I.file_sha256(tmp_path / "data/synthetic/rivers/chunks.jsonl"))
+    idx = I.Index.load(
+        tmp_path / "data" / "index" / "rivers",
+        name="rivers",
+        chunks_sha256=I.file_sha256(tmp_path / "data/synthetic/rivers/chunks.jsonl"),
+    )
     assert [c.text for c in idx.chunks] == list(texts.values())
 
 
@@ -219,17 +271,28 @@ def test_an_index_of_another_set_or_version_or_chunks_or_a_missing_one_is_one_li
             load()
         assert "\n" not in str(e.value)
     with pytest.raises(BadInput, match="not in the local Hugging Face cache") as e:
-        I.build([chunk(0, "x y z")], tmp_path / "d", name="d", chunks_sha256="x",
-                embedding_model="nobody/no-such-encoder")
+        I.build(
+            [chunk(0, "x y z")], tmp_path / "d", name="d", chunks_sha256="x", embedding_model="nobody/no-such-encoder"
+        )
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()  # nothing half-written
 
 
 @pytest.mark.slow
 def test_cli_index_without_synthesized_chunks_is_one_line_exit_2(tmp_path):
     env = cli_env(GPTFORGE_PREFECT="0")
-    r = run_cli(["index", "-S", "synthesize.documents={rivers: docs}", "-S", "tracking.enabled=false",
-                 *[a for kv in ENDPOINT for a in ("-S", kv)]],
-                cwd=tmp_path, env=env, timeout=120)
+    r = run_cli(
+        [
+            "index",
+            "-S",
+            "synthesize.documents={rivers: docs}",
+            "-S",
+            "tracking.enabled=false",
+            *[a for kv in ENDPOINT for a in ("-S", kv)],
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert error_lines(r.stderr) == r.stderr.strip().splitlines()[-1:]
     assert "data/synthetic/rivers/chunks.jsonl not found: run `gptforge synthesize" in r.stderr
@@ -241,8 +304,13 @@ def test_prepare_base_fetches_an_encoder_that_the_index_embeds_with(tmp_path, en
     got = fetch(str(encoder_folder), tmp_path / "checkpoints" / "base" / "enc", param="base.models.enc")
     assert got["encoder"] == 1 and got["has_tokenizer"] == 1
     texts = ["the nile is a river", "deserts are dry", "the sea is salt"]
-    idx = I.build([chunk(i, t) for i, t in enumerate(texts)], tmp_path / "i", name="t", chunks_sha256="x",
-                  embedding_model=str(tmp_path / "checkpoints" / "base" / "enc"))
+    idx = I.build(
+        [chunk(i, t) for i, t in enumerate(texts)],
+        tmp_path / "i",
+        name="t",
+        chunks_sha256="x",
+        embedding_model=str(tmp_path / "checkpoints" / "base" / "enc"),
+    )
     assert idx.method == "hybrid" and idx.search("a river", 1)[0].chunk.text == texts[0]
 
 

@@ -23,9 +23,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from cli_support import REPO, cli_env
 from process_support import prefect_home
+
 from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Journal, process_start
 
 T0 = 1_700_000_000.0  # the records' times: fixed, so the runs' times can be checked exactly
@@ -38,21 +38,46 @@ MS = 1000
 
 def copy_mlflow(uri: str, folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(uri[len("sqlite:///"):], folder / "mlflow.db")
+    shutil.copy(uri[len("sqlite:///") :], folder / "mlflow.db")
     return f"sqlite:///{(folder / 'mlflow.db').resolve()}"
 
 
-def open_journal(work: Path, key: str, *, prefect_url: str | None, mlflow_uri: str | None, stage: str = "prepare_classify",
-                 parent_flow_run_id: str | None = None, pid: int | None = None, t: float = T0) -> Journal:
+def open_journal(
+    work: Path,
+    key: str,
+    *,
+    prefect_url: str | None,
+    mlflow_uri: str | None,
+    stage: str = "prepare_classify",
+    parent_flow_run_id: str | None = None,
+    pid: int | None = None,
+    t: float = T0,
+) -> Journal:
     j = Journal(work / RECORDS_DIR, key)
     pid = os.getpid() if pid is None else pid
-    j.write("open", time=t, stage=stage, flow_name=stage.replace("_", "-"), summary=f"stage {stage}",
-            parameters={"params": "params.yaml", "overrides": ["a=1"]}, pid=pid, pid_start=process_start(pid),
-            cwd=str(work),
-            prefect={"enabled": prefect_url is not False, "api_url": prefect_url or None,
-                     "parent_flow_run_id": parent_flow_run_id},
-            mlflow={"enabled": mlflow_uri is not None, "uri": mlflow_uri, "experiment": "gptforge",
-                    "artifact_location": None, "parent_run_id": None})
+    j.write(
+        "open",
+        time=t,
+        stage=stage,
+        flow_name=stage.replace("_", "-"),
+        summary=f"stage {stage}",
+        parameters={"params": "params.yaml", "overrides": ["a=1"]},
+        pid=pid,
+        pid_start=process_start(pid),
+        cwd=str(work),
+        prefect={
+            "enabled": prefect_url is not False,
+            "api_url": prefect_url or None,
+            "parent_flow_run_id": parent_flow_run_id,
+        },
+        mlflow={
+            "enabled": mlflow_uri is not None,
+            "uri": mlflow_uri,
+            "experiment": "gptforge",
+            "artifact_location": None,
+            "parent_run_id": None,
+        },
+    )
     return j
 
 
@@ -68,8 +93,14 @@ def write_stage(j: Journal, work: Path, t: float = T0, close: bool = True) -> No
     j.write("step_retry", time=t + 3, step="1", attempt=1, delay=1.0, message="HTTP 503: try again")
     j.write("step_end", time=t + 5, step="1", state="COMPLETED", message=None)
     for step in (0, 1, 2):
-        j.write("metrics", time=t + 6 + step, run="main", metrics={"loss": 3.0 - step, "acc": 0.5 + step / 10},
-                step=step, timestamp=int((t + 6 + step) * MS))
+        j.write(
+            "metrics",
+            time=t + 6 + step,
+            run="main",
+            metrics={"loss": 3.0 - step, "acc": 0.5 + step / 10},
+            step=step,
+            timestamp=int((t + 6 + step) * MS),
+        )
     j.write("run_start", time=t + 9, run="child", name="eval", parent="main", tags={"kind": "child"})
     j.write("metrics", time=t + 9.5, run="child", metrics={"score": 0.75}, step=None, timestamp=int((t + 9.5) * MS))
     j.write("run_end", time=t + 10, run="child", status="FINISHED")
@@ -80,8 +111,13 @@ def write_stage(j: Journal, work: Path, t: float = T0, close: bool = True) -> No
     j.write("step_start", time=t + 12, step="2", name="write-split")
     j.write("step_end", time=t + 13, step="2", state="FAILED", message="ValueError: bad split")
     j.write("log", time=t + 13.5, step=None, level="WARNING", logger="gptforge", message="flow-level line")
-    j.write("artifact_md", time=t + 14, key="prepare-classify-metrics", markdown="### metrics\n\n| a | 1 |",
-            description="prepare_classify metrics")
+    j.write(
+        "artifact_md",
+        time=t + 14,
+        key="prepare-classify-metrics",
+        markdown="### metrics\n\n| a | 1 |",
+        description="prepare_classify metrics",
+    )
     if close:
         j.write("run_end", time=t + 15, run="main", status="FINISHED")
         j.write("close", time=t + 16, state="COMPLETED", message="done", exit_code=0)
@@ -98,8 +134,14 @@ def recorder_env(work: Path, **extra: str) -> dict[str, str]:
 
 def start_recorder(work: Path, log: Path, **env: str) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "flows.recorder"], cwd=work, env=recorder_env(work, **env),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.recorder"],
+            cwd=work,
+            env=recorder_env(work, **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def recorder_log(work: Path) -> str:
@@ -156,8 +198,9 @@ def task_runs(client, flow_run_id) -> dict:
 
 
 def dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     return int(proc.stdout)
 
 
@@ -176,8 +219,14 @@ def delivered_folder(tmp_path_factory, prefect_api, mlflow_uri):
         parent = client.create_flow_run(Flow(lambda: None, name="pipeline"), state=Running())
     stage = open_journal(work, "20240101T000000-prepare_classify-aaaa", prefect_url=prefect_api, mlflow_uri=uri)
     write_stage(stage, work)
-    sub = open_journal(work, "20240101T000001-pretrain-bbbb", prefect_url=prefect_api, mlflow_uri=uri, stage="pretrain",
-                       parent_flow_run_id=str(parent.id))
+    sub = open_journal(
+        work,
+        "20240101T000001-pretrain-bbbb",
+        prefect_url=prefect_api,
+        mlflow_uri=uri,
+        stage="pretrain",
+        parent_flow_run_id=str(parent.id),
+    )
     sub.write("run_start", time=T0 + 1, run="main", name="pretrain", parent=None, tags={})
     sub.write("params", time=T0 + 1.1, run="main", params={"lr": "0.1", "seed": "1"})
     sub.write("params", time=T0 + 1.2, run="main", params={"lr": "0.2", "steps": "9"})  # lr again: refused
@@ -186,8 +235,9 @@ def delivered_folder(tmp_path_factory, prefect_api, mlflow_uri):
     sub.write("run_end", time=T0 + 2, run="main", status="FINISHED")
     sub.write("close", time=T0 + 3, state="FAILED", message="StageFailed: no data", exit_code=1)
     sub.close()
-    gone = open_journal(work, "20240101T000002-finetune-cccc", prefect_url=prefect_api, mlflow_uri=uri, stage="finetune",
-                        pid=dead_pid())
+    gone = open_journal(
+        work, "20240101T000002-finetune-cccc", prefect_url=prefect_api, mlflow_uri=uri, stage="finetune", pid=dead_pid()
+    )
     gone.write("run_start", time=T0 + 1, run="main", name="finetune", parent=None, tags={})
     gone.write("metrics", time=T0 + 2, run="main", metrics={"loss": 1.5}, step=4, timestamp=int((T0 + 2) * MS))
     gone.write("step_start", time=T0 + 3, step="train", name="train")
@@ -206,9 +256,18 @@ def delivered_folder(tmp_path_factory, prefect_api, mlflow_uri):
         proc.wait(timeout=60)  # idle after 3 s with nothing pending
     finally:
         stop(proc)
-    yield {"work": work, "uri": uri, "api": prefect_api, "stage": stage.key, "sub": sub.key, "gone": gone.key,
-           "parent": parent.id, "proc": proc, "took": took,
-           "began": began_at}
+    yield {
+        "work": work,
+        "uri": uri,
+        "api": prefect_api,
+        "stage": stage.key,
+        "sub": sub.key,
+        "gone": gone.key,
+        "parent": parent.id,
+        "proc": proc,
+        "took": took,
+        "began": began_at,
+    }
 
 
 @pytest.mark.slow
@@ -222,7 +281,8 @@ def test_the_stage_run_is_in_mlflow_as_the_journal_says(delivered_folder):
     assert run.data.tags["gptforge.stage"] == "x" and run.data.tags["result"] == "good"
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value, m.timestamp) for m in history) == [
-        (s, 3.0 - s, int((T0 + 6 + s) * MS)) for s in (0, 1, 2)]
+        (s, 3.0 - s, int((T0 + 6 + s) * MS)) for s in (0, 1, 2)
+    ]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "acc")] == [0, 1, 2]
     # the artifact as it was when logged (the journal's copy), not as it is now
     folder = Path(client.download_artifacts(run.info.run_id, "reports", str(f["work"] / "download")))
@@ -262,10 +322,12 @@ def test_the_stage_flow_run_is_in_prefect_as_the_journal_says(delivered_folder):
         lines = {(entry.message, entry.task_run_id, entry.level) for entry in logs}
         assert ("downloading the source", tasks["1"].id, 20) in lines and ("flow-level line", None, 30) in lines
         assert [entry.timestamp.timestamp() for entry in logs] == pytest.approx([T0 + 2.5, T0 + 13.5])
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
         assert [(a.key, a.type, a.data, a.description) for a in artifacts] == [
-            ("prepare-classify-metrics", "markdown", "### metrics\n\n| a | 1 |", "prepare_classify metrics")]
+            ("prepare-classify-metrics", "markdown", "### metrics\n\n| a | 1 |", "prepare_classify metrics")
+        ]
 
 
 @pytest.mark.slow
@@ -314,7 +376,8 @@ def test_delivered_journals_leave_the_records_folder_and_the_recorder_exits_when
     records = f["work"] / RECORDS_DIR
     assert sorted(p.name for p in records.iterdir()) == ["delivered"]  # no .files/, no .state.json
     assert sorted(p.name for p in (records / "delivered").iterdir()) == sorted(
-        f"{k}.jsonl" for k in (f["stage"], f["sub"], f["gone"]))
+        f"{k}.jsonl" for k in (f["stage"], f["sub"], f["gone"])
+    )
     assert f["proc"].returncode == 0
     assert not (f["work"] / RECORDER_DIR / "state.json").exists()
     text = recorder_log(f["work"])

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_recorder import T0, copy_mlflow, delivered, mlflow_run, open_journal, recorder_log, wait_for
 
 from gptforge.runtime import recorder_launch
 from gptforge.runtime.journal import RECORDER_DIR
 from gptforge.runtime.recording import ensure_recorder
-from test_recorder import T0, copy_mlflow, delivered, mlflow_run, open_journal, recorder_log, wait_for
 
 
 @pytest.fixture
@@ -62,8 +62,9 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_one_host_forks_each_folder_s_recorder_with_the_asking_stage_s_environment(tmp_path, own_cache, mlflow_uri,
-                                                                                     monkeypatch):
+def test_one_host_forks_each_folder_s_recorder_with_the_asking_stage_s_environment(
+    tmp_path, own_cache, mlflow_uri, monkeypatch
+):
     monkeypatch.setenv("GPTFORGE_RECORDER_IDLE_SECONDS", "3")
     first, second = tmp_path / "a", tmp_path / "b"
     uri = copy_mlflow(mlflow_uri, tmp_path / "db")
@@ -152,8 +153,9 @@ def test_the_host_key_follows_the_recorder_code(tmp_path, own_cache, monkeypatch
         folder.mkdir()
         (folder / "__init__.py").write_text("")
     (flows / "recorder.py").write_text("A = 1\n")
-    specs = {name: importlib.machinery.ModuleSpec(name, None, is_package=True)
-             for name in ("flows", "gptforge.runtime")}
+    specs = {
+        name: importlib.machinery.ModuleSpec(name, None, is_package=True) for name in ("flows", "gptforge.runtime")
+    }
     specs["flows"].submodule_search_locations = [str(flows)]
     specs["gptforge.runtime"].submodule_search_locations = [str(runtime)]
     monkeypatch.setattr(recorder_launch.importlib.util, "find_spec", lambda name: specs[name])

@@ -22,12 +22,25 @@ import time
 import uuid
 
 import pytest
-
 from process_support import free_port
-from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Journal, process_start
-from test_recorder import (MS, T0, copy_mlflow, delivered, mlflow_run, open_journal, prefect_client, recorder_env,
-                           recorder_log, start_recorder, stop, task_runs, wait_for, write_stage)
+from test_recorder import (
+    MS,
+    T0,
+    copy_mlflow,
+    delivered,
+    mlflow_run,
+    open_journal,
+    prefect_client,
+    recorder_env,
+    recorder_log,
+    start_recorder,
+    stop,
+    task_runs,
+    wait_for,
+    write_stage,
+)
 
+from gptforge.runtime.journal import RECORDER_DIR, RECORDS_DIR, Journal, process_start
 
 # --------------------------------------------------------------------------------------------
 # kills, a second recorder, an unreachable server
@@ -40,20 +53,36 @@ def test_a_recorder_killed_mid_journal_and_started_again_loses_nothing(tmp_path,
     j = open_journal(work, "20240101T000000-pretrain-dddd", prefect_url=prefect_api, mlflow_uri=uri, stage="pretrain")
     j.write("run_start", time=T0 + 1, run="main", name="pretrain", parent=None, tags={})
     for step in range(5):
-        j.write("metrics", time=T0 + 2 + step, run="main", metrics={"loss": 10.0 - step}, step=step,
-                timestamp=int((T0 + 2 + step) * MS))
+        j.write(
+            "metrics",
+            time=T0 + 2 + step,
+            run="main",
+            metrics={"loss": 10.0 - step},
+            step=step,
+            timestamp=int((T0 + 2 + step) * MS),
+        )
     state = work / RECORDS_DIR / f"{j.key}.state.json"
     log = tmp_path / "recorder.out"
     first = start_recorder(work, log, GPTFORGE_RECORDER_IDLE_SECONDS="60")
     try:
-        wait_for(lambda: state.exists() and json.loads(state.read_text())["offset"] == j.path.stat().st_size,
-                 "through the first records", work, first)
+        wait_for(
+            lambda: state.exists() and json.loads(state.read_text())["offset"] == j.path.stat().st_size,
+            "through the first records",
+            work,
+            first,
+        )
         lock_holder = json.loads((work / RECORDER_DIR / "state.json").read_text())["pid"]
         assert lock_holder == first.pid
         # a second recorder in the same folder: exits at once, quietly, the first one untouched
         began = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "flows.recorder"], cwd=work, env=recorder_env(work),
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "flows.recorder"],
+            cwd=work,
+            env=recorder_env(work),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         print(f"\na second recorder exited after {time.monotonic() - began:.1f} s")
         assert (second.returncode, second.stdout, second.stderr) == (0, "", "")
         assert first.poll() is None
@@ -63,13 +92,25 @@ def test_a_recorder_killed_mid_journal_and_started_again_loses_nothing(tmp_path,
     finally:
         stop(first)
     for step in range(5, 10):
-        j.write("metrics", time=T0 + 2 + step, run="main", metrics={"loss": 10.0 - step}, step=step,
-                timestamp=int((T0 + 2 + step) * MS))
+        j.write(
+            "metrics",
+            time=T0 + 2 + step,
+            run="main",
+            metrics={"loss": 10.0 - step},
+            step=step,
+            timestamp=int((T0 + 2 + step) * MS),
+        )
     # the transformers flavor, through MlflowRun.log_hf_model with the run made active for it
     from hf_models import make_tiny_causal_lm
 
-    j.write("hf_model", time=T0 + 19, run="main", folder=str(make_tiny_causal_lm(tmp_path / "llama")),
-            name="model", flavor_kwargs={})
+    j.write(
+        "hf_model",
+        time=T0 + 19,
+        run="main",
+        folder=str(make_tiny_causal_lm(tmp_path / "llama")),
+        name="model",
+        flavor_kwargs={},
+    )
     j.write("run_end", time=T0 + 20, run="main", status="FINISHED")
     j.write("close", time=T0 + 21, state="COMPLETED", message=None, exit_code=0)
     j.close()
@@ -84,7 +125,8 @@ def test_a_recorder_killed_mid_journal_and_started_again_loses_nothing(tmp_path,
     assert client.get_logged_model(model.model_id).name == "model"
     assert "not logged as a transformers model" not in recorder_log(work)
     assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == [
-        (s, 10.0 - s) for s in range(10)]
+        (s, 10.0 - s) for s in range(10)
+    ]
     with prefect_client(prefect_api) as pc:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -134,11 +176,13 @@ def test_an_unreachable_prefect_api_holds_its_journal_only_until_it_answers(tmp_
     work = tmp_path / "work"
     uri = copy_mlflow(mlflow_uri, tmp_path / "db")
     away = Forwarder()
-    held = open_journal(work, "20240101T000000-prepare_classify-eeee", prefect_url=f"http://127.0.0.1:{away.port}/api",
-                        mlflow_uri=uri)
+    held = open_journal(
+        work, "20240101T000000-prepare_classify-eeee", prefect_url=f"http://127.0.0.1:{away.port}/api", mlflow_uri=uri
+    )
     write_stage(held, work)
-    other = open_journal(work, "20240101T000001-prepare_instruct-ffff", prefect_url=False, mlflow_uri=uri,
-                         stage="prepare_instruct")
+    other = open_journal(
+        work, "20240101T000001-prepare_instruct-ffff", prefect_url=False, mlflow_uri=uri, stage="prepare_instruct"
+    )
     other.write("run_start", time=T0 + 1, run="main", name="prepare_instruct", parent=None, tags={})
     other.write("run_end", time=T0 + 2, run="main", status="FINISHED")
     other.write("close", time=T0 + 3, state="COMPLETED", message=None, exit_code=0)
@@ -146,8 +190,12 @@ def test_an_unreachable_prefect_api_holds_its_journal_only_until_it_answers(tmp_
     proc = start_recorder(work, tmp_path / "recorder.out")
     try:
         wait_for(lambda: delivered(work, other.key), "delivered the journal without Prefect", work, proc)
-        wait_for(lambda: recorder_log(work).count(f"journal {held.key}: unreachable") >= 2,
-                 "retried the held journal", work, proc)
+        wait_for(
+            lambda: recorder_log(work).count(f"journal {held.key}: unreachable") >= 2,
+            "retried the held journal",
+            work,
+            proc,
+        )
         assert not delivered(work, held.key)
         state = json.loads((work / RECORDS_DIR / f"{held.key}.state.json").read_text())
         assert (state["offset"], state["done"], state.get("flow_run_id")) == (0, 0, None)
@@ -168,8 +216,9 @@ def test_an_unreachable_prefect_api_holds_its_journal_only_until_it_answers(tmp_
 def test_its_own_prefect_server_on_demand_and_gone_with_it(tmp_path):
     work = tmp_path / "work"
     (work / RECORDER_DIR).mkdir(parents=True)
-    (work / RECORDER_DIR / "want-prefect").write_text(json.dumps({"pid": os.getpid(),
-                                                                  "pid_start": process_start(os.getpid())}))
+    (work / RECORDER_DIR / "want-prefect").write_text(
+        json.dumps({"pid": os.getpid(), "pid_start": process_start(os.getpid())})
+    )
     j = open_journal(work, "20240101T000000-prepare_classify-gggg", prefect_url=None, mlflow_uri=None)
     j.write("step_start", time=T0 + 1, step="1", name="download-source")
     j.write("step_end", time=T0 + 2, step="1", state="COMPLETED", message=None)
@@ -178,8 +227,13 @@ def test_its_own_prefect_server_on_demand_and_gone_with_it(tmp_path):
     proc = start_recorder(work, tmp_path / "recorder.out", GPTFORGE_RECORDER_IDLE_SECONDS="1")
     state_file = work / RECORDER_DIR / "state.json"
     try:
-        wait_for(lambda: state_file.exists() and json.loads(state_file.read_text())["prefect_api_url"],
-                 "the server's URL in state.json", work, proc, within=180)
+        wait_for(
+            lambda: state_file.exists() and json.loads(state_file.read_text())["prefect_api_url"],
+            "the server's URL in state.json",
+            work,
+            proc,
+            within=180,
+        )
         url = json.loads(state_file.read_text())["prefect_api_url"]
         wait_for(lambda: delivered(work, j.key), "delivered to its own server", work, proc)
         with prefect_client(url) as client:

@@ -48,9 +48,15 @@ def kinds(records):
 
 
 def recorded(**overrides):
-    options = dict(stage="prepare_classify", flow_name="prepare-classify", summary="a stage",
-                   parameters={"params": "params.yaml", "overrides": ["a.b=1"]}, prefect=True, mlflow=True,
-                   experiment="gptforge")
+    options = dict(
+        stage="prepare_classify",
+        flow_name="prepare-classify",
+        summary="a stage",
+        parameters={"params": "params.yaml", "overrides": ["a.b=1"]},
+        prefect=True,
+        mlflow=True,
+        experiment="gptforge",
+    )
     return recording.recorded(**{**options, **overrides})
 
 
@@ -66,26 +72,45 @@ def test_a_stage_run_is_journaled_in_order(folder):
         return 7
 
     with recorded() as steps:
-        with tracking.start_run(enabled=True, experiment="gptforge", stage="prepare_classify",
-                                params={"data.x": 1, "hf_token": "secret"}) as run:
+        with tracking.start_run(
+            enabled=True, experiment="gptforge", stage="prepare_classify", params={"data.x": 1, "hf_token": "secret"}
+        ) as run:
             assert isinstance(run, recording.JournalRun) and run.run_id is None
             assert steps(flaky, retry=Retry(2, 0.01)) == 7
             run.log_metrics({"loss": 1.5, "skip": float("nan"), "flag": True}, step=3)
             run.log_artifact(artifact)
-            with tracking.start_run(enabled=True, experiment="gptforge", stage="evaluate:m",
-                                    params=None, tags={"gptforge.model": "m"}) as child:
+            with tracking.start_run(
+                enabled=True, experiment="gptforge", stage="evaluate:m", params=None, tags={"gptforge.model": "m"}
+            ) as child:
                 child.log_metrics({"acc": 0.5})
             recording.log.warning("a line for the flow run's logs")
     artifact.write_text("changed after it was logged")
 
     records = records_of(folder)
-    assert kinds(records) == ["open", "run_start", "params", "step_start", "log", "step_retry", "step_end",
-                              "metrics", "artifact", "run_start", "metrics", "run_end", "log", "run_end", "close"]
+    assert kinds(records) == [
+        "open",
+        "run_start",
+        "params",
+        "step_start",
+        "log",
+        "step_retry",
+        "step_end",
+        "metrics",
+        "artifact",
+        "run_start",
+        "metrics",
+        "run_end",
+        "log",
+        "run_end",
+        "close",
+    ]
     opened = records[0]
     assert opened["stage"] == "prepare_classify" and opened["pid"] == os.getpid()
     assert opened["parameters"] == {"params": "params.yaml", "overrides": ["a.b=1"]}
     assert opened["prefect"] == {"enabled": True, "api_url": None, "parent_flow_run_id": None, "parent_journal": None}
-    assert opened["mlflow"]["uri"] == f"sqlite:///{folder.resolve()}/mlflow.db"  # absolute: the recorder's cwd may differ
+    assert (
+        opened["mlflow"]["uri"] == f"sqlite:///{folder.resolve()}/mlflow.db"
+    )  # absolute: the recorder's cwd may differ
     assert opened["mlflow"]["artifact_location"] == (folder.resolve() / "mlartifacts").as_uri()
     main_start, params = records[1], records[2]
     assert main_start["run"] == "main" and main_start["parent"] is None
@@ -94,7 +119,9 @@ def test_a_stage_run_is_journaled_in_order(folder):
     step_start, retry, step_end = records[3], records[5], records[6]
     assert step_start["name"] == "flaky" and retry["step"] == step_start["step"] and retry["attempt"] == 1
     assert "ConnectionError: reset" in retry["message"] and step_end["state"] == "COMPLETED"
-    assert records[4]["step"] == step_start["step"] and "retry 1/2" in records[4]["message"]  # the warning, inside its task run
+    assert (
+        records[4]["step"] == step_start["step"] and "retry 1/2" in records[4]["message"]
+    )  # the warning, inside its task run
     assert records[7]["metrics"] == {"loss": 1.5} and records[7]["step"] == 3
     files = next((folder / ".gptforge" / "records").glob("*.files"))
     assert (files / records[8]["path"]).read_text() == "first version"  # as it was when logged
@@ -106,11 +133,14 @@ def test_a_stage_run_is_journaled_in_order(folder):
     assert recording.runs_journal() is None and recording.JOURNAL_ENV not in os.environ
 
 
-@pytest.mark.parametrize("error, state, status, code", [
-    (BadInput("no such file"), "FAILED", "FAILED", 2),
-    (RuntimeError("boom"), "FAILED", "FAILED", 1),
-    (Terminated(signal.SIGTERM), "CRASHED", "KILLED", 128 + signal.SIGTERM),
-])
+@pytest.mark.parametrize(
+    "error, state, status, code",
+    [
+        (BadInput("no such file"), "FAILED", "FAILED", 2),
+        (RuntimeError("boom"), "FAILED", "FAILED", 1),
+        (Terminated(signal.SIGTERM), "CRASHED", "KILLED", 128 + signal.SIGTERM),
+    ],
+)
 def test_how_a_run_ends_is_in_its_last_records(folder, error, state, status, code):
     def step():
         raise error
@@ -153,8 +183,12 @@ def test_records_carry_the_pipelines_runs_to_nest_under(folder, monkeypatch):
         pass
     opened = records_of(folder)[0]
     assert opened["mlflow"]["parent_run_id"] == "abc123"
-    assert opened["prefect"] == {"enabled": True, "api_url": "http://127.0.0.1:1/api", "parent_flow_run_id": "flow-run-1",
-                                 "parent_journal": None}
+    assert opened["prefect"] == {
+        "enabled": True,
+        "api_url": "http://127.0.0.1:1/api",
+        "parent_flow_run_id": "flow-run-1",
+        "parent_journal": None,
+    }
 
 
 def test_a_cut_last_line_is_not_a_record(tmp_path):
@@ -173,10 +207,12 @@ def test_a_cut_last_line_is_not_a_record(tmp_path):
 
 def test_a_writer_killed_mid_run_loses_nothing_it_wrote(tmp_path):
     # The records are in the file when `write` returns: SIGKILL right after the 500th loses none.
-    code = ("import os, signal; from gptforge.runtime.journal import Journal\n"
-            f"j = Journal({str(tmp_path)!r}, 'k')\n"
-            "for i in range(500): j.write('metrics', run='main', metrics={'i': i}, step=i)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import os, signal; from gptforge.runtime.journal import Journal\n"
+        f"j = Journal({str(tmp_path)!r}, 'k')\n"
+        "for i in range(500): j.write('metrics', run='main', metrics={'i': i}, step=i)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True)
     assert done.returncode == -signal.SIGKILL
     records, _ = read_records(tmp_path / "k.jsonl")

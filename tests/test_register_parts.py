@@ -14,6 +14,7 @@ import uuid
 
 import pandas as pd
 import pytest
+import test_finetune_classify as ftc
 import torch
 
 from gptforge.errors import BadInput
@@ -21,7 +22,6 @@ from gptforge.finetune import classifier as clf
 from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.register import gate, lineage
 from gptforge.runtime.tracking import start_run
-import test_finetune_classify as ftc
 
 base = ftc.base  # the small random GPT checkpoint of test_finetune_classify (a fixture), reused here
 
@@ -32,7 +32,7 @@ TEXTS = ["WINNER!! Claim your free prize now, call 09061701461", "see you at lun
 def store(mlflow_uri, tmp_path_factory):
     """A private copy of the session's migrated MLflow database, and a fresh experiment name."""
     db = tmp_path_factory.mktemp("register-store") / "mlflow.db"
-    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     return f"sqlite:///{db}"
 
 
@@ -62,8 +62,9 @@ def classifier_folder(base, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_pyfunc_predicts_in_a_fresh_process_what_classify_texts_does(classifier_folder, small_tokenizer, tracked,
-                                                                     store, tmp_path):
+def test_pyfunc_predicts_in_a_fresh_process_what_classify_texts_does(
+    classifier_folder, small_tokenizer, tracked, store, tmp_path
+):
     import mlflow
 
     from gptforge.register.pyfunc import log_classifier
@@ -79,12 +80,20 @@ def test_pyfunc_predicts_in_a_fresh_process_what_classify_texts_does(classifier_
     want = clf.classify_texts(clf.load_classifier(classifier_folder), TEXTS, enc, "cpu")
     want_spam = [p if i == 1 else 1 - p for i, p in want]
 
-    code = ("import json, sys, mlflow, pandas as pd; m = mlflow.pyfunc.load_model(sys.argv[1]); "
-            "out = m.predict(pd.DataFrame({'text': json.loads(sys.argv[2])})); "
-            "print(json.dumps(out.to_dict('list')))")
+    code = (
+        "import json, sys, mlflow, pandas as pd; m = mlflow.pyfunc.load_model(sys.argv[1]); "
+        "out = m.predict(pd.DataFrame({'text': json.loads(sys.argv[2])})); "
+        "print(json.dumps(out.to_dict('list')))"
+    )
     env = {**os.environ, "MLFLOW_TRACKING_URI": store, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code, f"runs:/{run.run_id}/model", json.dumps(TEXTS)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, f"runs:/{run.run_id}/model", json.dumps(TEXTS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["label"] == [["ham", "spam"][i] for i, _ in want]
@@ -114,8 +123,17 @@ def metrics_dir(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("text, op, number", [(">= 0.95", ">=", 0.95), (">0.3", ">", 0.3), ("<= 2.5", "<=", 2.5),
-                                              ("< 1", "<", 1.0), ("==1", "==", 1.0), (" >= -1e-3 ", ">=", -0.001)])
+@pytest.mark.parametrize(
+    "text, op, number",
+    [
+        (">= 0.95", ">=", 0.95),
+        (">0.3", ">", 0.3),
+        ("<= 2.5", "<=", 2.5),
+        ("< 1", "<", 1.0),
+        ("==1", "==", 1.0),
+        (" >= -1e-3 ", ">=", -0.001),
+    ],
+)
 def test_parse_condition(text, op, number):
     assert gate.parse_condition(text) == (op, number)
 
@@ -128,9 +146,19 @@ def test_parse_condition_refuses_anything_else_in_one_line(text):
     assert "registry.promote.classifier.classify.test_accuracy" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("condition, passed", [(">= 0.96334", True), ("> 0.96334", False), ("<= 0.96334", True),
-                                               ("< 0.96334", False), ("== 0.96334", True), ("== 0.9633", False),
-                                               (">= 0.97", False), ("< 1", True)])
+@pytest.mark.parametrize(
+    "condition, passed",
+    [
+        (">= 0.96334", True),
+        ("> 0.96334", False),
+        ("<= 0.96334", True),
+        ("< 0.96334", False),
+        ("== 0.96334", True),
+        ("== 0.9633", False),
+        (">= 0.97", False),
+        ("< 1", True),
+    ],
+)
 def test_each_operator_at_its_boundary(metrics_dir, condition, passed):
     result = gate.check("classifier", {"classify.test_accuracy": condition}, metrics_dir)
     assert result.passed is passed
@@ -151,8 +179,9 @@ def test_the_longest_prefix_names_the_file(metrics_dir):
 
 def test_missing_file_or_key_fails_the_gate_with_a_reason(tmp_path, metrics_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)  # metrics_dir's default "metrics" is tmp_path/metrics
-    result = gate.check("m", {"evaluate.instruct.hellaswag.acc": ">= 0.3", "nothing.here": "> 0",
-                              "classify.test_accuracy": ">= 0.95"})
+    result = gate.check(
+        "m", {"evaluate.instruct.hellaswag.acc": ">= 0.3", "nothing.here": "> 0", "classify.test_accuracy": ">= 0.95"}
+    )
     assert not result.passed
     assert result.reasons[0] == "metrics/evaluate.json has no instruct.hellaswag.acc"
     assert result.reasons[1].startswith("no metrics file for nothing.here")
@@ -263,8 +292,13 @@ def test_training_run_is_the_newest_finished_run_of_the_stage(tracked, store, mo
 def test_version_tags_and_description():
     lock = {"outs": {"checkpoints/classify": "4444.dir"}, "deps": {"data/classify": "2222.dir"}}
     run = ("abc123", {"git.commit": "c0ffee", "prefect.flow_run_id": "flow-2", "other": "x"})
-    tags = lineage.version_tags(stage="finetune_classify", weights_hash="f" * 64, lock=lock, run=run,
-                                metrics={"classify.test_accuracy": 0.1 + 0.2, "classify.steps": 40})
+    tags = lineage.version_tags(
+        stage="finetune_classify",
+        weights_hash="f" * 64,
+        lock=lock,
+        run=run,
+        metrics={"classify.test_accuracy": 0.1 + 0.2, "classify.steps": 40},
+    )
     assert tags == {
         "gptforge.weights_hash": "f" * 64,
         "git.commit": "c0ffee",
@@ -281,4 +315,5 @@ def test_version_tags_and_description():
     assert lineage.version_tags(stage="s") == {"dvc.stage": "s"}  # absent values left out
     assert lineage.description("finetune_classify", "c0ffee") == (
         "Made by DVC stage `finetune_classify` at git commit `c0ffee`. Reproduce: "
-        "`git checkout c0ffee && dvc repro finetune_classify` (the data and weights hashes are in the tags).")
+        "`git checkout c0ffee && dvc repro finetune_classify` (the data and weights hashes are in the tags)."
+    )

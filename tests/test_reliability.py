@@ -23,29 +23,47 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from cli_support import BIN, cli_env, error_lines, run_cli, set_params, snapshot, stage_params
 from process_support import Paused, processes_in, records_delivered, started
+from safetensors.torch import load_file
+
 from gptforge.runtime import locks
-LONG_PRETRAIN = {"pretrain.max_steps": 300, "pretrain.ckpt_interval": 100, "pretrain.log_interval": 100,
-                 "pretrain.eval_interval": 500, "pretrain.keep_last": 3, "model.dropout": 0.1, "tracking.enabled": False}
+
+LONG_PRETRAIN = {
+    "pretrain.max_steps": 300,
+    "pretrain.ckpt_interval": 100,
+    "pretrain.log_interval": 100,
+    "pretrain.eval_interval": 500,
+    "pretrain.keep_last": 3,
+    "model.dropout": 0.1,
+    "tracking.enabled": False,
+}
 PAUSE_AT = 100  # a checkpointed step (pretrain.ckpt_interval), in the middle of training
 
 
 def _hold_in_another_process(cwd: Path, code: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('held', flush=True)\nimport time; time.sleep(120)"],
-                            cwd=cwd, stdout=subprocess.PIPE, text=True, env=cli_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "\nprint('held', flush=True)\nimport time; time.sleep(120)"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
 
 def test_a_held_lock_is_refused_naming_its_holder(tmp_path):
-    holder = _hold_in_another_process(tmp_path, "from gptforge.runtime import locks\n"
-                                      "held = locks.hold('pretrain', 'stage pretrain'); held.__enter__()")
+    holder = _hold_in_another_process(
+        tmp_path,
+        "from gptforge.runtime import locks\nheld = locks.hold('pretrain', 'stage pretrain'); held.__enter__()",
+    )
     try:
-        with pytest.raises(locks.Busy, match=rf"stage pretrain is already running in {tmp_path} "
-                                             rf"\(pid {holder.pid} on .*, since .*\); wait for it"):
+        with pytest.raises(
+            locks.Busy,
+            match=rf"stage pretrain is already running in {tmp_path} "
+            rf"\(pid {holder.pid} on .*, since .*\); wait for it",
+        ):
             with locks.hold("pretrain", "stage pretrain", root=tmp_path):
                 pass
     finally:
@@ -71,23 +89,28 @@ def test_dvc_lock_is_detected(tmp_path):
 
 
 def test_second_pipeline_and_second_stage_are_refused_and_change_nothing(repo_copy):
-    holder = _hold_in_another_process(repo_copy, "from gptforge.runtime import locks\n"
-                                      "a = locks.hold('pipeline', 'a gptforge pipeline'); a.__enter__()\n"
-                                      "b = locks.hold('prepare_classify', 'stage prepare_classify'); b.__enter__()")
+    holder = _hold_in_another_process(
+        repo_copy,
+        "from gptforge.runtime import locks\n"
+        "a = locks.hold('pipeline', 'a gptforge pipeline'); a.__enter__()\n"
+        "b = locks.hold('prepare_classify', 'stage prepare_classify'); b.__enter__()",
+    )
     try:
         before = snapshot(repo_copy)
         env = cli_env(GPTFORGE_PREFECT="0")
         out = run_cli(["pipeline", "-S", "data.classify.seed=9"], repo_copy, env, timeout=120)
         assert out.returncode == 1 and "Traceback" not in out.stderr
         [line] = error_lines(out.stderr)
-        assert line.startswith(f"gptforge: error: a gptforge pipeline is already running in {repo_copy} "
-                               f"(pid {holder.pid} ")
+        assert line.startswith(
+            f"gptforge: error: a gptforge pipeline is already running in {repo_copy} (pid {holder.pid} "
+        )
         stage = run_cli(["prepare", "classify"], repo_copy, env, timeout=120)
         assert stage.returncode == 1
         assert error_lines(stage.stderr)[0].startswith("gptforge: error: stage prepare_classify is already running")
         after = snapshot(repo_copy)
-        assert {k: v for k, v in after.items() if not k.startswith(".gptforge/")} == \
-               {k: v for k, v in before.items() if not k.startswith(".gptforge/")}
+        assert {k: v for k, v in after.items() if not k.startswith(".gptforge/")} == {
+            k: v for k, v in before.items() if not k.startswith(".gptforge/")
+        }
     finally:
         holder.kill()
         holder.wait()
@@ -102,17 +125,24 @@ def _dvc(repo: Path, *args: str, log: Path | None = None, **env: str) -> subproc
     is not read from while it waits)."""
     out = open(log, "w") if log else subprocess.PIPE
     try:
-        return subprocess.Popen([str(BIN / "dvc"), *args], cwd=repo,
-                                env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env),
-                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            [str(BIN / "dvc"), *args],
+            cwd=repo,
+            env=cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     finally:
         if log:
             out.close()
 
 
 @pytest.mark.slow
-def test_dvc_repro_killed_mid_pretrain_resumes_to_the_same_weights(tmp_path, repo_copy, small_tokenizer, sms_file,
-                                                                    alpaca_file):
+def test_dvc_repro_killed_mid_pretrain_resumes_to_the_same_weights(
+    tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file
+):
     params = {**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **LONG_PRETRAIN}
     set_params(repo_copy, **params)
     reference = tmp_path / "reference"
@@ -166,20 +196,29 @@ def test_dvc_repro_killed_mid_pretrain_resumes_to_the_same_weights(tmp_path, rep
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp_path, repo_copy, small_tokenizer,
-                                                                             sms_file, alpaca_file, mlflow_uri):
+def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(
+    tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file, mlflow_uri
+):
     """SIGTERM to `gptforge pipeline` (a worker cancelling it, `docker stop`) reaches dvc and the
     training stage: the stage checkpoints the step it is at, both MLflow runs end KILLED, no
     process is left behind, and the next run resumes from that checkpoint."""
-    params = {**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **LONG_PRETRAIN,
-              "tracking.enabled": True, "tracking.experiment": "pipeline-sigterm"}
+    params = {
+        **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+        **LONG_PRETRAIN,
+        "tracking.enabled": True,
+        "tracking.experiment": "pipeline-sigterm",
+    }
     set_params(repo_copy, **params)
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=mlflow_uri)
     pause = Paused(tmp_path, PAUSE_AT)
     log = tmp_path / "pipeline.log"
     ckpts = repo_copy / "checkpoints/pretrain"
-    with started([str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"], repo_copy,
-                 {**env, **pause.env()}, log) as proc:
+    with started(
+        [str(BIN / "gptforge"), "pipeline", "pretrain", "--no-pull", "--no-push"],
+        repo_copy,
+        {**env, **pause.env()},
+        log,
+    ) as proc:
         pause.wait(proc, output=log.read_text)
         proc.send_signal(signal.SIGTERM)
         # The stage takes it while paused (the pipeline passes it on through dvc), then stops
@@ -201,8 +240,11 @@ def test_sigterm_to_the_pipeline_checkpoints_the_stage_and_marks_runs_killed(tmp
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name("pipeline-sigterm")
-    runs = {r.data.tags["gptforge.stage"]: r for r in client.search_runs([exp.experiment_id])
-            if r.data.tags.get("gptforge.stage") in ("pipeline", "pretrain")}
+    runs = {
+        r.data.tags["gptforge.stage"]: r
+        for r in client.search_runs([exp.experiment_id])
+        if r.data.tags.get("gptforge.stage") in ("pipeline", "pretrain")
+    }
     assert runs["pipeline"].info.status == "KILLED" and runs["pretrain"].info.status == "KILLED"
     assert runs["pretrain"].data.tags["mlflow.parentRunId"] == runs["pipeline"].info.run_id
 

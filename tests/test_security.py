@@ -16,7 +16,6 @@ import ast
 import textwrap
 
 import pytest
-
 from cli_support import REPO
 
 SHIPPED = ["src", "flows", "tasks", "kernels", "benchmarks"]
@@ -64,28 +63,34 @@ def unsafe_loads(source: str, filename: str = "<snippet>") -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("snippet", [
-    "import torch\ntorch.load('x.pt')",
-    "import torch\ntorch.load('x.pt', weights_only=False)",
-    "import torch as T\nT.load(f, map_location='cpu')",
-    "from torch import load\nload('x')",
-    "import pickle\npickle.load(open('x', 'rb'))",
-    "import pickle as pk\npk.loads(b'')",
-    "from pickle import Unpickler\nUnpickler(f).load()",
-    "import joblib\njoblib.load('m.joblib')",
-    "import numpy as np\nnp.load('a.npy', allow_pickle=True)",
-    "import dill\ndill.loads(b'')",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import torch\ntorch.load('x.pt')",
+        "import torch\ntorch.load('x.pt', weights_only=False)",
+        "import torch as T\nT.load(f, map_location='cpu')",
+        "from torch import load\nload('x')",
+        "import pickle\npickle.load(open('x', 'rb'))",
+        "import pickle as pk\npk.loads(b'')",
+        "from pickle import Unpickler\nUnpickler(f).load()",
+        "import joblib\njoblib.load('m.joblib')",
+        "import numpy as np\nnp.load('a.npy', allow_pickle=True)",
+        "import dill\ndill.loads(b'')",
+    ],
+)
 def test_checker_flags_unsafe_loads(snippet):
     assert unsafe_loads(snippet), snippet
 
 
-@pytest.mark.parametrize("snippet", [
-    "import torch\ntorch.load('x.pt', weights_only=True, map_location='cpu')",
-    "import numpy as np\nnp.load('a.npy', mmap_mode='r', allow_pickle=False)",
-    "import json\njson.load(f)",
-    "# torch.load('x.pt')\ns = 'pickle.load(f)'",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import torch\ntorch.load('x.pt', weights_only=True, map_location='cpu')",
+        "import numpy as np\nnp.load('a.npy', mmap_mode='r', allow_pickle=False)",
+        "import json\njson.load(f)",
+        "# torch.load('x.pt')\ns = 'pickle.load(f)'",
+    ],
+)
 def test_checker_accepts_safe_code(snippet):
     assert unsafe_loads(snippet) == []
 
@@ -103,8 +108,9 @@ def test_checkpoints_hold_safetensors_weights_only(tmp_path, small_tokenizer):
     from gptforge.training import checkpoint as ckpt
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=320, n_vocab=281))
-    folder = ckpt.save_checkpoint(tmp_path, 1, write_model=lambda d: save_model(model, d), state={"step": 1},
-                                  keep_last=None)
+    folder = ckpt.save_checkpoint(
+        tmp_path, 1, write_model=lambda d: save_model(model, d), state={"step": 1}, keep_last=None
+    )
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["checksums.json", "config.json", "model.safetensors", "state.pt"]
     # state.pt is loaded with weights_only=True (the scan above), and refuses arbitrary objects

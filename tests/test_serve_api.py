@@ -20,7 +20,6 @@ import httpx
 import openai
 import psutil
 import pytest
-
 from cli_support import BIN
 from hf_models import make_tiny_causal_lm
 from serve_api_support import PROMPT, folders, metric, running, wait_until  # noqa: F401  (folders: a fixture)
@@ -33,8 +32,16 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def server(folders):
-    srv = Server([f"tiny={folders['tiny']}", f"llama={folders['llama']}", f"spam={folders['spam']}"],
-                 folders["root"], "--api-key", KEY, "--max-batch", "12", "--max-queue", "8")
+    srv = Server(
+        [f"tiny={folders['tiny']}", f"llama={folders['llama']}", f"spam={folders['spam']}"],
+        folders["root"],
+        "--api-key",
+        KEY,
+        "--max-batch",
+        "12",
+        "--max-queue",
+        "8",
+    )
     yield srv
     srv.stop()
 
@@ -49,9 +56,25 @@ def auth() -> dict:
 
 
 def cli_generate(checkpoint, prompt: str, n: int, *extra: str) -> str:
-    out = subprocess.run([str(BIN / "gptforge"), "generate", prompt, "--checkpoint", str(checkpoint),
-                          "--temperature", "0", "--max-new-tokens", str(n), "--params", str(PARAMS), *extra],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            str(BIN / "gptforge"),
+            "generate",
+            prompt,
+            "--checkpoint",
+            str(checkpoint),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            str(n),
+            "--params",
+            str(PARAMS),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout[:-1]  # generate prints the answer and a newline
 
@@ -65,6 +88,7 @@ def encode(text: str) -> list[int]:
 
 # -- the OpenAI client -----------------------------------------------------------------------
 
+
 def test_models_completions_chat_and_usage(client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {"tiny", "llama", "spam"}
@@ -76,16 +100,20 @@ def test_models_completions_chat_and_usage(client):
     assert done.usage.prompt_tokens == len(encode(PROMPT))
     assert done.usage.completion_tokens == 12 and done.usage.total_tokens == done.usage.prompt_tokens + 12
 
-    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Say hi"}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0
+    )
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 3
 
 
 def test_streamed_chat_is_the_answer_in_pieces(client):
-    kwargs = dict(model="tiny", messages=[{"role": "system", "content": "Be brief."},
-                                          {"role": "user", "content": "Name a colour."}], max_tokens=16,
-                  temperature=0)
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        max_tokens=16,
+        temperature=0,
+    )
     whole = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -109,7 +137,7 @@ def test_stop_strings_end_the_answer_before_them(client):
     full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
     stop = full[10:14]
     cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
-    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_errors_are_the_clients_own_exceptions(server, client):
@@ -122,6 +150,7 @@ def test_errors_are_the_clients_own_exceptions(server, client):
 
 
 # -- greedy answers equal `gptforge generate`, alone and in a full batch ----------------------
+
 
 @pytest.mark.parametrize("model", ["tiny", "llama"])
 def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, server, client, model):
@@ -136,8 +165,9 @@ def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, ser
     chunks, finished, enough = {}, set(), threading.Event()
 
     def other(i: int) -> None:
-        with client.completions.create(model=model, prompt="Some other words " * (i + 1), max_tokens=900,
-                                       temperature=0, stream=True) as stream:
+        with client.completions.create(
+            model=model, prompt="Some other words " * (i + 1), max_tokens=900, temperature=0, stream=True
+        ) as stream:
             for chunk in stream:
                 chunks[i] = chunks.get(i, 0) + 1
                 if chunk.choices and chunk.choices[0].finish_reason:
@@ -167,13 +197,18 @@ def test_a_shared_prompt_prefix_comes_from_the_prefix_cache_and_answers_are_unch
     questions = ["Is it raining?", "Will it snow tomorrow?"]
     hits = lambda: metric(server, "gptforge_prefix_cache_hit_tokens_total")  # noqa: E731
     before = hits()
-    answers = [client.completions.create(model=model, prompt=system + q, max_tokens=12, temperature=0).choices[0].text
-               for q in questions]
+    answers = [
+        client.completions.create(model=model, prompt=system + q, max_tokens=12, temperature=0).choices[0].text
+        for q in questions
+    ]
     assert hits() - before >= 48  # the second found at least the system prompt's first three blocks
-    assert answers[1] == cli_generate(folders[model], system + questions[1], 12)  # the cached one, against the plain path
+    assert answers[1] == cli_generate(
+        folders[model], system + questions[1], 12
+    )  # the cached one, against the plain path
 
 
 # -- classify ------------------------------------------------------------------------------
+
 
 def test_classify_gives_the_classifiers_probabilities(folders, server):
     from gptforge.config.load import load_config
@@ -196,6 +231,7 @@ def test_classify_gives_the_classifiers_probabilities(folders, server):
 
 # -- streams ----------------------------------------------------------------------------------
 
+
 def test_sse_wire_format(server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth(), timeout=60) as r:
@@ -211,33 +247,76 @@ def test_sse_wire_format(server):
 
 BAD = [  # (what, method, path, body or raw bytes, headers, status, param)
     ("malformed JSON", "POST", "/v1/completions", b'{"model": "tiny", "prompt": ', {}, 400, None),
-    ("wrong type", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, {}, 400,
-     "temperature"),
-    ("max_tokens 0", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, {}, 400,
-     "max_tokens"),
-    ("max_tokens over the context", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000},
-     {}, 400, "max_tokens"),
-    ("message without a role", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]},
-     {}, 400, "messages.0.role"),
-    ("unknown model", "POST", "/v1/chat/completions",
-     {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "model"),
-    ("prompt over the context", "POST", "/v1/completions", {"model": "tiny", "prompt": "word " * 1100}, {}, 400,
-     "prompt"),
+    (
+        "wrong type",
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "temperature": "hot"},
+        {},
+        400,
+        "temperature",
+    ),
+    (
+        "max_tokens 0",
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "max_tokens": 0},
+        {},
+        400,
+        "max_tokens",
+    ),
+    (
+        "max_tokens over the context",
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "max_tokens": 5000},
+        {},
+        400,
+        "max_tokens",
+    ),
+    (
+        "message without a role",
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"content": "hi"}]},
+        {},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "unknown model",
+        "POST",
+        "/v1/chat/completions",
+        {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]},
+        {},
+        404,
+        "model",
+    ),
+    (
+        "prompt over the context",
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "word " * 1100},
+        {},
+        400,
+        "prompt",
+    ),
     ("body over the limit", "POST", "/v1/completions", {"model": "tiny", "prompt": "x" * (2 << 20)}, {}, 413, None),
     ("no API key", "POST", "/v1/completions", {"model": "tiny", "prompt": "x"}, {"Authorization": ""}, 401, None),
-    ("a classifier asked to generate", "POST", "/v1/completions", {"model": "spam", "prompt": "x"}, {}, 400,
-     "model"),
+    ("a classifier asked to generate", "POST", "/v1/completions", {"model": "spam", "prompt": "x"}, {}, 400, "model"),
 ]
 
 
 def test_300_bad_requests_each_get_their_error_and_the_server_keeps_serving(server):
     proc = psutil.Process(server.proc.pid)
     with httpx.Client(base_url=server.url, timeout=60) as http:
+
         def send(case):
             _, method, path, body, headers, _, _ = case
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            return http.request(method, path, content=content,
-                                headers={**auth(), "Content-Type": "application/json", **headers})
+            return http.request(
+                method, path, content=content, headers={**auth(), "Content-Type": "application/json", **headers}
+            )
 
         for case in BAD:  # warm: every code path once
             send(case)
@@ -252,8 +331,11 @@ def test_300_bad_requests_each_get_their_error_and_the_server_keeps_serving(serv
             assert error["param"] == param, (what, error)
         rss_after = proc.memory_info().rss
         assert http.get("/health").json()["status"] == "ok"
-        good = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4,
-                                                  "temperature": 0}, headers=auth())
+        good = http.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+            headers=auth(),
+        )
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
     assert rss_after < rss_before * 1.10, (rss_before, rss_after)
     assert running(server) == 0
@@ -323,14 +405,19 @@ def test_chat_without_a_chat_template_uses_the_instruct_template(tmp_path):
     folder = make_tiny_causal_lm(tmp_path / "plain", "llama", chat_template=None)
     src = types.SimpleNamespace(name="plain", kind="hf", path=folder, tokenizer=None, spec=str(folder))
     lm = load_served(src, cfg, max_batch=2, max_queue=2, device=torch.device("cpu"))
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
-                {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another?"},
+    ]
     prompt = render_conversation(messages, cfg.instruct.template)
     assert prompt.startswith("Below is an instruction") and prompt.count("### Response:") == 2
     assert lm.chat_ids(messages) == lm.tokenizer(prompt)["input_ids"]
 
 
 # -- a body over the limit, from clients that send it all before they read ----------------------
+
 
 def test_a_body_over_the_limit_gets_its_413_even_from_clients_that_send_it_all_first(server):
     """urllib and requests write the whole body before they read: the server reads and drops it
@@ -346,23 +433,30 @@ def test_a_body_over_the_limit_gets_its_413_even_from_clients_that_send_it_all_f
     headers = {**auth(), "Content-Type": "application/json"}
 
     def answers():
-        for framing, data in (("Content-Length", body), ("chunked", (body[i:i + (1 << 20)]
-                                                                    for i in range(0, len(body), 1 << 20)))):
+        for framing, data in (
+            ("Content-Length", body),
+            ("chunked", (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))),
+        ):
             with pytest.raises(urllib.error.HTTPError) as e:  # urllib also sends Connection: close
                 urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60)
             yield f"urllib, {framing}", e.value.code, e.value.headers.get("Connection"), e.value.read()
         for close in (False, True):
-            r = requests.post(url, data=body, headers={**headers, **({"Connection": "close"} if close else {})},
-                              timeout=60)
+            r = requests.post(
+                url, data=body, headers={**headers, **({"Connection": "close"} if close else {})}, timeout=60
+            )
             yield f"requests, Connection: close {close}", r.status_code, r.headers.get("Connection"), r.content
 
     for what, status, connection, content in answers():
         assert (status, connection) == (413, "close"), what
         assert json.loads(content)["error"] == {
-            "message": "the request body is over the limit of 1048576 bytes", "type": "invalid_request_error",
-            "param": None, "code": "request_too_large"}, what
-    good = httpx.post(url, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
-                      headers=auth(), timeout=60)
+            "message": "the request body is over the limit of 1048576 bytes",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_too_large",
+        }, what
+    good = httpx.post(
+        url, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}, headers=auth(), timeout=60
+    )
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
 
 
@@ -377,8 +471,10 @@ def test_a_body_far_beyond_the_drain_bound_is_dropped_unbuffered_and_its_connect
     rss_before = proc.memory_info().rss
     total, piece = 256 << 20, b"x" * (1 << 20)
     length = f"Content-Length: {total}" if framing == "content-length" else "Transfer-Encoding: chunked"
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\n{length}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\n{length}\r\n\r\n"
+    ).encode()
     frame = piece if framing == "content-length" else b"%x\r\n%s\r\n" % (len(piece), piece)
     sent, answer = 0, b""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:

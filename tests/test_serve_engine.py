@@ -85,33 +85,35 @@ def run(plans, *jobs, **kw):
             return await asyncio.gather(*(answer(engine, *job) for job in jobs)), engine
         finally:
             await engine.stop()
+
     return asyncio.run(main())
 
 
 def test_pieces_join_to_the_answer_and_a_split_character_waits_for_its_second_half():
-    (pieces, reason, req), = run({(9, 9): [1, 3, 4, 2, 0]}, ((9, 9), Sampling(max_tokens=10, temperature=0)))[0]
+    ((pieces, reason, req),) = run({(9, 9): [1, 3, 4, 2, 0]}, ((9, 9), Sampling(max_tokens=10, temperature=0)))[0]
     assert "".join(pieces) == "aéb" and reason == "stop"
     assert "\ufffd" not in "".join(pieces) and pieces[1] == ""  # the first half alone shows nothing
     assert req.generated == [1, 3, 4, 2, 0]  # the stop id is counted, not shown
 
 
 def test_a_stop_string_across_tokens_ends_the_answer_before_it_and_is_never_sent():
-    (pieces, reason, _), = run({(9, 9): [1, 5, 6, 2, 2]}, ((9, 9), Sampling(max_tokens=10, temperature=0,
-                                                                           stop=["STOP"])))[0]
+    ((pieces, reason, _),) = run(
+        {(9, 9): [1, 5, 6, 2, 2]}, ((9, 9), Sampling(max_tokens=10, temperature=0, stop=["STOP"]))
+    )[0]
     assert "".join(pieces) == "a " and reason == "stop"
     assert all("ST" not in p for p in pieces)
 
 
 def test_a_held_back_tail_that_is_not_a_stop_is_sent_later():
-    (pieces, reason, _), = run({(9, 9): [5, 7, 2]}, ((9, 9), Sampling(max_tokens=3, temperature=0, stop=["STOP"])))[0]
+    ((pieces, reason, _),) = run({(9, 9): [5, 7, 2]}, ((9, 9), Sampling(max_tokens=3, temperature=0, stop=["STOP"])))[0]
     assert "".join(pieces) == " STxb" and reason == "length"
 
 
 def test_max_tokens_and_the_context_end_with_length():
     plans = {(9, 9): [1] * 50}
-    (pieces, reason, req), = run(plans, ((9, 9), Sampling(max_tokens=5, temperature=0)))[0]
+    ((pieces, reason, req),) = run(plans, ((9, 9), Sampling(max_tokens=5, temperature=0)))[0]
     assert reason == "length" and len(req.generated) == 5
-    (pieces, reason, req), = run(plans, ((9, 9), Sampling(max_tokens=50, temperature=0)), context=12)[0]
+    ((pieces, reason, req),) = run(plans, ((9, 9), Sampling(max_tokens=50, temperature=0)), context=12)[0]
     assert reason == "length" and len(req.prompt_ids) + len(req.generated) == 12
 
 
@@ -152,6 +154,7 @@ def test_requests_share_steps_and_join_a_running_batch():
         finally:
             backend.gate.set()
             await engine.stop()
+
     texts, engine, backend = asyncio.run(main())
     assert texts == ["a" * 20, "b" * 5, "a" * 8]
     # Step 1 prefills the first, step 2 decodes it (held while the others come), step 3 decodes
@@ -180,6 +183,7 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step_and_a_full_queue_
         finally:
             backend.gate.set()
             await engine.stop()
+
     first, second, engine = asyncio.run(main())
     assert first.finish_reason == "cancelled" and len(first.generated) < 60
     assert second.finish_reason == "length"
@@ -211,12 +215,14 @@ def test_the_pause_holds_the_engine_after_its_nth_step_until_its_file_is_removed
         finally:
             path.unlink(missing_ok=True)
             await engine.stop()
+
     held, text, request = asyncio.run(main())
     assert held == (3, 0)  # held after step 3: no fourth token while the file is there
     assert text == "a" * 10 and request.finish_reason == "length"
 
 
 # -- sampling against its formula -------------------------------------------------------------
+
 
 def request_with(**kw) -> Job:
     return Job(0, [1], Sampling(max_tokens=1, **kw), set())
@@ -269,8 +275,12 @@ def test_rows_of_one_batch_each_draw_under_their_own_settings():
     frequencies are its own formula's (as in the test above, one setting per call)."""
     p = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04], dtype=torch.float64)
     logits = torch.log(p).float().expand(4, 5).contiguous()
-    rows = [request_with(temperature=0), request_with(temperature=1.0, top_k=2, seed=1),
-            request_with(temperature=1.0, top_p=0.7, top_k=4, seed=2), request_with(temperature=1.0, seed=3)]
+    rows = [
+        request_with(temperature=0),
+        request_with(temperature=1.0, top_k=2, seed=1),
+        request_with(temperature=1.0, top_p=0.7, top_k=4, seed=2),
+        request_with(temperature=1.0, seed=3),
+    ]
     n = 4000
     counts = torch.zeros(4, 5)
     for _ in range(n):

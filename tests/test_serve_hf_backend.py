@@ -27,9 +27,16 @@ def model(request):
     transformers' forward), and with no hook (`lean`: the common step through LlamaLayers)."""
     torch.manual_seed(0)
     attn = "sdpa" if request.param == "lean" else request.param
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   attn_implementation=attn)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     assert model.config._attn_implementation == attn
     model.forwards = 0  # counted, to see how many forwards one backend call makes
@@ -62,6 +69,7 @@ class Rows:
         lean = self.backend._lean
         assert (lean is not None) == model.lean
         if lean is not None:  # a lean step counts as the model's forward it replaces
+
             def counted(*args, _forward=lean.forward):
                 model.forwards += 1
                 return _forward(*args)
@@ -141,7 +149,7 @@ def test_chunked_prefill_between_decode_steps(model):
     long = prompt(40, 7)
     r.open()
     for start in range(0, 40, 7):
-        out = r.forward([(0, [nxt[0]]), (2, long[start:start + 7]), (1, [nxt[1]])])
+        out = r.forward([(0, [nxt[0]]), (2, long[start : start + 7]), (1, [nxt[1]])])
         nxt = [out[0], out[2]]
     assert r.seqs[2] == long  # the last chunk's logits were checked against the one-shot forward
     last = out[1]
@@ -179,8 +187,11 @@ def test_prefix_blocks_are_copies_and_seed_a_new_row(model):
     r.forward([(1, rest[5:]), (0, [out[1]])])
     # blocks read again from A, a batch row now, equal the first copies
     again = r.backend.read_blocks(0, 0, 2, 16)
-    assert all(torch.allclose(a, b, atol=1e-5) for x, y in zip(blocks, again)
-               for a, b in zip((*x.keys, *x.values), (*y.keys, *y.values)))
+    assert all(
+        torch.allclose(a, b, atol=1e-5)
+        for x, y in zip(blocks, again)
+        for a, b in zip((*x.keys, *x.values), (*y.keys, *y.values))
+    )
     r.open(prefix=again + r.backend.read_blocks(1, 2, 2, 16), held=shared)
     r.forward([(2, rest)])
 
@@ -199,13 +210,26 @@ def test_greedy_generation_equals_generate(model):
             g.append(t)
     for p, g in zip(prompts, got):
         ids = torch.tensor([p])
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()  # no stop token
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()  # no stop token
         assert len(want) == steps and g == want
 
 
 def test_sliding_window_models_are_refused():
-    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
     with pytest.raises(BadInput, match="full-attention cache layers"):
         HFBackend(transformers.MistralForCausalLM(cfg), 2, 64)

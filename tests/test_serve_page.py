@@ -32,23 +32,21 @@ import os
 import subprocess
 import threading
 import time
-import tomllib
 import types
 import urllib.request
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from cli_support import BIN, REPO, cli_env
-from process_support import Paused, free_port, stop_process, wait_http
 from hf_models import make_tokenizer
+from process_support import Paused, free_port, stop_process, wait_http
 
 pytestmark = pytest.mark.slow
 
 STATIC = REPO / "src" / "gptforge" / "serve" / "static"  # the chat page's files
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
-ANSWER = ("Sure! Here is some HTML for you: <script>alert(0)</script>"
-          "<img src=\"x\" onerror='window.__pwned=1'> Enjoy.")
+ANSWER = "Sure! Here is some HTML for you: <script>alert(0)</script><img src=\"x\" onerror='window.__pwned=1'> Enjoy."
 SHOWN = "Sure! Here is some HTML for you:  Enjoy."  # ANSWER rendered: the <script> gone, the <img> shows no text
 KEY = "page-test-key"
 SPAM = "WINNER!! You have won a 1000 cash prize. Call 09061701461 now"
@@ -94,10 +92,20 @@ def make_chain_lm(folder: Path, answer: str, loop: bool = False, positions: int 
     hidden = 64
     assert len(chain) - 1 <= hidden, "the chain needs one orthogonal embedding per token"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=positions, bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=positions,
+            bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -125,21 +133,27 @@ def models(tmp_path_factory) -> dict:
     chat = make_chain_lm(root / "chain", ANSWER)
     lm = AutoModelForCausalLM.from_pretrained(str(chat)).eval()
     tok = AutoTokenizer.from_pretrained(str(chat))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Show me some HTML"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Show me some HTML"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = lm.generate(**prompt, max_new_tokens=80, do_sample=False)
     start = prompt["input_ids"].shape[1]
     assert tok.decode(out[0, start:], skip_special_tokens=True) == ANSWER
     assert out.shape[1] - start > PAUSE_AT + 1  # the hold comes mid-answer
-    prefix = tok.decode(out[0, start:start + PAUSE_AT])
+    prefix = tok.decode(out[0, start : start + PAUSE_AT])
     loop = make_chain_lm(root / "loop", ANSWER, loop=True, positions=4096)
     out = AutoModelForCausalLM.from_pretrained(str(loop)).generate(**prompt, max_new_tokens=100, do_sample=False)
-    assert tok.decode(out[0, prompt["input_ids"].shape[1]:]).startswith(ANSWER + ANSWER)
+    assert tok.decode(out[0, prompt["input_ids"].shape[1] :]).startswith(ANSWER + ANSWER)
 
     torch.manual_seed(1)
     classifier = clf.HFClassifier(lm, 2, max_length=64, tokenizer=HFTokenizer(tok))
-    return {"folders": {"chat": chat, "loop": loop, "spam": clf.save_classifier(classifier, root / "classifier")},
-            "prefix": prefix}
+    return {
+        "folders": {"chat": chat, "loop": loop, "spam": clf.save_classifier(classifier, root / "classifier")},
+        "prefix": prefix,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +166,21 @@ def server(models, tmp_path_factory):
     log_path = folder / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [str(BIN / "gptforge"), "serve", *(f"{name}={path}" for name, path in models["folders"].items()),
-         "--port", str(port), "--api-key", KEY],
-        cwd=folder, env=cli_env(**paused.env()), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(BIN / "gptforge"),
+            "serve",
+            *(f"{name}={path}" for name, path in models["folders"].items()),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+        ],
+        cwd=folder,
+        env=cli_env(**paused.env()),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -169,8 +195,12 @@ def server(models, tmp_path_factory):
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 
@@ -217,9 +247,11 @@ def live(root: str) -> str:
     """A JavaScript expression: the outerHTML of each element under `root` (a selector) that
     could run script: a <script>, <iframe>, <object> or <embed>, an on* attribute, a javascript:
     URL."""
-    return (f"[...document.querySelectorAll({json.dumps(root + ' *')})].filter(e => "
-            "['SCRIPT', 'IFRAME', 'OBJECT', 'EMBED'].includes(e.tagName) || [...e.attributes].some(a => "
-            "a.name.startsWith('on') || /^\\s*javascript:/i.test(a.value))).map(e => e.outerHTML)")
+    return (
+        f"[...document.querySelectorAll({json.dumps(root + ' *')})].filter(e => "
+        "['SCRIPT', 'IFRAME', 'OBJECT', 'EMBED'].includes(e.tagName) || [...e.attributes].some(a => "
+        "a.name.startsWith('on') || /^\\s*javascript:/i.test(a.value))).map(e => e.outerHTML)"
+    )
 
 
 def images_settled(root: str) -> str:
@@ -275,23 +307,36 @@ def test_chat_page_streams_answers_and_classifies(server, models, browser):
         # (#stats' data-*): the first delta came before the hold, the last after it.
         tps, ttft, n = page.text("#tps"), page.text("#ttft"), page.text("#ntokens")
         times = {k: float(v) for k, v in page.evaluate("({...document.getElementById('stats').dataset})").items()}
-        usage = post(f"{url}/v1/chat/completions", {"model": "chat", "max_tokens": 100, "temperature": 0,
-                                                    "messages": [{"role": "user", "content": "Show me some HTML"}]})
+        usage = post(
+            f"{url}/v1/chat/completions",
+            {
+                "model": "chat",
+                "max_tokens": 100,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Show me some HTML"}],
+            },
+        )
         assert int(n) == usage["usage"]["completion_tokens"], (n, usage)
         assert times["sent"] < times["first"] < released < times["last"], (times, released)
         interval = (times["last"] - times["first"]) / 1000
         assert float(tps) == pytest.approx((int(n) - 1) / interval, abs=0.051), (tps, n, interval)  # shown to 0.1
         wait_ms = times["first"] - times["sent"]
-        assert (abs(float(ttft[:-3]) - wait_ms) <= 0.5 if ttft.endswith(" ms")
-                else abs(float(ttft[:-2]) * 1000 - wait_ms) <= 5), (ttft, wait_ms)
+        assert (
+            abs(float(ttft[:-3]) - wait_ms) <= 0.5
+            if ttft.endswith(" ms")
+            else abs(float(ttft[:-2]) * 1000 - wait_ms) <= 5
+        ), (ttft, wait_ms)
         print(f"page: {tps} tokens/s over {interval:.3f} s (the hold included), first token after {ttft}")
         page.screenshot(ARTIFACTS / "serve-chat.png")
 
         # A second turn goes on with the conversation: two user and two assistant messages.
         page.type("#prompt", "And again?")
         page.press("Enter", "Enter", 13)
-        page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 2 && "
-                      "document.body.dataset.state === 'idle'", what="the second answer")
+        page.wait_for(
+            "document.querySelectorAll('#messages .msg.assistant').length === 2 && "
+            "document.body.dataset.state === 'idle'",
+            what="the second answer",
+        )
         assert page.text("#answer") == SHOWN
         assert page.evaluate("document.querySelectorAll('#messages .msg.user').length") == 2
 
@@ -331,8 +376,11 @@ def test_chat_page_streams_answers_and_classifies(server, models, browser):
         assert page.evaluate("document.getElementById('prompt').value") == "Too long an answer, please"
         assert page.evaluate("document.querySelectorAll('#messages .msg').length") == 0
         page.click("#send")
-        page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 1 && "
-                      "document.body.dataset.state === 'idle'", what="an answer after the error")
+        page.wait_for(
+            "document.querySelectorAll('#messages .msg.assistant').length === 1 && "
+            "document.body.dataset.state === 'idle'",
+            what="an answer after the error",
+        )
         assert page.text("#answer") == SHOWN and page.text("#chat-error") == ""
 
         # The second tab: the spam classifier.
@@ -344,8 +392,10 @@ def test_chat_page_streams_answers_and_classifies(server, models, browser):
         page.wait_for("document.querySelectorAll('#classify-probs tr').length === 2", what="the probabilities")
         want = post(f"{url}/v1/classify", {"model": "spam", "input": SPAM})["data"][0]
         assert page.text("#classify-label") == want["label"]
-        rows = page.evaluate("[...document.querySelectorAll('#classify-probs tr')]"
-                             ".map(tr => [tr.cells[0].textContent, tr.cells[1].textContent])")
+        rows = page.evaluate(
+            "[...document.querySelectorAll('#classify-probs tr')]"
+            ".map(tr => [tr.cells[0].textContent, tr.cells[1].textContent])"
+        )
         assert {label: float(p) for label, p in rows} == pytest.approx(want["probabilities"], abs=1e-4)
         assert page.text("#classify-error") == ""
         page.screenshot(ARTIFACTS / "serve-classify.png")
@@ -372,7 +422,7 @@ def bare_server():
         thread.join(timeout=30)
 
 
-MARKDOWN = '''Some `inline code` and a [link](https://example.org/).
+MARKDOWN = """Some `inline code` and a [link](https://example.org/).
 
 ```python
 print("<b>not bold</b>")
@@ -384,14 +434,14 @@ print("<b>not bold</b>")
 | name | value |
 |:-----|------:|
 | a    | 1     |
-'''
+"""
 
 # Each would run script if the page inserted it unsanitized (and marked passes raw HTML through).
 HOSTILE = [
     ANSWER,
     '<a href="javascript:window.__pwned=1">a javascript: link</a>',
     "[a Markdown javascript: link](javascript:window.__pwned=1)",
-    '<svg><script>window.__pwned=1</script></svg>',
+    "<svg><script>window.__pwned=1</script></svg>",
     '<iframe srcdoc="<script>parent.__pwned=1</script>"></iframe>',
     '<details open ontoggle="window.__pwned=1"><summary>s</summary></details>',
     '<img src="x" onerror="window.__pwned=1">',
@@ -421,12 +471,15 @@ def test_chat_page_renders_answers_as_sanitized_markdown(bare_server, browser):
         assert page.evaluate("typeof marked.parse === 'function' && DOMPurify.isSupported") is True
         html = page.evaluate(f"{RENDER}({json.dumps([MARKDOWN])})[0]")
         md = "document.querySelector('#md-0 {}')"
-        assert page.evaluate(md.format("pre > code.language-python") + ".textContent") == \
-            'print("<b>not bold</b>")\n', html
+        assert (
+            page.evaluate(md.format("pre > code.language-python") + ".textContent") == 'print("<b>not bold</b>")\n'
+        ), html
         assert page.evaluate("document.querySelectorAll('#md-0 pre b').length") == 0, html
         assert page.evaluate(md.format("p > code") + ".textContent") == "inline code", html
-        assert page.evaluate("[...document.querySelectorAll('#md-0 ul > li')].map(e => e.textContent)") == \
-            ["one", "two"], html
+        assert page.evaluate("[...document.querySelectorAll('#md-0 ul > li')].map(e => e.textContent)") == [
+            "one",
+            "two",
+        ], html
         cells = "[...document.querySelectorAll('#md-0 table {}')].map(e => e.textContent)"
         assert page.evaluate(cells.format("thead th")) == ["name", "value"], html
         assert page.evaluate(cells.format("tbody td")) == ["a", "1"], html

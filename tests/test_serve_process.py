@@ -25,7 +25,6 @@ import httpx
 import openai
 import psutil
 import pytest
-
 from cli_support import BIN
 from process_support import Paused, free_port
 from serve_api_support import PROMPT, folders, metric, running, wait_until  # noqa: F401  (folders: a fixture)
@@ -36,12 +35,20 @@ pytestmark = pytest.mark.slow
 
 # -- a full queue, a disconnect, the engine process -------------------------------------------
 
+
 def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes_the_slot(folders, tmp_path):
     # The engine holds after its 2nd step (gptforge.runtime.pause): the first request's prefill and one
     # decode step. The batch of one is full, and stays so until the test lets the engine go on.
     paused = Paused(tmp_path, 2)
-    srv = Server([f"tiny={folders['tiny']}"], tmp_path, "--max-batch", "1", "--max-queue", "1",
-                 env={**os.environ, **paused.env()})
+    srv = Server(
+        [f"tiny={folders['tiny']}"],
+        tmp_path,
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        env={**os.environ, **paused.env()},
+    )
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b:
@@ -71,8 +78,9 @@ def test_a_disconnect_frees_the_slot_a_full_queue_answers_429_and_the_next_takes
 
 
 def engine_process(srv) -> psutil.Process:
-    engines = [p for p in psutil.Process(srv.proc.pid).children()
-               if "gptforge.serve.engine_process" in " ".join(p.cmdline())]
+    engines = [
+        p for p in psutil.Process(srv.proc.pid).children() if "gptforge.serve.engine_process" in " ".join(p.cmdline())
+    ]
     assert len(engines) == 1, engines
     return engines[0]
 
@@ -83,8 +91,9 @@ def test_the_engine_process_killed_mid_stream_is_an_error_on_every_stream_and_a_
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True}
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as http:
-            streams = [http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
-                       for _ in range(3)]
+            streams = [
+                http.send(http.build_request("POST", "/v1/completions", json=body), stream=True) for _ in range(3)
+            ]
             paused.wait(srv.proc, output=srv.log.read_text)
             engine_process(srv).kill()
             t0 = time.monotonic()
@@ -97,8 +106,11 @@ def test_the_engine_process_killed_mid_stream_is_an_error_on_every_stream_and_a_
         print(f"the server exited {took:.1f} s after its engine was killed")
         assert code == 1 and took < 20  # the stop bound gptforge keeps
         last = srv.log.read_text().strip().splitlines()[-1]
-        assert re.fullmatch(r"gptforge: error: gptforge serve stopped: the engine process of tiny stopped "
-                            r"\(killed by SIGKILL\)", last), last
+        assert re.fullmatch(
+            r"gptforge: error: gptforge serve stopped: the engine process of tiny stopped "
+            r"\(killed by SIGKILL\)",
+            last,
+        ), last
     finally:
         paused.release()
         srv.stop()
@@ -119,6 +131,7 @@ def test_sigterm_stops_the_server_and_its_engine_process_within_the_stop_bound(f
 
 # -- start failures are one line -----------------------------------------------------------
 
+
 def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
     import socket
 
@@ -128,11 +141,16 @@ def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", "--port", str(port),
-                               "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", "--port", str(port), "--params", str(PARAMS)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2
-    assert error_lines(done.stderr) == [f"gptforge: error: --port {port}: cannot listen on 127.0.0.1:{port} "
-                                        "(Address already in use); pick another port"]
+    assert error_lines(done.stderr) == [
+        f"gptforge: error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); pick another port"
+    ]
     assert done.stderr.strip().splitlines()[-1].startswith("gptforge: error: --port")
 
 
@@ -140,8 +158,12 @@ def test_a_port_in_use_is_one_line_before_any_model_loads(folders):
 def test_bad_engine_settings_are_one_line(folders, flag):
     from cli_support import last_error_line
 
-    done = subprocess.run([str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", *flag,
-                           "--params", str(PARAMS)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(BIN / "gptforge"), "serve", f"tiny={folders['tiny']}", *flag, "--params", str(PARAMS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert last_error_line(done.stderr).startswith(f"gptforge: error: {flag[0]} must be >=")
 
@@ -154,9 +176,12 @@ def test_a_model_the_engine_process_cannot_load_is_one_line_and_leaves_no_proces
     (broken / "config.json").write_text((folders["tiny"] / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     t0 = time.time()
-    proc = subprocess.Popen([str(BIN / "gptforge"), "serve", f"b={broken}", "--port", str(free_port()),
-                             "--params", str(PARAMS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(BIN / "gptforge"), "serve", f"b={broken}", "--port", str(free_port()), "--params", str(PARAMS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = set()
     while proc.poll() is None:  # the engine processes it starts, while it runs
         with contextlib.suppress(psutil.Error):
@@ -164,7 +189,10 @@ def test_a_model_the_engine_process_cannot_load_is_one_line_and_leaves_no_proces
         time.sleep(0.05)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert re.fullmatch(rf"gptforge: error: {re.escape(str(broken))}/model.safetensors: not a readable "
-                        r"safetensors file \(.*\)", last_error_line(stderr))
+    assert re.fullmatch(
+        rf"gptforge: error: {re.escape(str(broken))}/model.safetensors: not a readable "
+        r"safetensors file \(.*\)",
+        last_error_line(stderr),
+    )
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).create_time() >= t0 - 1]
     assert not alive, "an engine process outlived the failed start"

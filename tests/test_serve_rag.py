@@ -25,10 +25,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from cli_support import REPO, cli_env, error_lines, run_cli
-from process_support import free_port
 from hf_models import make_tiny_causal_lm
+from process_support import free_port
 from serve_support import PARAMS, Server
 
 pytestmark = pytest.mark.slow
@@ -47,12 +46,16 @@ NILE = " ".join(
         "It runs through Khartoum, where the White Nile and the Blue Nile meet, and then through Cairo.",
         "Its drainage basin covers eleven countries, and for thousands of years it fed the farms of Egypt.",
     ]
-    + [f"At the {n} cataract the boatmen of the old stories carried their boats around rapids of granite, "
-       f"and the villages on both banks traded dates, grain and linen with the caravans from the desert."
-       for n in ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")]
+    + [
+        f"At the {n} cataract the boatmen of the old stories carried their boats around rapids of granite, "
+        f"and the villages on both banks traded dates, grain and linen with the caravans from the desert."
+        for n in ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+    ]
 )
-DANUBE = ("The Danube is the second-longest river in Europe. It flows through Vienna, Bratislava, Budapest and "
-          "Belgrade before it reaches the Black Sea.")
+DANUBE = (
+    "The Danube is the second-longest river in Europe. It flows through Vienna, Bratislava, Budapest and "
+    "Belgrade before it reaches the Black Sea."
+)
 AMAZON = "The Amazon carries more water than any other river and flows through Manaus and the rainforest of Brazil."
 DOCUMENT = f"# Rivers\n\n## The Nile\n\n{NILE}\n\n## The Danube\n\n{DANUBE}\n\n## The Amazon\n\n{AMAZON}\n"
 
@@ -65,8 +68,9 @@ def make_index(folder: Path):
     chunks = []
     for i, (heading, text) in enumerate((("The Nile", NILE), ("The Danube", DANUBE), ("The Amazon", AMAZON))):
         start = DOCUMENT.index(text)
-        chunks.append(Chunk(f"rivers.md#{i}", "rivers.md", ("Rivers", heading), start, start + len(text), text,
-                            len(text.split())))
+        chunks.append(
+            Chunk(f"rivers.md#{i}", "rivers.md", ("Rivers", heading), start, start + len(text), text, len(text.split()))
+        )
     return build(chunks, folder, name="rivers", chunks_sha256="test")
 
 
@@ -79,8 +83,13 @@ def setup(tmp_path_factory):
     index = make_index(root / "index" / "rivers")
     server = Server([f"short={llama}"], root, "--rag", str(index.folder), "--rag-top-k", "3")
     try:
-        yield {"server": server, "index": index, "root": root, "llama": llama,
-               "tok": AutoTokenizer.from_pretrained(str(llama))}
+        yield {
+            "server": server,
+            "index": index,
+            "root": root,
+            "llama": llama,
+            "tok": AutoTokenizer.from_pretrained(str(llama)),
+        }
     finally:
         server.stop()
 
@@ -117,7 +126,7 @@ def rebuilt(index, question: str, sources: list[dict], cut_extra: int = 0) -> st
         if s["included"] == "whole":
             parts.append((" > ".join([c.source, *c.headings]), c.text))
         elif s["included"] == "cut":
-            parts.append((" > ".join([c.source, *c.headings]), c.text[:s["chars_included"] + cut_extra]))
+            parts.append((" > ".join([c.source, *c.headings]), c.text[: s["chars_included"] + cut_extra]))
     return layout(question, parts)
 
 
@@ -141,9 +150,16 @@ def test_the_best_chunk_is_cut_to_fit_and_the_engine_gets_that_prompt(setup):
     assert hits[0].chunk.id == "rivers.md#0"  # the Nile's section, longer than the whole context
     assert len(tok(NILE)["input_ids"]) > POSITIONS
 
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "model": "short", "max_tokens": MAX_TOKENS, "temperature": 0,
-        "messages": [{"role": "user", "content": NILE_QUESTION}]})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "short",
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": NILE_QUESTION}],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     sources = body["sources"]
@@ -170,8 +186,11 @@ def test_the_best_chunk_is_cut_to_fit_and_the_engine_gets_that_prompt(setup):
     # Through the engine: those ids as a plain completion find the whole augmented prompt in its
     # prefix cache, and the greedy answer is the same.
     before = series(metrics_text(setup), "gptforge_prefix_cache_hit_tokens_total", 0.0, model="short")
-    again = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "short", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    again = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": "short", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+    )
     assert again.status_code == 200, again.text
     hit = series(metrics_text(setup), "gptforge_prefix_cache_hit_tokens_total", model="short") - before
     assert hit == (len(prompt) - 1) // BLOCK * BLOCK, (hit, len(prompt))
@@ -180,14 +199,24 @@ def test_the_best_chunk_is_cut_to_fit_and_the_engine_gets_that_prompt(setup):
 
 
 def test_rag_false_sends_the_plain_question(setup):
-    r = httpx.post(f"{setup['server'].url}/v1/chat/completions", timeout=60, json={
-        "model": "short", "max_tokens": MAX_TOKENS, "rag": False,
-        "messages": [{"role": "user", "content": NILE_QUESTION}]})
+    r = httpx.post(
+        f"{setup['server'].url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "short",
+            "max_tokens": MAX_TOKENS,
+            "rag": False,
+            "messages": [{"role": "user", "content": NILE_QUESTION}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert "sources" not in r.json()
     assert r.json()["usage"]["prompt_tokens"] == len(chat_tokens(setup["tok"], NILE_QUESTION))
-    bad = httpx.post(f"{setup['server'].url}/v1/chat/completions", timeout=60, json={
-        "model": "short", "rag": "no", "messages": [{"role": "user", "content": NILE_QUESTION}]})
+    bad = httpx.post(
+        f"{setup['server'].url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "short", "rag": "no", "messages": [{"role": "user", "content": NILE_QUESTION}]},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rag", bad.text
 
 
@@ -195,10 +224,14 @@ def test_whole_chunks_come_first_and_a_conversation_keeps_its_earlier_turns(setu
     """The Danube's and the Amazon's short sections fit whole, the Nile's is cut behind them; only the last user
     message is augmented, and without max_tokens a quarter of the context is left to the answer."""
     index, tok = setup["index"], setup["tok"]
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
-                {"role": "user", "content": DANUBE_QUESTION}]
-    r = httpx.post(f"{setup['server'].url}/v1/chat/completions", timeout=60,
-                   json={"model": "short", "messages": messages})
+    messages = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": DANUBE_QUESTION},
+    ]
+    r = httpx.post(
+        f"{setup['server'].url}/v1/chat/completions", timeout=60, json={"model": "short", "messages": messages}
+    )
     assert r.status_code == 200, r.text
     sources = r.json()["sources"]
     assert [s["id"] for s in sources] == [h.chunk.id for h in index.search(DANUBE_QUESTION, 3)]
@@ -219,21 +252,32 @@ def test_the_openai_client_streamed_and_not(setup, client):
     messages = [{"role": "user", "content": NILE_QUESTION}]
     done = client.chat.completions.create(model="short", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens >= 1
-    raw = client.chat.completions.with_raw_response.create(model="short", messages=messages, max_tokens=MAX_TOKENS,
-                                                           temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="short", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert raw.parse().choices[0].message.content == done.choices[0].message.content
     assert raw.http_response.json()["sources"][0]["included"] == "cut"
-    off = client.chat.completions.with_raw_response.create(model="short", messages=messages, max_tokens=MAX_TOKENS,
-                                                           extra_body={"rag": False})
+    off = client.chat.completions.with_raw_response.create(
+        model="short", messages=messages, max_tokens=MAX_TOKENS, extra_body={"rag": False}
+    )
     assert "sources" not in off.http_response.json()
 
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="short", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="short", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        if c.choices
+    ]
     assert "".join(pieces) == done.choices[0].message.content
 
     # The raw stream: the sources on the first chunk only.
-    with httpx.stream("POST", f"{setup['server'].url}/v1/chat/completions", timeout=60, json={
-            "model": "short", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        f"{setup['server'].url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "short", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True},
+    ) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -246,8 +290,11 @@ def test_metrics_count_retrieval(setup):
     before = metrics_text(setup)
     n = series(before, "gptforge_rag_retrieval_seconds_count", model="short")
     dropped = series(before, "gptforge_rag_chunks_total", model="short", included="dropped")
-    r = httpx.post(f"{setup['server'].url}/v1/chat/completions", timeout=60, json={
-        "model": "short", "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": NILE_QUESTION}]})
+    r = httpx.post(
+        f"{setup['server'].url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "short", "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": NILE_QUESTION}]},
+    )
     assert r.status_code == 200, r.text
     after = metrics_text(setup)
     assert series(after, "gptforge_rag_retrieval_seconds_count", model="short") == n + 1
@@ -258,8 +305,10 @@ def test_metrics_count_retrieval(setup):
     seconds = series(after, "gptforge_rag_retrieval_seconds_sum", model="short")
     assert 0 < seconds < n + 1  # well under a second a search
     fit = series(after, "gptforge_rag_fit_seconds_sum", model="short")
-    print(f"retrieval: {1000 * seconds / (n + 1):.2f} ms a search, {1000 * fit / (n + 1):.1f} ms fitting, "
-          f"over {n + 1:.0f} requests")
+    print(
+        f"retrieval: {1000 * seconds / (n + 1):.2f} ms a search, {1000 * fit / (n + 1):.1f} ms fitting, "
+        f"over {n + 1:.0f} requests"
+    )
     assert series(after, "gptforge_rag_retrieval_seconds_bucket", model="short", le="+Inf") == n + 1
 
 
@@ -270,11 +319,15 @@ def test_the_chat_page_shows_the_citations_of_a_streamed_answer(setup, browser):
         page.type("#max-tokens", str(MAX_TOKENS))
         page.type("#prompt", DANUBE_QUESTION)
         page.click("#send")
-        page.wait_for("document.querySelectorAll('#messages .msg.assistant').length === 1 && "
-                      "document.body.dataset.state === 'idle'", what="the answer")
+        page.wait_for(
+            "document.querySelectorAll('#messages .msg.assistant').length === 1 && "
+            "document.body.dataset.state === 'idle'",
+            what="the answer",
+        )
         assert page.text("#chat-error") == ""
-        cites = page.evaluate("[...document.querySelectorAll('#messages .msg.assistant .sources li')]"
-                              ".map(li => li.textContent)")
+        cites = page.evaluate(
+            "[...document.querySelectorAll('#messages .msg.assistant .sources li')].map(li => li.textContent)"
+        )
         assert cites[0] == "[1] rivers.md > Rivers > The Danube", cites
         assert cites[1] == "[2] rivers.md > Rivers > The Amazon", cites
         assert re.fullmatch(r"\[3\] rivers\.md > Rivers > The Nile \(cut to \d+ of \d+ characters\)", cites[2]), cites
@@ -286,13 +339,40 @@ def test_the_chat_page_shows_the_citations_of_a_streamed_answer(setup, browser):
 
 
 def test_a_missing_index_is_one_line(setup, tmp_path):
-    out = run_cli(["serve", str(setup["llama"]), "--rag", str(tmp_path / "missing"), "--port", str(free_port()),
-                   "--params", str(PARAMS)], tmp_path, cli_env(), timeout=120)
+    out = run_cli(
+        [
+            "serve",
+            str(setup["llama"]),
+            "--rag",
+            str(tmp_path / "missing"),
+            "--port",
+            str(free_port()),
+            "--params",
+            str(PARAMS),
+        ],
+        tmp_path,
+        cli_env(),
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     lines = error_lines(out.stderr)
     assert len(lines) == 1 and "--rag" in lines[0] and "not a gptforge index" in lines[0], out.stderr
     assert out.stderr.strip() == lines[0], out.stderr
-    out = run_cli(["serve", str(setup["llama"]), "--rag", str(setup["index"].folder), "--rag-top-k", "0",
-                   "--params", str(PARAMS)], tmp_path, cli_env(), timeout=120)
-    assert out.returncode == 2 and error_lines(out.stderr) == ["gptforge: error: --rag-top-k must be >= 1, got 0"], \
+    out = run_cli(
+        [
+            "serve",
+            str(setup["llama"]),
+            "--rag",
+            str(setup["index"].folder),
+            "--rag-top-k",
+            "0",
+            "--params",
+            str(PARAMS),
+        ],
+        tmp_path,
+        cli_env(),
+        timeout=120,
+    )
+    assert out.returncode == 2 and error_lines(out.stderr) == ["gptforge: error: --rag-top-k must be >= 1, got 0"], (
         out.stderr
+    )

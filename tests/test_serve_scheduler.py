@@ -36,7 +36,7 @@ def prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
 def alone(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = generate(model, torch.tensor([prompt]), n, temperature=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 class Counting(GPTBackend):
@@ -51,7 +51,9 @@ class Counting(GPTBackend):
         return super().forward(segments)
 
 
-def run_all(scheduler: Scheduler, jobs: list[Job], arrivals: dict[int, list[Job]] | None = None) -> dict[int, list[int]]:
+def run_all(
+    scheduler: Scheduler, jobs: list[Job], arrivals: dict[int, list[Job]] | None = None
+) -> dict[int, list[int]]:
     """Step until every job ended; `arrivals[k]`: jobs added before step k."""
     arrivals = dict(arrivals or {})
     for job in jobs:

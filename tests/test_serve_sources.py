@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import make_tiny_causal_lm
+from process_support import free_port
 
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput, SourceUnreachable
@@ -22,9 +24,6 @@ from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.weights import save_model
 from gptforge.serve import sources
 from gptforge.serve.sources import ModelSource, resolve, resolve_all
-
-from process_support import free_port
-from hf_models import make_tiny_causal_lm
 
 BLOCK = 32
 TEXTS = ["WINNER!! Claim your free prize now", "see you at lunch"]
@@ -62,8 +61,14 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     bert = root / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
-    return {"gpt": gpt, "classifier": classifier, "llama": llama, "gpt2": gpt2, "hf_classifier": hf_classifier,
-            "bert": bert}
+    return {
+        "gpt": gpt,
+        "classifier": classifier,
+        "llama": llama,
+        "gpt2": gpt2,
+        "hf_classifier": hf_classifier,
+        "bert": bert,
+    }
 
 
 def one_line(excinfo) -> str:
@@ -78,8 +83,9 @@ def one_line(excinfo) -> str:
 
 def test_every_kind_of_folder(folders, cfg, small_tokenizer):
     got = {key: resolve(str(path), cfg) for key, path in folders.items() if key != "bert"}
-    assert got["gpt"] == ModelSource(str(folders["gpt"]), "gptforge", folders["gpt"], small_tokenizer,
-                                     str(folders["gpt"]))
+    assert got["gpt"] == ModelSource(
+        str(folders["gpt"]), "gptforge", folders["gpt"], small_tokenizer, str(folders["gpt"])
+    )
     assert got["classifier"].kind == "classifier" and got["classifier"].tokenizer == small_tokenizer
     assert got["llama"].kind == "hf" and got["llama"].tokenizer == folders["llama"]
     assert got["gpt2"].kind == "hf"  # training converts GPT-2 folders to our GPT; serving takes them as they are
@@ -108,8 +114,20 @@ def test_name_equals_spec(folders, cfg, tmp_path, monkeypatch):
         one_line(e)
 
 
-@pytest.mark.parametrize("case", ["missing", "hub id", "file", "empty", "checkpoints root", "bert", "no weights",
-                                  "foreign config", "half a classifier"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "hub id",
+        "file",
+        "empty",
+        "checkpoints root",
+        "bert",
+        "no weights",
+        "foreign config",
+        "half a classifier",
+    ],
+)
 def test_folders_that_are_no_model(case, folders, cfg, tmp_path):
     path = tmp_path / "m"
     if case == "file":
@@ -130,11 +148,17 @@ def test_folders_that_are_no_model(case, folders, cfg, tmp_path):
     if case == "half a classifier":
         save_model(tiny_gpt(), path)
         (path / clf.HEAD_CONFIG).write_text("{}")
-    expected = {"missing": "no such folder", "hub id": "a Hugging Face hub id is not fetched", "file": "not a folder",
-                "empty": "not a model folder",
-                "checkpoints root": f"did you mean {path / 'final'}", "bert": "BertModel model, not a causal",
-                "no weights": "model.safetensors: not found", "foreign config": "not a gptforge model config",
-                "half a classifier": f"{clf.HEAD_FILE}: not found"}[case]
+    expected = {
+        "missing": "no such folder",
+        "hub id": "a Hugging Face hub id is not fetched",
+        "file": "not a folder",
+        "empty": "not a model folder",
+        "checkpoints root": f"did you mean {path / 'final'}",
+        "bert": "BertModel model, not a causal",
+        "no weights": "model.safetensors: not found",
+        "foreign config": "not a gptforge model config",
+        "half a classifier": f"{clf.HEAD_FILE}: not found",
+    }[case]
     with pytest.raises(BadInput) as e:
         resolve(str(path), cfg)
     assert expected in one_line(e)
@@ -154,8 +178,9 @@ def test_default_models(folders, cfg, tmp_path, monkeypatch):
     import shutil
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(BadInput, match="no MODEL given and neither checkpoints/instruct/final nor "
-                                       "checkpoints/classify/final exists") as e:
+    with pytest.raises(
+        BadInput, match="no MODEL given and neither checkpoints/instruct/final nor checkpoints/classify/final exists"
+    ) as e:
         resolve_all([], cfg)
     one_line(e)
     shutil.copytree(folders["classifier"], tmp_path / "checkpoints/classify/final")
@@ -178,10 +203,12 @@ def test_local_folders_resolve_without_mlflow(folders, small_tokenizer):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['mlflow'] = None; "  # any `import mlflow` now fails
-            "from gptforge.config.load import load_config; from gptforge.serve.sources import resolve_all; "
-            f"print([s.kind for s in resolve_all({[str(p) for p in folders.values() if p.name != 'bert']!r}, "
-            f"load_config(None, ['tokenizer.path={small_tokenizer}']))])")
+    code = (
+        "import sys; sys.modules['mlflow'] = None; "  # any `import mlflow` now fails
+        "from gptforge.config.load import load_config; from gptforge.serve.sources import resolve_all; "
+        f"print([s.kind for s in resolve_all({[str(p) for p in folders.values() if p.name != 'bert']!r}, "
+        f"load_config(None, ['tokenizer.path={small_tokenizer}']))])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["['gptforge',", "'classifier',", "'hf',", "'hf',", "'classifier']"]
@@ -191,8 +218,9 @@ def test_local_folders_resolve_without_mlflow(folders, small_tokenizer):
 # The registry
 
 
-@pytest.mark.parametrize("spec", ["models:/", "models:/x", "models:/x@", "models:/x/latest", "models:/x/1/2",
-                                  "models:/m-79ce3da1"])
+@pytest.mark.parametrize(
+    "spec", ["models:/", "models:/x", "models:/x@", "models:/x/latest", "models:/x/1/2", "models:/m-79ce3da1"]
+)
 def test_malformed_registry_uris(spec, cfg):
     with pytest.raises(BadInput, match="expected models:/NAME@ALIAS or models:/NAME/VERSION") as e:
         resolve(spec, cfg)
@@ -212,8 +240,11 @@ def test_an_unreachable_tracking_server_fails_in_one_line_within_seconds(cfg, mo
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
     # Unset, so that gptforge's own bound (gptforge.register.models) is what is checked; set first
     # so that monkeypatch also removes what gptforge sets, after the test.
-    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
-                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+    for name in (
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    ):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     importlib.import_module("mlflow")  # its import (seconds on a loaded machine) is not what is timed
@@ -235,8 +266,9 @@ def llama(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_registry_versions_are_downloaded_once_and_load(llama, folders, cfg, small_tokenizer, mlflow_server,
-                                                        tmp_path, monkeypatch):
+def test_registry_versions_are_downloaded_once_and_load(
+    llama, folders, cfg, small_tokenizer, mlflow_server, tmp_path, monkeypatch
+):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -277,8 +309,10 @@ def test_registry_versions_are_downloaded_once_and_load(llama, folders, cfg, sma
     loaded = clf.load_classifier(classifier.path)
     local = clf.load_classifier(folders["classifier"])
     enc = load_tokenizer(str(classifier.tokenizer))
-    assert torch.equal(clf.class_probabilities(loaded, TEXTS, enc),
-                       clf.class_probabilities(local, TEXTS, load_tokenizer(str(small_tokenizer))))
+    assert torch.equal(
+        clf.class_probabilities(loaded, TEXTS, enc),
+        clf.class_probabilities(local, TEXTS, load_tokenizer(str(small_tokenizer))),
+    )
 
     # A second start reads the cache: no download.
     def no_download(**kwargs):
@@ -307,10 +341,14 @@ def test_registry_versions_are_downloaded_once_and_load(llama, folders, cfg, sma
     assert json.loads(marker.read_text())["registry"].startswith("0") and (lm.path / "config.json").is_file()
 
     # Unknown model, alias and version: one line each, saying what there is.
-    for spec, expected in (("models:/gptforge-nothing@champion", "no registered model 'gptforge-nothing'"),
-                           ("models:/gptforge-instruct@staging",
-                            "gptforge-instruct has no alias @staging; its aliases: @champion (version 1)"),
-                           ("models:/gptforge-classify/7", "gptforge-classify has no version 7; its versions: 1")):
+    for spec, expected in (
+        ("models:/gptforge-nothing@champion", "no registered model 'gptforge-nothing'"),
+        (
+            "models:/gptforge-instruct@staging",
+            "gptforge-instruct has no alias @staging; its aliases: @champion (version 1)",
+        ),
+        ("models:/gptforge-classify/7", "gptforge-classify has no version 7; its versions: 1"),
+    ):
         with pytest.raises(BadInput) as e:
             resolve(spec, cfg)
         assert expected in one_line(e)

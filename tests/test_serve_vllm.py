@@ -64,8 +64,9 @@ def stub(tmp_path, monkeypatch) -> Path:
 def checkpoint(tmp_path_factory) -> Path:
     """A gptforge checkpoint with the GPT-2 vocabulary (the export writes the GPT-2 tokenizer)."""
     torch.manual_seed(0)
-    return save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK)),
-                      tmp_path_factory.mktemp("ckpt") / "final")
+    return save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=BLOCK)), tmp_path_factory.mktemp("ckpt") / "final"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +85,35 @@ def hf_folder(path: Path, **config) -> Path:
 
 
 def test_vllm_command():
-    assert vllm.vllm_command("/opt/vllm/bin/python", "/m/instruct", name="gptforge-instruct", host="0.0.0.0",
-                             port=8000, max_model_len=1024) == [
-        "/opt/vllm/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "/m/instruct",
-        "--served-model-name", "gptforge-instruct", "--host", "0.0.0.0", "--port", "8000", "--max-model-len", "1024"]
+    assert vllm.vllm_command(
+        "/opt/vllm/bin/python", "/m/instruct", name="gptforge-instruct", host="0.0.0.0", port=8000, max_model_len=1024
+    ) == [
+        "/opt/vllm/bin/python",
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        "/m/instruct",
+        "--served-model-name",
+        "gptforge-instruct",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--max-model-len",
+        "1024",
+    ]
     # The model folder's own tokenizer is not repeated; another one is named, as is a chat template.
     same = vllm.vllm_command("py", "/m", name="m", host="127.0.0.1", port=1, tokenizer="/m")
     assert "--tokenizer" not in same and "--max-model-len" not in same
-    other = vllm.vllm_command("py", "/m/model", name="m", host="127.0.0.1", port=1, tokenizer="/m/components/tokenizer",
-                              chat_template="/m/t.jinja")
+    other = vllm.vllm_command(
+        "py",
+        "/m/model",
+        name="m",
+        host="127.0.0.1",
+        port=1,
+        tokenizer="/m/components/tokenizer",
+        chat_template="/m/t.jinja",
+    )
     assert other[-4:] == ["--tokenizer", "/m/components/tokenizer", "--chat-template", "/m/t.jinja"]
 
 
@@ -107,8 +128,13 @@ def test_without_vllm_one_line_says_so(monkeypatch, tmp_path):
     assert vllm.importlib.util.find_spec("vllm") is None, "this test is for machines without vllm"
     monkeypatch.delenv(vllm.PYTHON_ENV, raising=False)
     with pytest.raises(BadInput) as e:
-        vllm.run_vllm([ModelSource("m", "hf", hf_folder(tmp_path / "m"), None, "m")], host="127.0.0.1", port=8000,
-                      api_key=None, cfg=load_config(None))
+        vllm.run_vllm(
+            [ModelSource("m", "hf", hf_folder(tmp_path / "m"), None, "m")],
+            host="127.0.0.1",
+            port=8000,
+            api_key=None,
+            cfg=load_config(None),
+        )
     message = str(e.value)
     assert "\n" not in message
     assert "vllm is not installed here" in message and "docker/Dockerfile" in message
@@ -121,8 +147,11 @@ def test_without_vllm_one_line_says_so(monkeypatch, tmp_path):
 @pytest.mark.parametrize("case", ["classifier", "two models", "none"])
 def test_one_language_model_only(case, tmp_path):
     lm = ModelSource("instruct", "hf", tmp_path, tmp_path, "x")
-    given = {"classifier": [lm, ModelSource("classify", "classifier", tmp_path, None, "y")],
-             "two models": [lm, ModelSource("base", "gptforge", tmp_path, None, "z")], "none": []}[case]
+    given = {
+        "classifier": [lm, ModelSource("classify", "classifier", tmp_path, None, "y")],
+        "two models": [lm, ModelSource("base", "gptforge", tmp_path, None, "z")],
+        "none": [],
+    }[case]
     with pytest.raises(BadInput, match="serves one (language )?model per process") as e:
         vllm.pick_model(given)
     assert "\n" not in str(e.value)
@@ -131,8 +160,12 @@ def test_one_language_model_only(case, tmp_path):
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name a colour."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
-     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Say \"hi\" {{ twice }}\n"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": 'Say "hi" {{ twice }}\n'},
+    ],
     [{"role": "developer", "content": "A"}, {"role": "system", "content": ""}, {"role": "user", "content": "é"}],
 ]
 
@@ -153,8 +186,9 @@ def test_chat_template_renders_as_our_engine(template, tok):
 
     jinja = vllm.chat_template(template)
     for messages in CONVERSATIONS:
-        assert tok.apply_chat_template(messages, chat_template=jinja, tokenize=False, add_generation_prompt=True) \
-            == render_conversation(messages, template)
+        assert tok.apply_chat_template(
+            messages, chat_template=jinja, tokenize=False, add_generation_prompt=True
+        ) == render_conversation(messages, template)
     with pytest.raises(jinja2.TemplateError, match="messages must end with a user message"):
         tok.apply_chat_template(CONVERSATIONS[1][:3], chat_template=jinja, tokenize=False)
     assert PHI3.format(content="x") in render_conversation([{"role": "user", "content": "x"}], "phi3")
@@ -172,9 +206,22 @@ def test_a_hugging_face_folder_is_served_as_it_is(stub, tmp_path, cfg):
     rc = vllm.run_vllm([source], host="127.0.0.1", port=8123, api_key="s3cret", cfg=cfg)
     assert rc == 0
     got = json.loads(stub.read_text())
-    assert got["argv"] == ["-m", "vllm.entrypoints.cli.main", "serve", str(folder), "--served-model-name",
-                           "gptforge-instruct", "--host", "127.0.0.1", "--port", "8123", "--max-model-len", "256",
-                           "--tokenizer", str(tokenizer)]
+    assert got["argv"] == [
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(folder),
+        "--served-model-name",
+        "gptforge-instruct",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--max-model-len",
+        "256",
+        "--tokenizer",
+        str(tokenizer),
+    ]
     assert got["api_key"] == "s3cret"  # in vLLM's environment, not on its command line
     assert "s3cret" not in got["argv"]
 
@@ -193,16 +240,29 @@ def test_a_checkpoint_is_exported_once_per_weights(stub, checkpoint, cfg, tmp_pa
     got = json.loads(stub.read_text())
     folder = Path(got["argv"][3])
     assert folder.parent == tmp_path / "cache" / "export"
-    assert got["argv"][4:] == ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8124",
-                               "--max-model-len", str(BLOCK), "--chat-template", str(folder / vllm.CHAT_TEMPLATE_FILE)]
+    assert got["argv"][4:] == [
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8124",
+        "--max-model-len",
+        str(BLOCK),
+        "--chat-template",
+        str(folder / vllm.CHAT_TEMPLATE_FILE),
+    ]
     assert got["api_key"] is None
 
     # The chat template renders a conversation as our own engine does (the instruct template).
     tok = AutoTokenizer.from_pretrained(folder)
     assert (folder / vllm.CHAT_TEMPLATE_FILE).read_text() == vllm.chat_template("alpaca")
-    assert tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], tokenize=False,
-                                   chat_template=vllm.chat_template("alpaca"), add_generation_prompt=True) \
-        == ALPACA_NO_INPUT.format(instruction="Name a colour.")
+    assert tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}],
+        tokenize=False,
+        chat_template=vllm.chat_template("alpaca"),
+        add_generation_prompt=True,
+    ) == ALPACA_NO_INPUT.format(instruction="Name a colour.")
 
     # Same weights: no second export. New weights in the same folder: exported again.
     weights = folder / "model.safetensors"
@@ -243,10 +303,12 @@ def test_sigterm_reaches_vllm(stub, tmp_path):
     folder = hf_folder(tmp_path / "m")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STUB_EXIT")
-    code = ("import sys; from pathlib import Path; from gptforge.config.load import load_config; "
-            "from gptforge.serve.sources import ModelSource; from gptforge.serve.vllm import run_vllm; "
-            f"sys.exit(run_vllm([ModelSource('m', 'hf', Path({str(folder)!r}), None, 'm')], host='127.0.0.1', "
-            "port=8126, api_key=None, cfg=load_config(None)))")
+    code = (
+        "import sys; from pathlib import Path; from gptforge.config.load import load_config; "
+        "from gptforge.serve.sources import ModelSource; from gptforge.serve.vllm import run_vllm; "
+        f"sys.exit(run_vllm([ModelSource('m', 'hf', Path({str(folder)!r}), None, 'm')], host='127.0.0.1', "
+        "port=8126, api_key=None, cfg=load_config(None)))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     child = None
     try:
@@ -282,8 +344,12 @@ def test_cli_without_vllm_one_line(checkpoint, tmp_path):
 
     env = cli_env(GPTFORGE_SERVE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop(vllm.PYTHON_ENV, None)
-    out = run_cli(["serve", "--engine", "vllm", f"tiny={checkpoint}", "-S", f"tokenizer.path={GPT2_TOKENIZER}"],
-                  cwd=tmp_path, env=env, timeout=120)
+    out = run_cli(
+        ["serve", "--engine", "vllm", f"tiny={checkpoint}", "-S", f"tokenizer.path={GPT2_TOKENIZER}"],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     line = last_error_line(out.stderr)
     assert "vllm is not installed here" in line and "`--engine gptforge` (the default)" in line

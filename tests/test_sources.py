@@ -106,7 +106,7 @@ def https_to_loopback(monkeypatch):
 
     def urlopen(req, *args, **kwargs):
         if req.full_url.startswith("https://127.0.0.1:"):
-            req.full_url = "http://" + req.full_url[len("https://"):]
+            req.full_url = "http://" + req.full_url[len("https://") :]
         return real(req, *args, **kwargs)
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
@@ -183,12 +183,14 @@ def test_wrong_length_is_caught_by_the_checksum_and_leaves_nothing(server, https
     sends): only the pinned sha256 can tell, and then nothing corrupt stays in the cache."""
     server.script["/files/data.bin"] = ["wrong-length"]
     with pytest.raises(BadInput, match=r"checksum mismatch .*\(check p.sha256 and p.source\)"):
-        materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
-                    raw_dir=tmp_path)
+        materialize(
+            f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST, raw_dir=tmp_path
+        )
     assert list(tmp_path.iterdir()) == []
     # The next run downloads it again, whole.
-    path = materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
-                       raw_dir=tmp_path)
+    path = materialize(
+        f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST, raw_dir=tmp_path
+    )
     assert path.read_bytes() == BODY
 
 
@@ -196,8 +198,9 @@ def test_drop_then_wrong_range_then_good_answer_ends_verified(server, https_to_l
     """Dropped mid-file, then a resume answered from the wrong offset (appending it would corrupt
     the file): the bad part is discarded, the retry starts over, the result verifies."""
     server.script["/files/data.bin"] = ["truncate", "wrong-range"]
-    path = materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST,
-                       raw_dir=tmp_path)
+    path = materialize(
+        f"https://{server.base}/files/data.bin", param="p.source", sha256=BODY_SHA, download=FAST, raw_dir=tmp_path
+    )
     assert path.read_bytes() == BODY
     ranges = [r for _, r in server.requests]
     assert ranges[0] is None and ranges[1] is not None and ranges[2] is None  # resumed once, then from zero
@@ -250,31 +253,43 @@ def test_unreachable_host_names_the_param_and_leaves_nothing(tmp_path):
 def test_always_short_body_gives_up_and_deletes_the_part(server, https_to_loopback, tmp_path):
     server.script["/files/data.bin"] = ["truncate"] * 3
     with pytest.raises(SourceUnreachable, match=r"connection closed after .* \(after 3 attempts\); set p.source"):
-        materialize(f"https://{server.base}/files/data.bin", param="p.source", sha256=None, download=FAST,
-                    raw_dir=tmp_path)
+        materialize(
+            f"https://{server.base}/files/data.bin", param="p.source", sha256=None, download=FAST, raw_dir=tmp_path
+        )
     assert list(tmp_path.iterdir()) == []
 
 
 def test_http_404_is_a_clear_source_error(server, https_to_loopback, tmp_path):
     with pytest.raises(SourceUnreachable, match=r"cannot download https://.*/missing.zip: HTTP 404 .*set p.source"):
-        materialize(f"https://{server.base}/missing.zip", param="p.source", sha256=None,
-                    download=DownloadConfig(retries=0), raw_dir=tmp_path)
+        materialize(
+            f"https://{server.base}/missing.zip",
+            param="p.source",
+            sha256=None,
+            download=DownloadConfig(retries=0),
+            raw_dir=tmp_path,
+        )
     with pytest.raises(SourceUnreachable, match="HTTP 404"):
         download_url(f"http://{server.base}/missing.zip", tmp_path / "m.zip")
 
 
 def test_checksum_mismatch_through_materialize_names_the_sha_param(server, https_to_loopback, tmp_path):
     with pytest.raises(BadInput, match=r"checksum mismatch .*check data.instruct.sha256"):
-        materialize(f"https://{server.base}/files/data.bin", param="data.instruct.source", sha256="a" * 64,
-                    download=FAST, raw_dir=tmp_path)
+        materialize(
+            f"https://{server.base}/files/data.bin",
+            param="data.instruct.source",
+            sha256="a" * 64,
+            download=FAST,
+            raw_dir=tmp_path,
+        )
     assert list(tmp_path.iterdir()) == []
     assert len(server.requests) == 1  # a wrong checksum is not retried
 
 
 def test_malformed_sha256_is_refused_before_downloading(tmp_path):
     with pytest.raises(BadInput, match="data.classify.sha256: expected 64 hex digits"):
-        materialize("https://127.0.0.1:1/x.zip", param="data.classify.source", sha256="abc", download=FAST,
-                    raw_dir=tmp_path)
+        materialize(
+            "https://127.0.0.1:1/x.zip", param="data.classify.source", sha256="abc", download=FAST, raw_dir=tmp_path
+        )
 
 
 def test_local_sources(tmp_path):
@@ -321,8 +336,12 @@ def test_safe_extract_zip(tmp_path):
 
 @pytest.mark.parametrize(
     "member, problem",
-    [("../evil", "'..' in path"), ("a/../../evil", "'..' in path"), ("/etc/evil", "absolute path"),
-     ("C:/evil", "drive letter")],
+    [
+        ("../evil", "'..' in path"),
+        ("a/../../evil", "'..' in path"),
+        ("/etc/evil", "absolute path"),
+        ("C:/evil", "drive letter"),
+    ],
 )
 def test_unsafe_zip_members_are_refused(tmp_path, member, problem):
     z = make_zip(tmp_path / "bad.zip", {"ok.txt": b"fine", member: b"pwned"})
@@ -352,7 +371,7 @@ def test_zip_with_damaged_data_leaves_nothing_half_extracted(tmp_path):
     z = make_zip(tmp_path / "d.zip", {"a.txt": b"A" * 1000, "b.txt": b"B" * 1000})
     data = bytearray(z.read_bytes())
     i = data.index(b"B" * 100)
-    data[i:i + 10] = b"X" * 10  # stored (uncompressed) member: its CRC check fails on extraction
+    data[i : i + 10] = b"X" * 10  # stored (uncompressed) member: its CRC check fails on extraction
     z.write_bytes(bytes(data))
     with pytest.raises(BadInput, match="not a valid zip archive"):
         safe_extract_zip(z, tmp_path / "out")
@@ -397,11 +416,14 @@ def test_jsonl_bad_line_is_named(tmp_path):
         read_records(f, param="p")
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("d.xml", b"<a/>", "unsupported file type '.xml'"),
-    ("d.parquet", b"not parquet", "not a readable parquet file"),
-    ("d.csv", b"text,label\n\xff\xfe,1\n", "not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("d.xml", b"<a/>", "unsupported file type '.xml'"),
+        ("d.parquet", b"not parquet", "not a readable parquet file"),
+        ("d.csv", b"text,label\n\xff\xfe,1\n", "not UTF-8 text"),
+    ],
+)
 def test_unreadable_record_files(tmp_path, name, content, message):
     f = tmp_path / name
     f.write_bytes(content)

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from cli_support import cli_env, run_cli
 from process_support import prefect_home
+
 from gptforge.cli import main
 
 HEAVY = ("torch", "prefect", "mlflow", "transformers", "datasets", "pydantic")
@@ -38,8 +38,9 @@ for args in {calls!r}:
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}))
 print(json.dumps({{"codes": codes, "loaded": loaded}}))
 """
-    r = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=cli_env(**env), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -48,11 +49,23 @@ print(json.dumps({{"codes": codes, "loaded": loaded}}))
 # --help
 
 
-HELP_CALLS = [["--help"], ["--version"], ["prepare", "--help"], ["prepare", "pretrain", "--help"],
-              ["prepare", "classify", "--help"], ["prepare", "instruct", "--help"], ["pretrain", "--help"],
-              ["finetune", "classify", "--help"], ["finetune", "instruct", "--help"], ["evaluate", "--help"],
-              ["pipeline", "--help"], ["config", "show", "--help"], ["classify", "--help"], ["generate", "--help"],
-              ["export", "--help"]]
+HELP_CALLS = [
+    ["--help"],
+    ["--version"],
+    ["prepare", "--help"],
+    ["prepare", "pretrain", "--help"],
+    ["prepare", "classify", "--help"],
+    ["prepare", "instruct", "--help"],
+    ["pretrain", "--help"],
+    ["finetune", "classify", "--help"],
+    ["finetune", "instruct", "--help"],
+    ["evaluate", "--help"],
+    ["pipeline", "--help"],
+    ["config", "show", "--help"],
+    ["classify", "--help"],
+    ["generate", "--help"],
+    ["export", "--help"],
+]
 
 
 def test_help_loads_no_heavy_package(tmp_path):
@@ -73,6 +86,7 @@ def test_benchmark_help_still_lists_the_variant_grid(capsys):
 def test_help_names_the_default_params_file(capsys):
     from gptforge.cli.parsing import DEFAULT_PARAMS_HELP
     from gptforge.config.load import DEFAULT_PARAMS
+
     assert DEFAULT_PARAMS_HELP == DEFAULT_PARAMS
     with pytest.raises(SystemExit):
         main(["config", "show", "--help"])
@@ -93,8 +107,21 @@ def test_data_stages_never_load_torch(tmp_path, small_tokenizer, sms_file, alpac
     corpus.write_text("the cat and the dog\n" * 200)
     off = ["-S", "tracking.enabled=false"]
     calls = [
-        ["prepare", "pretrain", *off, "-S", f"tokenizer.path={small_tokenizer}", "-S", f"data.pretrain.source={corpus}",
-         "-S", "data.pretrain.val_tokens=100", "-S", "data.pretrain.shard_tokens=1000", "-S", "data.pretrain.workers=1"],
+        [
+            "prepare",
+            "pretrain",
+            *off,
+            "-S",
+            f"tokenizer.path={small_tokenizer}",
+            "-S",
+            f"data.pretrain.source={corpus}",
+            "-S",
+            "data.pretrain.val_tokens=100",
+            "-S",
+            "data.pretrain.shard_tokens=1000",
+            "-S",
+            "data.pretrain.workers=1",
+        ],
         ["prepare", "classify", *off, "-S", f"data.classify.source={sms_file}"],
         ["prepare", "instruct", *off, "-S", f"data.instruct.source={alpaca_file}"],
     ]
@@ -109,8 +136,12 @@ def test_data_stages_never_load_torch(tmp_path, small_tokenizer, sms_file, alpac
 @pytest.mark.slow
 def test_a_recorded_data_stage_loads_neither_mlflow_nor_prefect_nor_torch(tmp_path, sms_file, mlflow_uri, prefect_api):
     # Its MLflow run and Prefect flow run go through its journal; the recorder makes them.
-    result = loaded_after([["prepare", "classify", "-S", f"data.classify.source={sms_file}"]], tmp_path,
-                          MLFLOW_TRACKING_URI=mlflow_uri, PREFECT_API_URL=prefect_api)
+    result = loaded_after(
+        [["prepare", "classify", "-S", f"data.classify.source={sms_file}"]],
+        tmp_path,
+        MLFLOW_TRACKING_URI=mlflow_uri,
+        PREFECT_API_URL=prefect_api,
+    )
     assert result["codes"] == [0]
     assert not {"mlflow", "prefect", "torch"} & set(result["loaded"]), result["loaded"]
 
@@ -142,8 +173,9 @@ def test_with_no_prefect_server_a_failed_stage_is_one_line_and_its_flow_run_goes
     assert r.stderr == "gptforge: error: broken.zip: not a valid zip archive (File is not a zip file)\n"
     assert not list((tmp_path / ".gptforge" / "records").glob("*.jsonl"))  # delivered (GPTFORGE_WAIT_FOR_RECORDS)
     url = json.loads((tmp_path / ".gptforge" / "recorder" / "state.json").read_text())["prefect_api_url"]
-    request = urllib.request.Request(f"{url}/flow_runs/filter", data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/flow_runs/filter", data=b"{}", method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         [flow_run] = json.loads(response.read())
     assert flow_run["state"]["type"] == "FAILED" and "not a valid zip archive" in flow_run["state"]["message"]

@@ -33,10 +33,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from cli_support import BIN, REPO, cli_env, run_cli, set_params, snapshot, stage_params
 from fixture_data import SMS_LINES
 from process_support import Paused, logged, prefect_home, records_delivered, started, wait_until
+
 from gptforge.runtime.signals import group_alive
 
 # Seconds from the signal to a process-free folder: the bound users expect, and the point of
@@ -106,13 +106,28 @@ def _prepare_every_stage(root: Path, small_tokenizer: Path) -> dict:
     sms = root / "SMSSpamCollection"
     sms.write_text("".join(f"{label}\t{text} #{i}\n" for i in range(3) for label, text in SMS_LINES), encoding="utf-8")
     alpaca = root / "alpaca_data.json"
-    alpaca.write_text(json.dumps([{"instruction": f"Give a synonym for word number {i}.", "input": "",
-                                   "output": f"synonym {i}"} for i in range(40)]), encoding="utf-8")
+    alpaca.write_text(
+        json.dumps(
+            [
+                {"instruction": f"Give a synonym for word number {i}.", "input": "", "output": f"synonym {i}"}
+                for i in range(40)
+            ]
+        ),
+        encoding="utf-8",
+    )
     params = {**stage_params(root, small_tokenizer, sms, alpaca), "tracking.enabled": False}
     set_params(repo, **params)
     env = cli_env(GPTFORGE_PREFECT="0")
-    for args in (["prepare", "pretrain"], ["prepare", "classify"], ["prepare", "instruct"], ["prepare", "preference"],
-                 ["pretrain"], ["finetune", "classify"], ["finetune", "instruct"], ["finetune", "reward"]):
+    for args in (
+        ["prepare", "pretrain"],
+        ["prepare", "classify"],
+        ["prepare", "instruct"],
+        ["prepare", "preference"],
+        ["pretrain"],
+        ["finetune", "classify"],
+        ["finetune", "instruct"],
+        ["finetune", "reward"],
+    ):
         out = run_cli(args, repo, env, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     # A large HellaSwag file makes the evaluation last: 3000 distinct examples (repeated ones
@@ -139,45 +154,80 @@ def _slow_params(stage: str, stall: str, extra: dict) -> tuple[list[str], dict, 
         "prepare_pretrain": (["prepare", "pretrain"], {"data.pretrain.source": f"{https}/corpus.txt", **download}),
         "prepare_classify": (["prepare", "classify"], {"data.classify.source": f"{https}/sms.zip", **download}),
         "prepare_instruct": (["prepare", "instruct"], {"data.instruct.source": f"{https}/alpaca.json", **download}),
-        "prepare_preference": (["prepare", "preference"],
-                               {"data.preference.source": f"{https}/pairs.json", **download}),
+        "prepare_preference": (
+            ["prepare", "preference"],
+            {"data.preference.source": f"{https}/pairs.json", **download},
+        ),
         "prepare_base": (["prepare", "base", "-S", "base.only=tiny"], {"base.models": {"tiny": "gptforge-test/tiny"}}),
         "pretrain": (["pretrain"], {"pretrain.max_steps": 100_000, "pretrain.resume": "never"}),
         "finetune_classify": (["finetune", "classify"], {"classify.epochs": 100_000}),
         "finetune_instruct": (["finetune", "instruct"], {"instruct.epochs": 100_000}),
-        "finetune_instruct_variant": (["finetune", "instruct-variant", "-S", "instruct_variants.only=tiny"],
-                                      {"instruct_variants.models.tiny.epochs": 100_000,
-                                       "instruct_variants.models.tiny.max_samples": None}),
-        "finetune_preference": (["finetune", "preference"], {"preference.epochs": 100_000, "preference.max_samples": None}),
+        "finetune_instruct_variant": (
+            ["finetune", "instruct-variant", "-S", "instruct_variants.only=tiny"],
+            {"instruct_variants.models.tiny.epochs": 100_000, "instruct_variants.models.tiny.max_samples": None},
+        ),
+        "finetune_preference": (
+            ["finetune", "preference"],
+            {"preference.epochs": 100_000, "preference.max_samples": None},
+        ),
         "train_reward": (["finetune", "reward"], {"reward.epochs": 100_000, "reward.max_samples": None}),
         "finetune_rl": (["finetune", "rl"], {"rl.epochs": 100_000, "rl.max_prompts": None}),
         "evaluate": (["evaluate"], {"evaluate.hellaswag.source": extra["hellaswag_big"], "evaluate.limit": None}),
         "register": (["register"], {}),
         "benchmark": (["benchmark"], BENCHMARK_FOREVER),
         # every request of the first chunks waits on the stalling endpoint (the project's docs/ as the documents)
-        "synthesize": (["synthesize"], {"synthesize.documents": {"manual": str(REPO / "docs")},
-                                        "synthesize.endpoint.url": f"{stall}/v1", "synthesize.endpoint.model": "m",
-                                        "synthesize.endpoint.timeout": 600, "synthesize.endpoint.retries": 0}),
+        "synthesize": (
+            ["synthesize"],
+            {
+                "synthesize.documents": {"manual": str(REPO / "docs")},
+                "synthesize.endpoint.url": f"{stall}/v1",
+                "synthesize.endpoint.model": "m",
+                "synthesize.endpoint.timeout": 600,
+                "synthesize.endpoint.retries": 0,
+            },
+        ),
     }
     args, params = table[stage]
     # The hub fetch and the registry (its run stays in the test's database) go to the stalling
     # server too, with timeouts far beyond the test.
-    env = {"prepare_base": {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": stall, "HF_HUB_ETAG_TIMEOUT": "600",
-                            "HF_HUB_DOWNLOAD_TIMEOUT": "600"},
-           "register": {"MLFLOW_REGISTRY_URI": stall, "MLFLOW_HTTP_REQUEST_TIMEOUT": "600",
-                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}}.get(stage, {})
+    env = {
+        "prepare_base": {
+            "HF_HUB_OFFLINE": "0",
+            "HF_ENDPOINT": stall,
+            "HF_HUB_ETAG_TIMEOUT": "600",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "600",
+        },
+        "register": {
+            "MLFLOW_REGISTRY_URI": stall,
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "600",
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        },
+    }.get(stage, {})
     return args, params, env
 
 
 # The stages whose work is a request to the stalling server: under way once it has connected.
-STALLED = {"prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base", "register",
-           "synthesize"}
+STALLED = {
+    "prepare_pretrain",
+    "prepare_classify",
+    "prepare_instruct",
+    "prepare_preference",
+    "prepare_base",
+    "register",
+    "synthesize",
+}
 # What the others log once their work is under way (an epoch or a step done, the scoring or the
 # timing started); pretrain is paused instead.
-READY = {"finetune_classify": "steps so far", "finetune_instruct": "steps so far",
-         "finetune_instruct_variant": "steps so far", "finetune_preference": "margin=",
-         "train_reward": "acc=", "finetune_rl": "reward=",
-         "evaluate": "pretrain loglikelihood", "benchmark": "benchmark baseline: skipped"}
+READY = {
+    "finetune_classify": "steps so far",
+    "finetune_instruct": "steps so far",
+    "finetune_instruct_variant": "steps so far",
+    "finetune_preference": "margin=",
+    "train_reward": "acc=",
+    "finetune_rl": "reward=",
+    "evaluate": "pretrain loglikelihood",
+    "benchmark": "benchmark baseline: skipped",
+}
 PAUSE_AT = 2  # pretrain's pause: a checkpointed step (pretrain.ckpt_interval 2 in stage_params)
 
 
@@ -212,10 +262,24 @@ def wait_gone(proc: subprocess.Popen, within: float, since: float) -> float:
     return time.monotonic() - start
 
 
-STAGES = ["prepare_pretrain", "prepare_classify", "prepare_instruct", "prepare_preference", "prepare_base",
-          "pretrain", "finetune_classify", "finetune_instruct", "finetune_instruct_variant", "finetune_preference",
-          "train_reward", "finetune_rl",
-          "evaluate", "register", "benchmark", "synthesize"]
+STAGES = [
+    "prepare_pretrain",
+    "prepare_classify",
+    "prepare_instruct",
+    "prepare_preference",
+    "prepare_base",
+    "pretrain",
+    "finetune_classify",
+    "finetune_instruct",
+    "finetune_instruct_variant",
+    "finetune_preference",
+    "train_reward",
+    "finetune_rl",
+    "evaluate",
+    "register",
+    "benchmark",
+    "synthesize",
+]
 
 
 # Stages added on 2026-11-27 whose stop is not exercised here yet (they stop through the same
@@ -265,8 +329,19 @@ def test_a_stop_that_a_library_turned_into_another_error_is_still_a_stop(monkeyp
         tasks.PrefectSteps()(lambda: (_ for _ in ()).throw(ValueError("a real failure")))
 
     # The command: exit 143 and a stop line, not a failure's exit 1.
-    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: type(
-        "A", (), {"func": staticmethod(lambda args: (_ for _ in ()).throw(_stop_turned_into(RuntimeError)))})()})())
+    monkeypatch.setattr(
+        cli,
+        "build_parser",
+        lambda: type(
+            "P",
+            (),
+            {
+                "parse_args": lambda self, argv: type(
+                    "A", (), {"func": staticmethod(lambda args: (_ for _ in ()).throw(_stop_turned_into(RuntimeError)))}
+                )()
+            },
+        )(),
+    )
     assert cli.main([]) == 128 + signal.SIGTERM
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("gptforge: stopped by SIGTERM (RuntimeError on the way out: "), last
@@ -279,11 +354,13 @@ def test_a_stop_raised_where_python_drops_exceptions_is_sent_again(monkeypatch):
     import weakref
 
     from gptforge.runtime import signals
+
     got = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     monkeypatch.setattr(sys, "unraisablehook", lambda u: pytest.fail(f"not a stop: {u.exc_value!r}"))
     monkeypatch.setattr(sys, "unraisablehook", signals._redelivering(sys.unraisablehook))
     try:
+
         class Collected:
             pass
 
@@ -308,7 +385,7 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
     experiment = f"stop-{stage}"
     set_params(repo, **{**params, "tracking.enabled": True, "tracking.experiment": experiment})
     db = tmp_path / "mlflow.db"
-    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     uri = f"sqlite:///{db}"
     env = cli_env(PREFECT_API_URL=prefect_api, MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", **env_extra)
     before = {k: v for k, v in snapshot(repo).items() if not k.startswith((".gptforge/", "checkpoints/pretrain/step_"))}
@@ -320,8 +397,12 @@ def test_sigterm_stops_the_stage(stage, tmp_path, prepared_repo, stalling_server
 
     log = tmp_path / "stage.log"
     with started([str(BIN / "gptforge"), *args], repo, env, log) as proc:
-        wait_until(lambda: [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"], proc, log,
-                   "its MLflow run started")
+        wait_until(
+            lambda: [r for r in _runs(uri, experiment) if r.info.status == "RUNNING"],
+            proc,
+            log,
+            "its MLflow run started",
+        )
         if stage in STALLED:
             wait_until(lambda: len(stalling_server.held) > connections, proc, log, "waiting for the server")
         elif stage in READY:
@@ -359,7 +440,7 @@ def _tracked_env(tmp_path: Path, mlflow_uri: str, **extra: str) -> tuple[dict, s
     """CLI environment with a private copy of the session's MLflow database, and its URI. With
     no PREFECT_API_URL in `extra` Prefect starts its temporary server (in a private PREFECT_HOME)."""
     db = tmp_path / "mlflow.db"
-    shutil.copy(mlflow_uri[len("sqlite:///"):], db)
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     uri = f"sqlite:///{db}"
     home = prefect_home(tmp_path / "prefect-home")
     env = cli_env(MLFLOW_TRACKING_URI=uri, GPTFORGE_PREFECT="1", PREFECT_HOME=str(home), **extra)
@@ -382,13 +463,26 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, prepared_repo, prefect_api, mlf
     repo = tmp_path / "repo"
     shutil.copytree(source, repo, symlinks=True)
     experiment = "stop-twice"
-    set_params(repo, **{"pretrain.max_steps": 1000, "pretrain.resume": "never",
-                        "tracking.enabled": True, "tracking.experiment": experiment})
+    set_params(
+        repo,
+        **{
+            "pretrain.max_steps": 1000,
+            "pretrain.resume": "never",
+            "tracking.enabled": True,
+            "tracking.experiment": experiment,
+        },
+    )
     pause = Paused(tmp_path, PAUSE_AT)
     # The stop deadline (an exit with the same code, STOP_GRACE_SECONDS after the first signal)
     # is put beyond the test, so that it cannot pass for the second Ctrl-C.
-    env, uri = _tracked_env(tmp_path, mlflow_uri, PREFECT_API_URL=prefect_api, OMP_NUM_THREADS="1",
-                            GPTFORGE_STOP_GRACE_SECONDS="600", **pause.env())
+    env, uri = _tracked_env(
+        tmp_path,
+        mlflow_uri,
+        PREFECT_API_URL=prefect_api,
+        OMP_NUM_THREADS="1",
+        GPTFORGE_STOP_GRACE_SECONDS="600",
+        **pause.env(),
+    )
     log = tmp_path / "pretrain.log"
     with started([str(BIN / "gptforge"), "pretrain"], repo, env, log) as proc:
         pause.wait(proc, output=log.read_text)
@@ -409,6 +503,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, prepared_repo, prefect_api, mlf
     steps = sorted((repo / "checkpoints/pretrain").glob("step_*"))
     assert [p.name for p in steps] == [f"step_{PAUSE_AT:08d}"], steps  # none started for a later step
     assert (steps[0] / "checksums.json").is_file()
-    assert [p.name for p in (repo / "checkpoints/pretrain").iterdir() if not p.name.startswith(("step_", "final"))] == []
+    assert [
+        p.name for p in (repo / "checkpoints/pretrain").iterdir() if not p.name.startswith(("step_", "final"))
+    ] == []
     records_delivered(repo)
     assert _statuses(uri, experiment)["pretrain"] == "KILLED"

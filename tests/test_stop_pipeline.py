@@ -19,11 +19,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from cli_support import BIN, set_params, stage_params
 from process_support import Paused, logged, processes_in, records_delivered, started, wait_until
-from test_stop import (BENCHMARK_FOREVER, PAUSE_AT, READY, STOP_WITHIN, _flow_run_state, _runs, _statuses, _tracked_env,
-                       stopped_step)
+from test_stop import (
+    BENCHMARK_FOREVER,
+    PAUSE_AT,
+    READY,
+    STOP_WITHIN,
+    _flow_run_state,
+    _runs,
+    _statuses,
+    _tracked_env,
+    stopped_step,
+)
 
 
 def _recorders_api(repo: Path) -> str:
@@ -32,9 +40,16 @@ def _recorders_api(repo: Path) -> str:
 
 
 def _wait_for_run(uri: str, experiment: str, stage: str, proc: subprocess.Popen, log: Path) -> None:
-    wait_until(lambda: [r for r in _runs(uri, experiment)
-                        if r.data.tags.get("gptforge.stage") == stage and r.info.status == "RUNNING"],
-               proc, log, f"{stage}'s MLflow run started")
+    wait_until(
+        lambda: [
+            r
+            for r in _runs(uri, experiment)
+            if r.data.tags.get("gptforge.stage") == stage and r.info.status == "RUNNING"
+        ],
+        proc,
+        log,
+        f"{stage}'s MLflow run started",
+    )
 
 
 def _gone_within(repo: Path, proc: subprocess.Popen, within: float, since: float) -> list[str]:
@@ -50,17 +65,26 @@ def _gone_within(repo: Path, proc: subprocess.Popen, within: float, since: float
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, repo_copy, small_tokenizer, sms_file,
-                                                                    alpaca_file, mlflow_uri):
+def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(
+    tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file, mlflow_uri
+):
     """The issue's "Why": SIGTERM to `gptforge pipeline` (no Prefect server configured: the
     recorder's own) while the benchmark stage runs."""
     experiment = "stop-pipeline"
-    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file), **BENCHMARK_FOREVER,
-                             "tracking.enabled": True, "tracking.experiment": experiment})
+    set_params(
+        repo_copy,
+        **{
+            **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+            **BENCHMARK_FOREVER,
+            "tracking.enabled": True,
+            "tracking.experiment": experiment,
+        },
+    )
     env, uri = _tracked_env(tmp_path, mlflow_uri)
     log = tmp_path / "pipeline.log"
-    with started([str(BIN / "gptforge"), "pipeline", "benchmark", "--no-pull", "--no-push"], repo_copy, env,
-                 log) as proc:
+    with started(
+        [str(BIN / "gptforge"), "pipeline", "benchmark", "--no-pull", "--no-push"], repo_copy, env, log
+    ) as proc:
         _wait_for_run(uri, experiment, "benchmark", proc, log)
         wait_until(logged(log, READY["benchmark"]), proc, log, "timing the benchmark")
         proc.send_signal(signal.SIGTERM)
@@ -77,8 +101,12 @@ def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, re
     api = _recorders_api(repo_copy)
     assert _flow_run_state(api, run.data.tags["prefect.flow_run_id"]) == "CRASHED"
     # The pipeline's flow run, the stage's parent, ended Crashed too.
-    request = urllib.request.Request(f"{api}/flow_runs/filter", method="POST", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"flows": {"name": {"any_": ["pipeline"]}}}).encode())
+    request = urllib.request.Request(
+        f"{api}/flow_runs/filter",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"flows": {"name": {"any_": ["pipeline"]}}}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=10) as r:
         [pipeline_run] = json.load(r)
     assert pipeline_run["state"]["type"] == "CRASHED"
@@ -90,20 +118,29 @@ def test_sigterm_to_the_pipeline_during_benchmark_leaves_no_process(tmp_path, re
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "kill-dvc"])
-def test_stopping_dvc_repro_stops_its_stage(how, tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file,
-                                            mlflow_uri, prefect_api):
+def test_stopping_dvc_repro_stops_its_stage(
+    how, tmp_path, repo_copy, small_tokenizer, sms_file, alpaca_file, mlflow_uri, prefect_api
+):
     """Ctrl-C in the terminal of `dvc repro` (SIGINT to its process group: dvc, the stage and,
     were it in that group, the stage's temporary Prefect server), and `kill` of dvc alone, while
     the stage is paused in its training loop (the pause reaches it through dvc's environment)."""
     experiment = f"stop-dvc-{how}"
-    set_params(repo_copy, **{**stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
-                             "pretrain.max_steps": 100_000, "pretrain.ckpt_interval": 50,
-                             "tracking.enabled": True, "tracking.experiment": experiment})
+    set_params(
+        repo_copy,
+        **{
+            **stage_params(tmp_path, small_tokenizer, sms_file, alpaca_file),
+            "pretrain.max_steps": 100_000,
+            "pretrain.ckpt_interval": 50,
+            "tracking.enabled": True,
+            "tracking.experiment": experiment,
+        },
+    )
     # Ctrl-C: the stage's own temporary Prefect server; kill: the session's server, whose
     # records the test can read afterwards.
     pause = Paused(tmp_path, PAUSE_AT)
-    env, uri = _tracked_env(tmp_path, mlflow_uri, **pause.env(),
-                            **({"PREFECT_API_URL": prefect_api} if how == "kill-dvc" else {}))
+    env, uri = _tracked_env(
+        tmp_path, mlflow_uri, **pause.env(), **({"PREFECT_API_URL": prefect_api} if how == "kill-dvc" else {})
+    )
     log = tmp_path / "dvc.log"
     with started([str(BIN / "dvc"), "repro", "pretrain"], repo_copy, env, log) as proc:
         pause.wait(proc, output=log.read_text)

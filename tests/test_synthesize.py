@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from chat_endpoint import ChatEndpoint
 from cli_support import BIN, cli_env, last_error_line, run_cli, snapshot
 from process_support import started, wait_until
+
 from gptforge.config.load import load_config
 from gptforge.errors import SourceUnreachable, StageFailed
 from gptforge.synthesize.stage import synthesize
-
 
 RIVERS = """# Rivers
 
@@ -54,11 +53,14 @@ home river to spawn, often leaping up waterfalls on the way.
 Beavers build dams from branches and mud, which turns streams into ponds that shelter their
 lodges from wolves and other predators during the winter.
 """
-DOC = RIVERS + """
+DOC = (
+    RIVERS
+    + """
 # 长江
 
 长江是中国最长的河流，全长约六千三百公里，在上海注入东海。
 """
+)
 
 
 def _pairs(*pairs: tuple[str, str]) -> str:
@@ -66,32 +68,55 @@ def _pairs(*pairs: tuple[str, str]) -> str:
 
 
 GOOD = {
-    "rhine": [("Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),
-              ("Which sea does the Rhine reach?", "The Rhine reaches the North Sea in the Netherlands.")],
-    "danube": [("Where does the Danube start?",
-                "The Danube starts in the Black Forest of Germany and flows east through Vienna, Bratislava, "
-                "Budapest and Belgrade.")],
+    "rhine": [
+        ("Where does the Rhine rise?", "The Rhine rises in the Swiss Alps."),
+        ("Which sea does the Rhine reach?", "The Rhine reaches the North Sea in the Netherlands."),
+    ],
+    "danube": [
+        (
+            "Where does the Danube start?",
+            "The Danube starts in the Black Forest of Germany and flows east through Vienna, Bratislava, "
+            "Budapest and Belgrade.",
+        )
+    ],
     "glaciers": [("What do glaciers carve over thousands of years?", "Glaciers carve U-shaped valleys.")],
     "salmon": [("Where do salmon return to spawn?", "Salmon return to their home river to spawn.")],
     "yangtze": [("长江全长约多少公里？", "长江全长约六千三百公里。")],
 }
 BAD = {  # reason -> (chunk, question, answer)
-    "not_self_contained": [("rhine", "What does the figure above show about the Rhine?",
-                            "The Rhine flows north through Basel."),
-                           ("yangtze", "如上图所示，长江在哪里注入东海？", "长江在上海注入东海。")],
-    "ungrounded": [("rhine", "Who first mapped the Rhine?", "Roman engineers under Julius Caesar charted it in 55 BC.")],
+    "not_self_contained": [
+        ("rhine", "What does the figure above show about the Rhine?", "The Rhine flows north through Basel."),
+        ("yangtze", "如上图所示，长江在哪里注入东海？", "长江在上海注入东海。"),
+    ],
+    "ungrounded": [
+        ("rhine", "Who first mapped the Rhine?", "Roman engineers under Julius Caesar charted it in 55 BC.")
+    ],
     "duplicate": [("danube", "WHERE does the Danube start", "In the Black Forest of Germany.")],
-    "near_duplicate": [("danube", "Where does the Danube begin?",
-                        "The Danube starts in the Black Forest of Germany and flows east through Vienna, "
-                        "Bratislava, Budapest and Belgrade.")],
-    "not_a_question": [("danube", "The Danube and its delta.", "The Danube empties into the Black Sea through a delta.")],
+    "near_duplicate": [
+        (
+            "danube",
+            "Where does the Danube begin?",
+            "The Danube starts in the Black Forest of Germany and flows east through Vienna, "
+            "Bratislava, Budapest and Belgrade.",
+        )
+    ],
+    "not_a_question": [
+        ("danube", "The Danube and its delta.", "The Danube empties into the Black Sea through a delta.")
+    ],
     "too_short": [("danube", "Danube?", "It flows east through Vienna.")],
-    "repeats_question": [("danube", "Which cities does the Danube flow through?",
-                          "Which cities does the Danube flow through?")],
+    "repeats_question": [
+        ("danube", "Which cities does the Danube flow through?", "Which cities does the Danube flow through?")
+    ],
     "empty": [("danube", "What does the Danube empty into?", "   ")],
 }
-MARKERS = {"rhine": "Rhine rises", "danube": "Danube starts", "glaciers": "Glaciers carve", "salmon": "Salmon hatch",
-           "beavers": "Beavers build", "yangtze": "长江是中国"}
+MARKERS = {
+    "rhine": "Rhine rises",
+    "danube": "Danube starts",
+    "glaciers": "Glaciers carve",
+    "salmon": "Salmon hatch",
+    "beavers": "Beavers build",
+    "yangtze": "长江是中国",
+}
 
 
 class ScriptedEndpoint(ChatEndpoint):
@@ -141,17 +166,30 @@ def _cfg(tmp_path: Path, endpoint, **overrides):
     docs = tmp_path / "docs"
     docs.mkdir(exist_ok=True)
     (docs / "rivers.md").write_text(DOC, encoding="utf-8")
-    sets = {"tokenizer.path": "sample://gpt2_tokenizer", "synthesize.documents": {"rivers": str(docs)},
-            "synthesize.endpoint.url": endpoint.url, "synthesize.endpoint.model": "scripted",
-            "synthesize.chunk_tokens": 70, "synthesize.chunk_overlap": 0, "synthesize.min_chunk_tokens": 8,
-            "synthesize.pairs_per_chunk": 3, "synthesize.concurrency": 4, "synthesize.endpoint.retries": 0,
-            **overrides}
+    sets = {
+        "tokenizer.path": "sample://gpt2_tokenizer",
+        "synthesize.documents": {"rivers": str(docs)},
+        "synthesize.endpoint.url": endpoint.url,
+        "synthesize.endpoint.model": "scripted",
+        "synthesize.chunk_tokens": 70,
+        "synthesize.chunk_overlap": 0,
+        "synthesize.min_chunk_tokens": 8,
+        "synthesize.pairs_per_chunk": 3,
+        "synthesize.concurrency": 4,
+        "synthesize.endpoint.retries": 0,
+        **overrides,
+    }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
 
 
 def _run(tmp_path: Path, cfg):
-    return synthesize(cfg, out_root=tmp_path / "data/synthetic", reports_dir=tmp_path / "reports",
-                      metrics_dir=tmp_path / "metrics", cache_dir=tmp_path / "cache")
+    return synthesize(
+        cfg,
+        out_root=tmp_path / "data/synthetic",
+        reports_dir=tmp_path / "reports",
+        metrics_dir=tmp_path / "metrics",
+        cache_dir=tmp_path / "cache",
+    )
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -177,23 +215,30 @@ def test_keeps_exactly_the_good_pairs_and_drops_each_bad_one_under_its_reason(tm
     for record in dropped:
         by_reason.setdefault(record["reason"], []).append(record["instruction"])
     assert by_reason == {reason: [q for _, q, _ in items] for reason, items in BAD.items()}
-    assert [r["duplicate_of"] for r in dropped if r["reason"] in ("duplicate", "near_duplicate")] == \
-        ["Where does the Danube start?"] * 2
+    assert [r["duplicate_of"] for r in dropped if r["reason"] in ("duplicate", "near_duplicate")] == [
+        "Where does the Danube start?"
+    ] * 2
 
     chunks = _jsonl(out / "chunks.jsonl")
-    assert len(chunks) == 6 and all(doc[c["span"][0]:c["span"][1]] == c["text"] for c in chunks)
+    assert len(chunks) == 6 and all(doc[c["span"][0] : c["span"][1]] == c["text"] for c in chunks)
     assert chunks[1]["headings"] == ["Rivers", "Danube"] and chunks[-1]["headings"] == ["长江"]
     assert {r["chunk"] for r in kept} <= {c["id"] for c in chunks}
 
-    assert json.loads((out / "dataset_info.json").read_text()) == {"gptforge_rivers": {
-        "file_name": "qa.jsonl", "formatting": "alpaca",
-        "columns": {"prompt": "instruction", "query": "input", "response": "output"}}}
+    assert json.loads((out / "dataset_info.json").read_text()) == {
+        "gptforge_rivers": {
+            "file_name": "qa.jsonl",
+            "formatting": "alpaca",
+            "columns": {"prompt": "instruction", "query": "input", "response": "output"},
+        }
+    }
     n_bad = sum(len(v) for v in BAD.values())
     assert metrics["kept"] == 6 and metrics["pairs_returned"] == 6 + n_bad + 0
     assert metrics["unparseable"] == 1 and metrics["dropped_malformed"] == 1 and metrics["chunks"] == 6
     assert metrics["pairs_asked"] == 18
     assert {k: v for k, v in metrics.items() if k.startswith("dropped_") and v} == {
-        "dropped_malformed": 1, **{f"dropped_{reason}": len(items) for reason, items in BAD.items()}}
+        "dropped_malformed": 1,
+        **{f"dropped_{reason}": len(items) for reason, items in BAD.items()},
+    }
     # one request per chunk, one more for each reply that did not parse (glaciers, beavers)
     assert metrics["requests"] == len(endpoint.requests) == 8
     assert json.loads((tmp_path / "metrics/synthesize_rivers.json").read_text()) == metrics
@@ -263,8 +308,7 @@ def test_llm_verify_and_curate_drop_what_the_endpoint_rejects(tmp_path, endpoint
         return answer(body)
 
     endpoint.answer = judge
-    metrics = _run(tmp_path, _cfg(tmp_path, endpoint, **{"synthesize.verify": True,
-                                                         "synthesize.curate.enabled": True}))
+    metrics = _run(tmp_path, _cfg(tmp_path, endpoint, **{"synthesize.verify": True, "synthesize.curate.enabled": True}))
     kept = _jsonl(tmp_path / "data/synthetic/rivers/qa.jsonl")
     assert [r["instruction"] for r in kept] == [q for name in ("rhine", "danube", "glaciers") for q, _ in GOOD[name]]
     assert metrics["dropped_unsupported"] == 1 and metrics["dropped_low_rating"] == 1
@@ -322,12 +366,22 @@ def _workdir(tmp_path: Path, endpoint_url: str, documents: str = "docs") -> Path
     work = tmp_path / "work"
     (work / "docs").mkdir(parents=True)
     (work / "docs" / "rivers.md").write_text(DOC, encoding="utf-8")
-    (work / "params.yaml").write_text(yaml.safe_dump({
-        "tokenizer": {"path": "sample://gpt2_tokenizer"},
-        "synthesize": {"documents": {"rivers": documents}, "chunk_tokens": 70, "chunk_overlap": 0,
-                       "min_chunk_tokens": 8, "concurrency": 1,
-                       "endpoint": {"url": endpoint_url, "model": "scripted", "retries": 0}},
-        "tracking": {"enabled": False}}))
+    (work / "params.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": {"path": "sample://gpt2_tokenizer"},
+                "synthesize": {
+                    "documents": {"rivers": documents},
+                    "chunk_tokens": 70,
+                    "chunk_overlap": 0,
+                    "min_chunk_tokens": 8,
+                    "concurrency": 1,
+                    "endpoint": {"url": endpoint_url, "model": "scripted", "retries": 0},
+                },
+                "tracking": {"enabled": False},
+            }
+        )
+    )
     return work
 
 
@@ -353,11 +407,16 @@ def test_command_errors_are_one_line_and_write_nothing(tmp_path, endpoint, case)
         endpoint.answer = lambda body: (401, {"error": {"message": "Incorrect API key provided"}})
     before = _files(work)
     out = run_cli(["synthesize"], work, cli_env(GPTFORGE_PREFECT="0"), timeout=120)
-    expected = {"missing folder": (2, "synthesize.documents.rivers: nowhere not found"),
-                "unreadable type": (2, "synthesize.documents.rivers: cannot read notes.docx: .docx is not one of"),
-                "401": (2, f"synthesize.endpoint.url: {endpoint.url}/chat/completions answered HTTP 401 "
-                           "(Incorrect API key provided): set GPTFORGE_SYNTH_API_KEY"),
-                "unreachable": (1, f"synthesize.endpoint.url: {url}/chat/completions did not answer")}[case]
+    expected = {
+        "missing folder": (2, "synthesize.documents.rivers: nowhere not found"),
+        "unreadable type": (2, "synthesize.documents.rivers: cannot read notes.docx: .docx is not one of"),
+        "401": (
+            2,
+            f"synthesize.endpoint.url: {endpoint.url}/chat/completions answered HTTP 401 "
+            "(Incorrect API key provided): set GPTFORGE_SYNTH_API_KEY",
+        ),
+        "unreachable": (1, f"synthesize.endpoint.url: {url}/chat/completions did not answer"),
+    }[case]
     assert out.returncode == expected[0], out.stderr[-2000:]
     assert expected[1] in last_error_line(out.stderr), out.stderr[-2000:]
     assert _files(work) == before

@@ -15,6 +15,7 @@ import pytest
 
 import gptforge.samples
 from gptforge.errors import BadInput
+from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.synthesize.chunks import (
     Chunk,
     HeadingIndex,
@@ -24,7 +25,6 @@ from gptforge.synthesize.chunks import (
     read_chunks,
     write_chunks,
 )
-from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.synthesize.documents import Document, read_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,14 +42,14 @@ def check_chunks(doc: Document, chunks: list[Chunk], count_tokens, chunk_tokens:
     assert chunks
     for i, c in enumerate(chunks):
         assert c.id == f"{doc.source}#{i}" and c.source == doc.source
-        assert doc.text[c.start:c.end] == c.text
+        assert doc.text[c.start : c.end] == c.text
         assert c.text and c.text == c.text.strip()
         assert c.tokens == count_tokens(c.text) <= chunk_tokens
     assert [c.start for c in chunks] == sorted(c.start for c in chunks)
     # nothing but whitespace is left out between chunks
     covered = 0
     for c in chunks:
-        assert not doc.text[covered:c.start].strip()
+        assert not doc.text[covered : c.start].strip()
         covered = max(covered, c.end)
     assert not doc.text[covered:].strip()
 
@@ -137,7 +137,12 @@ def test_heading_index_paths_by_hand():
     assert at("Epsilon") == ("Usage",)
     assert at("#hashtag") == ("Usage",)
     assert [MARKDOWN[s:e] for s, e in zip(index.starts, index.ends)] == [
-        "# Install", "## From source", "### Deep ###", "## From wheel", "# Usage"]
+        "# Install",
+        "## From source",
+        "### Deep ###",
+        "## From wheel",
+        "# Usage",
+    ]
     assert heading_path(MARKDOWN, MARKDOWN.index("Gamma")) == ("Install", "From source", "Deep")
 
 
@@ -164,9 +169,14 @@ def test_markdown_chunks_carry_their_heading_path(count_tokens):
     doc = Document("guide.md", MARKDOWN, "markdown")
     chunks = chunk_document(doc, count_tokens=count_tokens, chunk_tokens=16, overlap=0)
     check_chunks(doc, chunks, count_tokens, 16)
-    expected = {"Intro": (), "Alpha": ("Install",), "Beta": ("Install", "From source"),
-                "Gamma": ("Install", "From source", "Deep"), "Delta": ("Install", "From wheel"),
-                "Epsilon": ("Usage",)}
+    expected = {
+        "Intro": (),
+        "Alpha": ("Install",),
+        "Beta": ("Install", "From source"),
+        "Gamma": ("Install", "From source", "Deep"),
+        "Delta": ("Install", "From wheel"),
+        "Epsilon": ("Usage",),
+    }
     for word, path in expected.items():
         (chunk,) = [c for c in chunks if word in c.text]
         assert chunk.headings == path, (word, chunk)
@@ -200,7 +210,7 @@ def test_the_projects_docs_chunk_within_limits(count_tokens):
         check_chunks(doc, mine, count_tokens, 512)
         for a, b in zip(mine, mine[1:]):
             if b.start < a.end:  # what two chunks share is at most `overlap` tokens
-                assert count_tokens(doc.text[b.start:a.end]) <= 64
+                assert count_tokens(doc.text[b.start : a.end]) <= 64
     assert [c.source for c in chunks] == sorted(c.source for c in chunks)
 
 
@@ -212,7 +222,7 @@ def test_consecutive_chunks_overlap_by_whole_sentences(count_tokens):
     assert len(chunks) > 5
     for a, b in zip(chunks, chunks[1:]):
         assert a.start < b.start < a.end < b.end
-        shared = text[b.start:a.end].strip()
+        shared = text[b.start : a.end].strip()
         assert a.text.endswith(shared) and b.text.startswith(shared)
         assert shared.startswith("Sentence number") and shared.endswith("is short.")
         assert count_tokens(shared) <= 15
@@ -241,9 +251,9 @@ def test_chinese_spans_are_character_offsets(count_tokens):
     check_chunks(doc, chunks, count_tokens, 50)
     assert len(chunks) > 3
     later = chunks[-1]
-    assert len(text[:later.start].encode("utf-8")) > later.start  # bytes would be different offsets
+    assert len(text[: later.start].encode("utf-8")) > later.start  # bytes would be different offsets
     for a, b in zip(chunks, chunks[1:]):  # one sentence shared, sliced from character offsets
-        assert a.start < b.start < a.end and text[b.start:a.end].endswith("句讲中文切分。")
+        assert a.start < b.start < a.end and text[b.start : a.end].endswith("句讲中文切分。")
 
 
 def test_a_character_longer_than_the_limit_is_kept_with_a_warning(count_tokens, caplog):
@@ -252,15 +262,20 @@ def test_a_character_longer_than_the_limit_is_kept_with_a_warning(count_tokens, 
     with caplog.at_level(logging.WARNING, logger="gptforge"):
         chunks = chunk_document(doc, count_tokens=count_tokens, chunk_tokens=1, overlap=0)
     assert [c.text for c in chunks] == ["a", "😀", "b"]
-    assert [doc.text[c.start:c.end] for c in chunks] == ["a", "😀", "b"]
+    assert [doc.text[c.start : c.end] for c in chunks] == ["a", "😀", "b"]
     assert chunks[1].tokens == count_tokens("😀") > 1
     assert "1 chunk over synthesize.chunk_tokens=1" in caplog.text
 
 
-@pytest.mark.parametrize("chunk_tokens, overlap, param", [
-    (64, 64, "synthesize.chunk_overlap"), (64, 100, "synthesize.chunk_overlap"),
-    (64, -1, "synthesize.chunk_overlap"), (0, 0, "synthesize.chunk_tokens"),
-])
+@pytest.mark.parametrize(
+    "chunk_tokens, overlap, param",
+    [
+        (64, 64, "synthesize.chunk_overlap"),
+        (64, 100, "synthesize.chunk_overlap"),
+        (64, -1, "synthesize.chunk_overlap"),
+        (0, 0, "synthesize.chunk_tokens"),
+    ],
+)
 def test_bad_sizes(count_tokens, chunk_tokens, overlap, param):
     doc = Document("a.txt", "words", "text")
     for call in (chunk_document, lambda d, **kw: chunk_documents([d], **kw)):
@@ -273,7 +288,7 @@ def test_bad_sizes(count_tokens, chunk_tokens, overlap, param):
 
 
 def test_write_and_read_chunks_round_trip(tmp_path, count_tokens):
-    doc = Document("dir/guide.md", MARKDOWN + "\n中文 ✓ \"quoted\"\n", "markdown")
+    doc = Document("dir/guide.md", MARKDOWN + '\n中文 ✓ "quoted"\n', "markdown")
     chunks = chunk_document(doc, count_tokens=count_tokens, chunk_tokens=16, overlap=4)
     path = tmp_path / "out" / "chunks.jsonl"
     write_chunks(chunks, path)
@@ -315,7 +330,11 @@ def test_read_a_folder(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gptforge"):
         docs = read_documents(tmp_path, param=PARAM)
     assert [(d.source, d.kind) for d in docs] == [
-        ("a.txt", "text"), ("b/z.md", "markdown"), ("c.markdown", "markdown"), ("d.PDF", "pdf")]
+        ("a.txt", "text"),
+        ("b/z.md", "markdown"),
+        ("c.markdown", "markdown"),
+        ("d.PDF", "pdf"),
+    ]
     assert docs[1].text == "# Z\n\nwindows lines\nold mac\n"
     assert docs[0].text == "plain text\n"
     assert "Hello PDF world" in docs[3].text
@@ -344,8 +363,7 @@ def test_documents_without_text_are_skipped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gptforge"):
         docs = read_documents(tmp_path, param=PARAM)
     assert [d.source for d in docs] == ["real.md"]
-    assert ("skipped 2 documents without text: blank.md (empty), "
-            "scan.pdf (no text layer: OCR it first)") in caplog.text
+    assert ("skipped 2 documents without text: blank.md (empty), scan.pdf (no text layer: OCR it first)") in caplog.text
 
 
 def test_errors_are_one_line_and_name_the_param(tmp_path):

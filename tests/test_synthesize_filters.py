@@ -43,8 +43,15 @@ def test_defaults_and_reasons():
         "near_duplicate": 0.7,
     }
     assert REASONS == (
-        "empty", "too_short", "too_long", "not_a_question", "repeats_question",
-        "not_self_contained", "ungrounded", "duplicate", "near_duplicate",
+        "empty",
+        "too_short",
+        "too_long",
+        "not_a_question",
+        "repeats_question",
+        "not_self_contained",
+        "ungrounded",
+        "duplicate",
+        "near_duplicate",
     )
 
 
@@ -373,8 +380,10 @@ def test_check_pair_reason_order():
     assert check_pair("Why?", ungrounded_ref, CHUNK, SETTINGS)[0] == "too_short"
     assert check_pair("", "", CHUNK, SETTINGS)[0] == "empty"
     assert check_pair(GOOD_Q, ungrounded_ref, CHUNK, SETTINGS)[0] == "not_self_contained"
-    assert check_pair("What does this passage say?", "What does this passage say", CHUNK,
-                      SETTINGS)[0] == "repeats_question"
+    assert (
+        check_pair("What does this passage say?", "What does this passage say", CHUNK, SETTINGS)[0]
+        == "repeats_question"
+    )
     assert check_pair(GOOD_Q, "Bananas ripen on palms.", CHUNK, SETTINGS)[0] == "ungrounded"
 
 
@@ -454,7 +463,9 @@ def test_deduplicate_threshold():
     # above 1: near-duplicates off, exact duplicates still found
     off = types.SimpleNamespace(near_duplicate=1.01)
     assert deduplicate([X, X, ("what is x", "")], off) == [
-        None, ("duplicate", 0), ("duplicate", 0),
+        None,
+        ("duplicate", 0),
+        ("duplicate", 0),
     ]
     with pytest.raises(ValueError):
         deduplicate(pairs, types.SimpleNamespace(near_duplicate=0))

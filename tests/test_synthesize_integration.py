@@ -11,13 +11,12 @@ import re
 import types
 
 import pytest
-
 from chat_endpoint import ChatEndpoint
 from cli_support import cli_env, set_params
-from gptforge.config.load import load_config
-from gptforge.errors import StageFailed
 from test_synthesize import DOC, _cfg, _jsonl, _pairs, _run
 
+from gptforge.config.load import load_config
+from gptforge.errors import StageFailed
 
 # ---------------------------------------------------------------------------------------------
 # No endpoint: the chunks alone, and the retrieval index built from them
@@ -36,8 +35,16 @@ def test_no_endpoint_writes_the_chunks_alone_and_the_index_is_built_from_them(tm
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "rivers.md").write_text(DOC, encoding="utf-8")
-    cfg = load_config(None, ["tokenizer.path=sample://gpt2_tokenizer", f"synthesize.documents={{rivers: {docs}}}",
-                             "synthesize.chunk_tokens=70", "synthesize.chunk_overlap=0", "tracking.enabled=false"])
+    cfg = load_config(
+        None,
+        [
+            "tokenizer.path=sample://gpt2_tokenizer",
+            f"synthesize.documents={{rivers: {docs}}}",
+            "synthesize.chunk_tokens=70",
+            "synthesize.chunk_overlap=0",
+            "tracking.enabled=false",
+        ],
+    )
     assert cfg.synthesize.endpoint.url is None and cfg.synthesize.endpoint.model is None
     metrics = _run(tmp_path, cfg)
     out = tmp_path / "data/synthetic/rivers"
@@ -49,8 +56,13 @@ def test_no_endpoint_writes_the_chunks_alone_and_the_index_is_built_from_them(tm
     assert "**Chunks only: no pairs.**" in (tmp_path / "reports/synthesize_rivers.md").read_text()
     assert not (tmp_path / "cache").exists()  # nothing was asked
 
-    got = index(cfg, synthetic_root=tmp_path / "data/synthetic", out_root=tmp_path / "data/index",
-                instruct_dir=tmp_path / "data/instruct", metrics_dir=tmp_path / "metrics")
+    got = index(
+        cfg,
+        synthetic_root=tmp_path / "data/synthetic",
+        out_root=tmp_path / "data/index",
+        instruct_dir=tmp_path / "data/instruct",
+        metrics_dir=tmp_path / "metrics",
+    )
     assert got["chunks"] == 6 and got["questions"] == 0 and "recall_at_1" not in got
     idx = Index.load(tmp_path / "data/index/rivers", name="rivers")
     assert idx.search("Where do salmon spawn?", 1)[0].chunk.headings[-1] == "Salmon"
@@ -72,18 +84,26 @@ class ManualEndpoint(ChatEndpoint):
         text = body["messages"][-1]["content"]
         where = re.search(r"Document: (.*)\n(?:Section: (.*)\n)?", text)
         chunk = text.split('Text:\n"""\n', 1)[1].rsplit('\n"""', 1)[0]
-        sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(chunk.split()))
-                     if len(s.split()) >= 6 and "`" not in s and "|" not in s]
+        sentences = [
+            s.strip()
+            for s in re.split(r"(?<=[.!?])\s+", " ".join(chunk.split()))
+            if len(s.split()) >= 6 and "`" not in s and "|" not in s
+        ]
         topic = where.group(2) or where.group(1)
         with self.lock:
             n = len(self.requests)
-        return _pairs(*[(f"What does the gptforge manual say about {topic}, point {n}.{k}?", s)
-                        for k, s in enumerate(sentences[:3])])
+        return _pairs(
+            *[
+                (f"What does the gptforge manual say about {topic}, point {n}.{k}?", s)
+                for k, s in enumerate(sentences[:3])
+            ]
+        )
 
 
 @pytest.mark.slow
-def test_dvc_repro_synthesizes_then_prepares_and_fine_tunes_on_the_kept_pairs(repo_copy, tmp_path, prefect_api,
-                                                                                no_proxy):
+def test_dvc_repro_synthesizes_then_prepares_and_fine_tunes_on_the_kept_pairs(
+    repo_copy, tmp_path, prefect_api, no_proxy
+):
     import shutil
 
     from cli_support import REPO
@@ -96,15 +116,30 @@ def test_dvc_repro_synthesizes_then_prepares_and_fine_tunes_on_the_kept_pairs(re
         shutil.copy(REPO / "docs" / page, repo_copy / "manual" / page)
     server = ManualEndpoint()
     try:
-        set_params(repo_copy, **{
-            "synthesize.documents": {"manual": "manual"}, "synthesize.endpoint.url": server.url,
-            "synthesize.endpoint.model": "scripted", "synthesize.concurrency": 4,
-            "data.instruct.source": "synthetic://manual", "data.instruct.splits": [0.8, 0.1, 0.1],
-            "base.models": {"tiny": str(llama)}, "instruct.init_from": "checkpoints/base/tiny",
-            "instruct.template": "chat", "instruct.method": "lora", "instruct.mask_prompt": True,
-            "instruct.epochs": 1, "instruct.batch_size": 8, "instruct.eval_interval": 50, "instruct.eval_batches": 1,
-            "instruct.n_responses": None, "instruct.max_new_tokens": 4, "instruct.max_length": 256,
-            "tracking.enabled": False})
+        set_params(
+            repo_copy,
+            **{
+                "synthesize.documents": {"manual": "manual"},
+                "synthesize.endpoint.url": server.url,
+                "synthesize.endpoint.model": "scripted",
+                "synthesize.concurrency": 4,
+                "data.instruct.source": "synthetic://manual",
+                "data.instruct.splits": [0.8, 0.1, 0.1],
+                "base.models": {"tiny": str(llama)},
+                "instruct.init_from": "checkpoints/base/tiny",
+                "instruct.template": "chat",
+                "instruct.method": "lora",
+                "instruct.mask_prompt": True,
+                "instruct.epochs": 1,
+                "instruct.batch_size": 8,
+                "instruct.eval_interval": 50,
+                "instruct.eval_batches": 1,
+                "instruct.n_responses": None,
+                "instruct.max_new_tokens": 4,
+                "instruct.max_length": 256,
+                "tracking.enabled": False,
+            },
+        )
         env = cli_env(PREFECT_API_URL=prefect_api)
         first = dvc(repo_copy, "repro", "finetune_instruct", env=env)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -161,18 +196,22 @@ def test_against_gptforge_serve_on_a_tiny_model(tmp_path, no_proxy, monkeypatch)
     server = Server([f"tiny={tiny_gpt(tmp_path / 'tiny')}"], tmp_path, "--api-key", "sk-serve")
     try:
         monkeypatch.setenv("GPTFORGE_SYNTH_API_KEY", "sk-serve")
-        cfg = _cfg(tmp_path, types.SimpleNamespace(url=f"{server.url}/v1"),
-                   **{"synthesize.endpoint.model": "tiny", "synthesize.max_tokens": 24,
-                      "synthesize.temperature": 0.0})
+        cfg = _cfg(
+            tmp_path,
+            types.SimpleNamespace(url=f"{server.url}/v1"),
+            **{"synthesize.endpoint.model": "tiny", "synthesize.max_tokens": 24, "synthesize.temperature": 0.0},
+        )
         try:
             metrics = _run(tmp_path, cfg)
         except StageFailed as failed:  # the tiny model's pairs, if any, did not pass the filters
             assert "no pair kept" in str(failed)
             metrics = json.loads((tmp_path / "metrics/synthesize_rivers.json").read_text())
         with urllib.request.urlopen(f"{server.url}/metrics") as reply:
-            served = sum(float(line.rsplit(" ", 1)[1]) for line in reply.read().decode().splitlines()
-                         if line.startswith("gptforge_requests_total{") and "chat/completions" in line
-                         and 'status="200"' in line)
+            served = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in reply.read().decode().splitlines()
+                if line.startswith("gptforge_requests_total{") and "chat/completions" in line and 'status="200"' in line
+            )
     finally:
         server.stop()
     # one request per chunk, and one more for each chunk whose first reply did not parse

@@ -41,8 +41,14 @@ def clean_env(tmp_path, monkeypatch) -> Path:
     """cwd is an empty folder outside any git checkout; no tracking variables from the caller."""
     work = tmp_path / "work"
     work.mkdir()
-    for name in ("MLFLOW_TRACKING_URI", "GPTFORGE_PARENT_RUN_ID", "DVC_STAGE", "MLFLOW_EXPERIMENT_NAME",
-                 "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "GPTFORGE_PARENT_RUN_ID",
+        "DVC_STAGE",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_EXPERIMENT_ID",
+        "MLFLOW_RUN_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     monkeypatch.chdir(work)
@@ -74,10 +80,14 @@ def one_run(store, stage="prepare_pretrain", **kw):
 
 def git_repo(folder: Path) -> str:
     subprocess.run(["git", "init", "-q"], cwd=folder, check=True)
-    subprocess.run(["git", "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-q", "--allow-empty", "-m", "x"],
-                   cwd=folder, check=True)
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    subprocess.run(
+        ["git", "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-q", "--allow-empty", "-m", "x"],
+        cwd=folder,
+        check=True,
+    )
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=folder, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,8 +133,14 @@ def test_artifact_location(tmp_path, monkeypatch):
     assert artifact_location(f"sqlite:///{tmp_path}/mlflow.db") == beside
     assert artifact_location(f"sqlite:///{tmp_path}/sub/x.db?timeout=5") == (tmp_path / "sub" / "mlartifacts").as_uri()
     assert artifact_location("sqlite:///rel/dir/m.db") == (tmp_path / "rel" / "dir" / "mlartifacts").as_uri()
-    for uri in ("http://127.0.0.1:5000", "https://mlflow.example.com", "sqlite://", "sqlite:///:memory:",
-                "postgresql://u@h/db", "databricks"):
+    for uri in (
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.com",
+        "sqlite://",
+        "sqlite:///:memory:",
+        "postgresql://u@h/db",
+        "databricks",
+    ):
         assert artifact_location(uri) is None, uri
 
 
@@ -222,8 +238,16 @@ def test_metrics_with_steps_skip_non_finite_and_bools(store):
     with start_run(enabled=True, experiment=store.exp, stage="pretrain") as run:
         for step in range(3):
             run.log_metrics(
-                {"train_loss": 3.0 - step, "acc,none": 0.25 * step, "nan": math.nan, "inf": math.inf,
-                 "flag": True, "np_loss": np.float32(0.5 + step), "tokens": np.int64(100 * step), "text": "x"},
+                {
+                    "train_loss": 3.0 - step,
+                    "acc,none": 0.25 * step,
+                    "nan": math.nan,
+                    "inf": math.inf,
+                    "flag": True,
+                    "np_loss": np.float32(0.5 + step),
+                    "tokens": np.int64(100 * step),
+                    "text": "x",
+                },
                 step=step,
             )
         run.log_metrics({"only_bad": math.nan, "only_bool": False})  # nothing to log: no error
@@ -235,7 +259,10 @@ def test_metrics_with_steps_skip_non_finite_and_bools(store):
     acc = store.client.get_metric_history(run_id, "acc_none")
     assert sorted((m.step, m.value) for m in acc) == [(0, 0.0), (1, 0.25), (2, 0.5)]
     assert sorted((m.step, m.value) for m in store.client.get_metric_history(run_id, "np_loss")) == [
-        (0, 0.5), (1, 1.5), (2, 2.5)]
+        (0, 0.5),
+        (1, 1.5),
+        (2, 2.5),
+    ]
     metrics = store.client.get_run(run_id).data.metrics
     assert metrics["final"] == 7.0
     assert metrics["tokens"] == 200.0
@@ -277,8 +304,14 @@ def test_artifacts_land_beside_the_database(store):
     root = beside / run_id / "artifacts"
     assert run.info.artifact_uri == root.as_uri()
     assert {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} == {
-        "report.md", "reports/report.md", "final/model.safetensors", "final/sub/config.json",
-        "checkpoints/final/model.safetensors", "checkpoints/final/sub/config.json", "notes/hello.txt"}
+        "report.md",
+        "reports/report.md",
+        "final/model.safetensors",
+        "final/sub/config.json",
+        "checkpoints/final/model.safetensors",
+        "checkpoints/final/sub/config.json",
+        "notes/hello.txt",
+    }
     assert (root / "notes" / "hello.txt").read_text() == "hello"
     assert (root / "final" / "model.safetensors").read_bytes() == b"\0" * 16
     # Nothing in the working directory: no ./mlruns, no ./mlartifacts.

@@ -15,7 +15,6 @@ import pytest
 
 from gptforge.runtime import tracking
 
-
 # ---------------------------------------------------------------------------------------------
 # What is worth retrying
 
@@ -53,10 +52,17 @@ def test_retryable_failures_of_mlflow_requests():
     assert not tracking.retryable(requests.HTTPError("not found", response=response(404)))
     assert not tracking.retryable(FileNotFoundError("final/model.safetensors"))
     assert not tracking.retryable(ValueError("x"))
-    assert tracking.describe_failure(wrapped(requests.ConnectionError(
-        "HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded (Caused by NewConnectionError("
-        "\"...: Failed to establish a new connection: [Errno 111] Connection refused\"))"))) == \
-        "[Errno 111] Connection refused (MlflowException)"
+    assert (
+        tracking.describe_failure(
+            wrapped(
+                requests.ConnectionError(
+                    "HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded (Caused by NewConnectionError("
+                    '"...: Failed to establish a new connection: [Errno 111] Connection refused"))'
+                )
+            )
+        )
+        == "[Errno 111] Connection refused (MlflowException)"
+    )
 
 
 def test_flush_seconds(monkeypatch, caplog):
@@ -80,8 +86,9 @@ class FakeClient:
 
         if any(p.value == "bad" for p in params):
             raise RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "Changing param values"})
-        self.calls.append(("batch", [m.key for m in metrics], {p.key: p.value for p in params},
-                           {t.key: t.value for t in tags}))
+        self.calls.append(
+            ("batch", [m.key for m in metrics], {p.key: p.value for p in params}, {t.key: t.value for t in tags})
+        )
 
     def set_terminated(self, run_id, status):
         self.calls.append(("end", status))
@@ -100,12 +107,16 @@ def test_a_run_that_lost_records_says_so_and_gets_the_dropped_tag(caplog):
     run.log_metrics({"train_loss": 1.0, "acc,none": 0.5}, step=1)
     with caplog.at_level(logging.WARNING, logger="gptforge"):
         run.end("FINISHED", timeout=10)
-    assert client.calls == [("batch", ["train_loss", "acc_none"], {}, {}),
-                            ("batch", [], {}, {tracking.DROPPED_TAG: "2"}), ("end", "FINISHED")]
+    assert client.calls == [
+        ("batch", ["train_loss", "acc_none"], {}, {}),
+        ("batch", [], {}, {tracking.DROPPED_TAG: "2"}),
+        ("end", "FINISHED"),
+    ]
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings[0].startswith("MLflow server at http://127.0.0.1:1 rejected a params record, dropped (")
-    assert warnings[-1] == (f"MLflow: run {'r' * 32} is recorded but 2 params rejected by the server "
-                            f"(tag {tracking.DROPPED_TAG})")
+    assert warnings[-1] == (
+        f"MLflow: run {'r' * 32} is recorded but 2 params rejected by the server (tag {tracking.DROPPED_TAG})"
+    )
 
 
 def test_a_request_still_in_flight_at_the_end_is_said_so(caplog):
@@ -129,7 +140,8 @@ def test_a_request_still_in_flight_at_the_end_is_said_so(caplog):
         gate.set()
     assert caplog.records[-1].getMessage() == (
         f"MLflow: run {'r' * 32} could not record 1 metric and its status FINISHED: the server at "
-        "http://127.0.0.1:1 did not answer (waited 1 s; a request was still in flight)")
+        "http://127.0.0.1:1 did not answer (waited 1 s; a request was still in flight)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_support import BIN, cli_env, error_lines
+from pretrain_support import SMALL, _assert_same_final, losses, shards  # noqa: F401  (shards: a fixture)
+from process_support import Paused, records_delivered, started
 from safetensors.torch import load_file
 
-from cli_support import BIN, cli_env, error_lines
-from process_support import Paused, records_delivered, started
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.training import loop as T
 from gptforge.training import session
-from pretrain_support import SMALL, _assert_same_final, losses, shards  # noqa: F401  (shards: a fixture)
 
 
 def small_cfg(small_tokenizer, *extra):
@@ -29,16 +29,22 @@ def small_cfg(small_tokenizer, *extra):
 
 
 def run_pretrain(cfg, shards: Path, out: Path) -> dict:
-    return T.pretrain(cfg, data_dir=shards, out_dir=out / "checkpoints", metrics_path=out / "metrics.json",
-                      plots_path=out / "plots.csv")
+    return T.pretrain(
+        cfg,
+        data_dir=shards,
+        out_dir=out / "checkpoints",
+        metrics_path=out / "metrics.json",
+        plots_path=out / "plots.csv",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    cfg = load_config(None, ["pretrain.lr=1.0", "pretrain.min_lr=0.1", "pretrain.warmup_steps=10",
-                             "pretrain.max_steps=110"])
+    cfg = load_config(
+        None, ["pretrain.lr=1.0", "pretrain.min_lr=0.1", "pretrain.warmup_steps=10", "pretrain.max_steps=110"]
+    )
     assert T.lr_at(0, cfg) == pytest.approx(0.1) and T.lr_at(9, cfg) == pytest.approx(1.0)
     assert T.lr_at(10, cfg) == pytest.approx(1.0)
     assert T.lr_at(60, cfg) == pytest.approx(0.55)  # halfway through the cosine
@@ -87,7 +93,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, shards, sma
 
     monkeypatch.setattr(GPT, "forward", poisoned)
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=20")
-    with pytest.raises(StageFailed, match=r"loss is nan at step 7: stopping; the last good checkpoint is .*step_00000005"):
+    with pytest.raises(
+        StageFailed, match=r"loss is nan at step 7: stopping; the last good checkpoint is .*step_00000005"
+    ):
         run_pretrain(cfg, shards, tmp_path)
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert folders == ["step_00000005"]
@@ -101,6 +109,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
     import errno
 
     from gptforge.training import checkpoint as ckpt
+
     real_save = session.save_model
     calls = {"n": 0}
 
@@ -113,8 +122,11 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
 
     monkeypatch.setattr(session, "save_model", disk_fills_up)
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=20")
-    with pytest.raises(StageFailed, match=r"cannot write checkpoint .*step_00000010: No space left on device; "
-                                          r"the previous checkpoints \(step_00000005\) are intact"):
+    with pytest.raises(
+        StageFailed,
+        match=r"cannot write checkpoint .*step_00000010: No space left on device; "
+        r"the previous checkpoints \(step_00000005\) are intact",
+    ):
         run_pretrain(cfg, shards, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]  # no temporary left
     assert ckpt.verify(tmp_path / "checkpoints/step_00000005") is None
@@ -135,6 +147,7 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer)
         with pytest.raises(StageFailed, match=r"No space left on device; the previous checkpoints \(step_00000005"):
             run_pretrain(cfg, shards, mount)
         from gptforge.training import checkpoint as ckpt
+
         kept = ckpt.list_checkpoints(mount / "checkpoints")
         assert kept and all(ckpt.verify(k) is None for k in kept)
         assert not [p for p in (mount / "checkpoints").iterdir() if p.name.startswith(".")]  # no half-written folder
@@ -150,8 +163,9 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, shards, small_tokenizer)
 def _cli(args, cwd, log: Path, **env):
     """`gptforge pretrain ARGS` running, its output to `log` (a paused run is not read from while
     it waits); killed on the way out if still running (a failed test leaves no paused run)."""
-    return started([str(BIN / "gptforge"), "pretrain", *args], cwd,
-                   cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env), log)
+    return started(
+        [str(BIN / "gptforge"), "pretrain", *args], cwd, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1", **env), log
+    )
 
 
 def _finished(args, cwd, log: Path, **env) -> str:
@@ -162,9 +176,19 @@ def _finished(args, cwd, log: Path, **env) -> str:
 
 
 def _kill_args(small_tokenizer) -> list[str]:
-    return [*sum((["-S", s] for s in SMALL), []), "-S", f"tokenizer.path={small_tokenizer}",
-            "-S", "pretrain.max_steps=300", "-S", "pretrain.ckpt_interval=20", "-S", "pretrain.log_interval=50",
-            "-S", "model.dropout=0.1"]  # dropout: the RNG state must be restored too
+    return [
+        *sum((["-S", s] for s in SMALL), []),
+        "-S",
+        f"tokenizer.path={small_tokenizer}",
+        "-S",
+        "pretrain.max_steps=300",
+        "-S",
+        "pretrain.ckpt_interval=20",
+        "-S",
+        "pretrain.log_interval=50",
+        "-S",
+        "model.dropout=0.1",
+    ]  # dropout: the RNG state must be restored too
 
 
 def _workdir(root: Path, shards: Path) -> Path:
@@ -183,8 +207,7 @@ def uninterrupted(tmp_path_factory, shards, small_tokenizer) -> Path:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, shards, small_tokenizer,
-                                                                       uninterrupted):
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, shards, small_tokenizer, uninterrupted):
     args = _kill_args(small_tokenizer)
     root = _workdir(tmp_path / "killed", shards)
     pause = Paused(tmp_path, 100)  # a checkpointed step (ckpt_interval 20), a third of the way
@@ -205,8 +228,9 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(tmp_path, shards, small_tokenizer,
-                                                                        uninterrupted, mlflow_uri, sig):
+def test_sigterm_and_sigint_checkpoint_then_stop_and_mlflow_says_killed(
+    tmp_path, shards, small_tokenizer, uninterrupted, mlflow_uri, sig
+):
     """A polite stop (worker drained, docker stop, Ctrl-C) saves the step it is at, ends the
     MLflow run as KILLED, exits 128+signal; resuming from that checkpoint ends bit-identical.
     The signal comes while the run is paused after step 40: it is acted on at the end of step 41,
@@ -287,8 +311,12 @@ def test_shards_from_another_tokenizer(tmp_path, shards, gpt2_tokenizer_dir):
 def test_block_size_above_the_models_positions(tmp_path, shards, small_tokenizer):
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=2")
     run_pretrain(cfg, shards, tmp_path / "a")
-    cfg = small_cfg(small_tokenizer, "model.block_size=32", "pretrain.batch_tokens=128",
-                    f"pretrain.init_from={tmp_path / 'a/checkpoints/final'}")
+    cfg = small_cfg(
+        small_tokenizer,
+        "model.block_size=32",
+        "pretrain.batch_tokens=128",
+        f"pretrain.init_from={tmp_path / 'a/checkpoints/final'}",
+    )
     with pytest.raises(BadInput, match=r"model.block_size \(32\) is above the 16 positions of checkpoint"):
         run_pretrain(cfg, shards, tmp_path / "b")
 
@@ -308,15 +336,34 @@ def test_init_from_a_checkpoint_with_more_positions_crops_them(tmp_path, shards,
 
 @pytest.mark.slow  # three CLI processes
 def test_cli_pretrain_bad_inputs_are_one_line(tmp_path):
-    r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "model.n_embd=130", "-S", "model.n_head=4"],
-                       cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(BIN / "gptforge"), "pretrain", "-S", "model.n_embd=130", "-S", "model.n_head=4"],
+        cwd=tmp_path,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "gptforge: error: config with -S overrides: model.n_embd (130) is not divisible by model.n_head (4)"]
-    r = subprocess.run([str(BIN / "gptforge"), "pretrain", "-S", "pretrain.batch_tokens=1000"], cwd=tmp_path,
-                       env=cli_env(GPTFORGE_PREFECT="0"), capture_output=True, text=True, timeout=120)
+        "gptforge: error: config with -S overrides: model.n_embd (130) is not divisible by model.n_head (4)"
+    ]
+    r = subprocess.run(
+        [str(BIN / "gptforge"), "pretrain", "-S", "pretrain.batch_tokens=1000"],
+        cwd=tmp_path,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and len(error_lines(r.stderr)) == 1 and "not divisible" in r.stderr
-    r = subprocess.run([str(BIN / "gptforge"), "pretrain"], cwd=tmp_path, env=cli_env(GPTFORGE_PREFECT="0"),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(BIN / "gptforge"), "pretrain"],
+        cwd=tmp_path,
+        env=cli_env(GPTFORGE_PREFECT="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "run `gptforge prepare pretrain` first" in r.stderr
 
 
@@ -328,8 +375,12 @@ def _first_losses(cfg, shards, out: Path, n=3) -> tuple[session.Session, list[fl
     """The recipe's own session (gptforge.training.loop.setup, as the stage builds it: runtime, model,
     torch.compile when pretrain.compile asks, optimizer, loader) and its first `n` losses."""
     s = T.setup(cfg, shards, out)
-    return s, [T.train_step(s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, s.rt,
-                            lr=1e-3, grad_clip=1.0)[0] for _ in range(n)]
+    return s, [
+        T.train_step(
+            s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, s.rt, lr=1e-3, grad_clip=1.0
+        )[0]
+        for _ in range(n)
+    ]
 
 
 def test_bf16_autocast_matches_fp32(tmp_path, shards, small_tokenizer):

@@ -14,13 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from cli_support import BIN, cli_env
+from pretrain_support import SMALL, _assert_same_final, losses, shards  # noqa: F401  (shards: a fixture)
 from process_support import Paused
+
 from gptforge.config.load import load_config
 from gptforge.modeling.gpt import GPT, GPTConfig
-from pretrain_support import SMALL, _assert_same_final, losses, shards  # noqa: F401  (shards: a fixture)
-
 
 # ---------------------------------------------------------------------------------------------
 # DDP (gloo, 2 processes) == one process with the same global batch
@@ -34,12 +33,23 @@ def test_ddp_two_processes_match_one_process(tmp_path, shards, small_tokenizer):
         (tmp_path / name / "data").mkdir(parents=True)
         (tmp_path / name / "data/pretrain").symlink_to(shards)
     env = cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1")
-    one = subprocess.run([str(BIN / "gptforge"), "pretrain", *args], cwd=tmp_path / "one", env=env,
-                         capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [str(BIN / "gptforge"), "pretrain", *args],
+        cwd=tmp_path / "one",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr
-    ddp = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
-                          "pretrain", *args], cwd=tmp_path / "ddp", env=env, capture_output=True, text=True,
-                         timeout=300)
+    ddp = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"), "pretrain", *args],
+        cwd=tmp_path / "ddp",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = losses(tmp_path / "one/plots/pretrain.csv"), losses(tmp_path / "ddp/plots/pretrain.csv")
     assert sorted(a) == sorted(b) == list(range(6))
@@ -55,8 +65,14 @@ def _torchrun(folder: Path, shards: Path, args: list[str], env: dict, dry: bool 
         (folder / "data/pretrain").symlink_to(shards)
     if dry:
         return None
-    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
-                           "pretrain", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"), "pretrain", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 ACCUM_CLIP = ["pretrain.batch_tokens=256", "pretrain.grad_clip=0.5", "pretrain.max_steps=20"]
@@ -75,8 +91,9 @@ def ddp_reference(tmp_path_factory, shards, small_tokenizer) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
-def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(tmp_path, shards, small_tokenizer,
-                                                                       ddp_reference, strategy):
+def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(
+    tmp_path, shards, small_tokenizer, ddp_reference, strategy
+):
     """pretrain.strategy zero1 / fsdp on 2 gloo processes, gradient accumulation 2 and clipping on:
     the loss curve of DDP within 1e-5 (relative) for 20 steps; and a run SIGKILLed after step 10
     (its checkpoint: zero1's consolidated optimizer state; fsdp's shards, one file per process)
@@ -100,9 +117,14 @@ def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(tmp_path
     _torchrun(killed, shards, [], env, dry=True)
     args = sum((["-S", s] for s in common), [])
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"),
-                                 "pretrain", *args], cwd=killed, env={**env, **pause.env()}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(BIN / "gptforge"), "pretrain", *args],
+            cwd=killed,
+            env={**env, **pause.env()},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             pause.wait(proc, output=(tmp_path / "killed.log").read_text)
             # torchrun's workers run in process groups of their own: every process of the job.
@@ -135,13 +157,25 @@ def test_sharded_strategy_follows_ddp_step_for_step_and_resumes_exactly(tmp_path
 
 
 @pytest.mark.slow
-def test_fsdp_with_activation_checkpointing_and_no_reshard_follows_ddp(tmp_path, shards, small_tokenizer,
-                                                                      ddp_reference):
+def test_fsdp_with_activation_checkpointing_and_no_reshard_follows_ddp(
+    tmp_path, shards, small_tokenizer, ddp_reference
+):
     """The two fsdp knobs change memory, not the math: each block recomputed in the backward and
     its weights kept gathered from forward to backward, the losses stay DDP's within 1e-5."""
-    args = sum((["-S", s] for s in [*SMALL, f"tokenizer.path={small_tokenizer}", *ACCUM_CLIP,
-                                    "pretrain.strategy=fsdp", "pretrain.activation_checkpointing=true",
-                                    "pretrain.fsdp_reshard_after_forward=false"]), [])
+    args = sum(
+        (
+            ["-S", s]
+            for s in [
+                *SMALL,
+                f"tokenizer.path={small_tokenizer}",
+                *ACCUM_CLIP,
+                "pretrain.strategy=fsdp",
+                "pretrain.activation_checkpointing=true",
+                "pretrain.fsdp_reshard_after_forward=false",
+            ]
+        ),
+        [],
+    )
     done = _torchrun(tmp_path, shards, args, cli_env(GPTFORGE_PREFECT="0", OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     ddp, knobs = losses(ddp_reference / "plots/pretrain.csv"), losses(tmp_path / "plots/pretrain.csv")
@@ -199,9 +233,16 @@ def test_sharded_strategies_keep_about_half_the_training_state_on_each_of_two_pr
     from gptforge.training import memory_plan
 
     m = MEMORY_MODEL
-    cfg = load_config(None, [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}",
-                             f"model.n_embd={m['n_embd']}", f"model.block_size={m['block_size']}",
-                             f"model.vocab_size={m['vocab_size']}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.n_layer={m['n_layer']}",
+            f"model.n_head={m['n_head']}",
+            f"model.n_embd={m['n_embd']}",
+            f"model.block_size={m['block_size']}",
+            f"model.vocab_size={m['vocab_size']}",
+        ],
+    )
     planned = {r.strategy: r for r in memory_plan.state_rows(memory_plan.gpt_shape(cfg), gpus=2)}
     for strategy, ranks in per_rank.items():
         for measured in ranks:

@@ -19,11 +19,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["test_serve_api.py", "test_serve_process.py", "test_serve_engine.py", "test_serve_page.py",
-           "test_serve_sources.py", "test_serve_vllm.py", "test_bench_serve.py", "test_deploy.py", "test_stop.py",
-           "test_stop_pipeline.py",
-           "test_outage_mlflow.py", "test_outbox.py", "test_tracking_outage.py", "test_outage_prefect.py",
-           "test_reliability.py", "test_train.py", "test_train_distributed.py", "test_launch.py"]
+MODULES = [
+    "test_serve_api.py",
+    "test_serve_process.py",
+    "test_serve_engine.py",
+    "test_serve_page.py",
+    "test_serve_sources.py",
+    "test_serve_vllm.py",
+    "test_bench_serve.py",
+    "test_deploy.py",
+    "test_stop.py",
+    "test_stop_pipeline.py",
+    "test_outage_mlflow.py",
+    "test_outbox.py",
+    "test_tracking_outage.py",
+    "test_outage_prefect.py",
+    "test_reliability.py",
+    "test_train.py",
+    "test_train_distributed.py",
+    "test_launch.py",
+]
 
 
 def main() -> int:
@@ -37,11 +52,28 @@ def main() -> int:
     try:
         for i in range(1, args.rounds + 1):
             t0 = time.monotonic()
-            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n",
-                                  str(args.workers), "--dist", "worksteal", *[f"tests/{m}" for m in MODULES]], cwd=ROOT)
+            rc = subprocess.call(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "-n",
+                    str(args.workers),
+                    "--dist",
+                    "worksteal",
+                    *[f"tests/{m}" for m in MODULES],
+                ],
+                cwd=ROOT,
+            )
             times.append(time.monotonic() - t0)
-            print(f"under_load: round {i}/{args.rounds} {'passed' if rc == 0 else 'FAILED'} in {times[-1]:.0f} s "
-                  f"({'idle' if args.idle else 'beside a CPU-bound process'})", flush=True)
+            print(
+                f"under_load: round {i}/{args.rounds} {'passed' if rc == 0 else 'FAILED'} in {times[-1]:.0f} s "
+                f"({'idle' if args.idle else 'beside a CPU-bound process'})",
+                flush=True,
+            )
             if rc != 0:
                 return rc
     finally:

@@ -63,9 +63,18 @@ def check_url(url: Any, param: str) -> str:
 class ChatClient:
     """`url` is the base URL with its /v1; `api_key` None or empty sends no Authorization header."""
 
-    def __init__(self, url: str, model: str, *, api_key: str | None = None, timeout: float = 60.0,
-                 retries: int = 2, backoff: float = 0.5, max_backoff: float = 30.0,
-                 sleep: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 2,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
         self.endpoint = url.rstrip("/") + "/chat/completions"
         self.model = model
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
@@ -86,9 +95,13 @@ class ChatClient:
         except (KeyError, IndexError, TypeError) as exc:
             raise BadReply(f"not a chat completion ({type(exc).__name__}: {exc})") from None
         usage = reply.get("usage") or {}
-        return Completion(content=content, finish_reason=choice.get("finish_reason"),
-                          prompt_tokens=_count(usage.get("prompt_tokens")),
-                          completion_tokens=_count(usage.get("completion_tokens")), seconds=seconds)
+        return Completion(
+            content=content,
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
+            seconds=seconds,
+        )
 
     def _post(self, body: bytes) -> tuple[dict, float]:
         delay = self.backoff

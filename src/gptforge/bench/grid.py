@@ -152,9 +152,16 @@ def time_it(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
     return times
 
 
-def time_step(step: Callable[[], Any], device: torch.device, warmup: int, repeats: int, *, settle: int = 1,
-              stop_over_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
-              ) -> tuple[list[float], bool]:
+def time_step(
+    step: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    *,
+    settle: int = 1,
+    stop_over_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[float], bool]:
     """`time_it` for a training step that gives up on a hopeless variant: (times, stopped early).
 
     Every call is timed between synchronisations, the warm-up ones too. The first `settle` calls
@@ -207,14 +214,29 @@ def _loss_fn(v: Variant) -> Callable:
 
 def build_step(v: Variant, cfg: Config, device: torch.device, B: int, T: int):
     m = cfg.model
-    gcfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=T, vocab_size=v.vocab_size,
-                     n_vocab=N_VOCAB, dropout=0.0, bias=m.bias, attention=v.attention)
+    gcfg = GPTConfig(
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        block_size=T,
+        vocab_size=v.vocab_size,
+        n_vocab=N_VOCAB,
+        dropout=0.0,
+        bias=m.bias,
+        attention=v.attention,
+    )
     torch.manual_seed(0)
     raw = GPT(gcfg).to(device)
     model = torch.compile(raw) if v.compile else raw
     # Unfused until the fused_adamw variant, whatever the training loops pick on this device.
-    opt = adamw(raw.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), device_type=device.type,
-                fused=bool(v.fused_adamw))
+    opt = adamw(
+        raw.parameters(),
+        lr=1e-4,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        device_type=device.type,
+        fused=bool(v.fused_adamw),
+    )
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)
     y = torch.randint(0, N_VOCAB, (B, T), generator=gen).to(device)
@@ -300,9 +322,14 @@ def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun(
                 raw, step = build_step(v, cfg, device, B, T)
                 extra_warmup = 2 if v.compile else 0  # compilation happens in the first calls
                 with PeakMemory(device) as mem:
-                    times, stopped = time_step(step, device, b.warmup + extra_warmup, b.steps,
-                                               settle=1 + extra_warmup,
-                                               stop_over_s=best and STOP_FACTOR * best[1] / 1e3)
+                    times, stopped = time_step(
+                        step,
+                        device,
+                        b.warmup + extra_warmup,
+                        b.steps,
+                        settle=1 + extra_warmup,
+                        stop_over_s=best and STOP_FACTOR * best[1] / 1e3,
+                    )
         except Exception as e:  # noqa: BLE001 - one variant that cannot run (a compiler error, out of
             # memory) is a row of the report, not the end of the stage: the rest of the grid and the
             # micro-benchmarks still run, and the next variant builds on the last one kept.
@@ -319,22 +346,41 @@ def run_variants(cfg: Config, device: torch.device, B: int, T: int, run=NullRun(
         mfu = flops.mfu(tokens_per_sec, raw.flops_per_token(T), peak)
         base_ms = base_ms or s["ms"]
         why = best and slower_reason(s["ms"], best[1], best[0])
-        row = {"variant": name, "change": change_text, "builds_on": head.name if best else None,
-               "settings": _settings(v), "ms_per_step": s["ms"], "min_ms": s["min_ms"], "max_ms": s["max_ms"],
-               "tokens_per_sec": tokens_per_sec, "mfu": mfu, "peak_memory_mb": mem.peak_mb,
-               "speedup": base_ms / s["ms"], "timed_steps": len(times), "stopped_early": stopped, "kept": not why}
+        row = {
+            "variant": name,
+            "change": change_text,
+            "builds_on": head.name if best else None,
+            "settings": _settings(v),
+            "ms_per_step": s["ms"],
+            "min_ms": s["min_ms"],
+            "max_ms": s["max_ms"],
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu,
+            "peak_memory_mb": mem.peak_mb,
+            "speedup": base_ms / s["ms"],
+            "timed_steps": len(times),
+            "stopped_early": stopped,
+            "kept": not why,
+        }
         if why:
             row["reason"] = why
         rows.append(row)
         if why:
-            log.info("benchmark %s: %.1f ms/step (%.2fx), not kept: %s%s", name, s["ms"], row["speedup"], why,
-                     f" (stopped after {len(times)} step(s) over {STOP_FACTOR:.0f}x)" if stopped else "")
+            log.info(
+                "benchmark %s: %.1f ms/step (%.2fx), not kept: %s%s",
+                name,
+                s["ms"],
+                row["speedup"],
+                why,
+                f" (stopped after {len(times)} step(s) over {STOP_FACTOR:.0f}x)" if stopped else "",
+            )
         else:
             head = v
             if best is None or s["ms"] < best[1]:
                 best = (name, s["ms"])
-            log.info("benchmark %s: %.1f ms/step (%.2fx), %.0f tokens/s, kept", name, s["ms"], row["speedup"],
-                     tokens_per_sec)
+            log.info(
+                "benchmark %s: %.1f ms/step (%.2fx), %.0f tokens/s, kept", name, s["ms"], row["speedup"], tokens_per_sec
+            )
         del raw, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -374,9 +420,16 @@ def bench_attention(cfg: Config, device: torch.device, dtype: torch.dtype) -> li
 
             both = summary(time_it(fwd_bwd, device, 2, b.steps))
             flops_fwd = 4 * B * H * T * T * D / 2  # causal: half of QK^T and PV
-            rows.append({"backend": name, "seq_len": T, "fwd_ms": fwd["ms"], "fwd_bwd_ms": both["ms"],
-                         "fwd_tflops": flops_fwd / (fwd["ms"] / 1e3) / 1e12,
-                         "fwd_bwd_tflops": 3.5 * flops_fwd / (both["ms"] / 1e3) / 1e12})  # bwd = 2.5x fwd
+            rows.append(
+                {
+                    "backend": name,
+                    "seq_len": T,
+                    "fwd_ms": fwd["ms"],
+                    "fwd_bwd_ms": both["ms"],
+                    "fwd_tflops": flops_fwd / (fwd["ms"] / 1e3) / 1e12,
+                    "fwd_bwd_tflops": 3.5 * flops_fwd / (both["ms"] / 1e3) / 1e12,
+                }
+            )  # bwd = 2.5x fwd
     return rows
 
 
@@ -404,8 +457,9 @@ def bench_cross_entropy(cfg: Config, device: torch.device, dtype: torch.dtype) -
     return rows
 
 
-def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_dir: Path,
-                     timed: list[dict] | None = None) -> list[dict]:
+def profile_variants(
+    cfg: Config, device: torch.device, B: int, T: int, trace_dir: Path, timed: list[dict] | None = None
+) -> list[dict]:
     """Chrome traces of `profile_steps` steps of each chosen variant, and their top kernels. A variant
     timed in `timed` (rows of `run_variants`) is traced with the settings it was timed with (its
     place in the keep-the-best chain); any other with its own change on the baseline."""
@@ -438,10 +492,24 @@ def profile_variants(cfg: Config, device: torch.device, B: int, T: int, trace_di
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:10]
         total = sum(getattr(e, key, 0) for e in prof.key_averages()) or 1
-        out.append({"variant": name, "trace": str(path), "clock": "self CUDA" if device.type == "cuda" else
-                    "self CPU (summed over threads, profiler overhead included)", "top": [
-            {"kernel": e.key, "ms_per_step": getattr(e, key, 0) / 1e3 / b.profile_steps,
-             "share": getattr(e, key, 0) / total, "calls": e.count} for e in events]})
+        out.append(
+            {
+                "variant": name,
+                "trace": str(path),
+                "clock": "self CUDA"
+                if device.type == "cuda"
+                else "self CPU (summed over threads, profiler overhead included)",
+                "top": [
+                    {
+                        "kernel": e.key,
+                        "ms_per_step": getattr(e, key, 0) / 1e3 / b.profile_steps,
+                        "share": getattr(e, key, 0) / total,
+                        "calls": e.count,
+                    }
+                    for e in events
+                ],
+            }
+        )
     return out
 
 
@@ -480,4 +548,3 @@ def measure(cfg: Config, trace_dir: Path, run=NullRun()) -> Results:
     res.profiles = profile_variants(cfg, device, b.batch_size, T, trace_dir, res.variants)
     res.seconds = time.perf_counter() - start
     return res
-

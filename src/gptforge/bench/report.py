@@ -37,8 +37,10 @@ def verdict(r: dict, steps: int) -> str:
     text = "kept" if r["kept"] else f"not kept: {r['reason']}"
     if r.get("stopped_early"):
         n = r["timed_steps"]
-        text += (f" (timing stopped early: a step took over {STOP_FACTOR:.0f}x the fastest kept; "
-                 f"median of {n} step{'s' if n > 1 else ''}, not {steps})")
+        text += (
+            f" (timing stopped early: a step took over {STOP_FACTOR:.0f}x the fastest kept; "
+            f"median of {n} step{'s' if n > 1 else ''}, not {steps})"
+        )
     return text
 
 
@@ -50,14 +52,17 @@ def chain_summary(rows: list[dict]) -> str:
         return "No variant ran."
     best = min(kept, key=lambda r: r["ms_per_step"])
     dropped = [f"{r['variant']} ({r['reason']})" for r in timed if not r["kept"]]
-    return (f"Fastest kept: {best['variant']}, {best['ms_per_step']:.1f} ms/step, {best['speedup']:.2f}x the first "
-            f"variant. Not kept: {'; '.join(dropped) if dropped else 'none'}.")
+    return (
+        f"Fastest kept: {best['variant']}, {best['ms_per_step']:.1f} ms/step, {best['speedup']:.2f}x the first "
+        f"variant. Not kept: {'; '.join(dropped) if dropped else 'none'}."
+    )
 
 
 def report_markdown(cfg: Config, res: Results) -> str:
     m, b = cfg.model, cfg.benchmark
     lines = [
-        f"# Training-step benchmark on {res.device}", "",
+        f"# Training-step benchmark on {res.device}",
+        "",
         f"Model: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide; batch {res.B} x {res.T} tokens; "
         f"torch {torch.__version__}. Each variant adds one change (build-nanogpt's order) to the best "
         "configuration kept so far (column 'built on'). It is kept, and the next variants build on it, unless "
@@ -68,7 +73,8 @@ def report_markdown(cfg: Config, res: Results) -> str:
         f"gradient clipping, AdamW) on fixed random tokens; {b.warmup} untimed warm-up steps (+2 when compiled), then "
         f"the median of {b.steps} steps, each between device synchronisations; min and max beside it. "
         "MFU = tokens/s x (6N + 12 L H Q T) / the device's peak (n/a where the peak is unknown, e.g. CPUs; "
-        "set benchmark.peak_flops). Peak memory: CUDA allocator peak, or growth of the process RSS on the CPU.", "",
+        "set benchmark.peak_flops). Peak memory: CUDA allocator peak, or growth of the process RSS on the CPU.",
+        "",
         "| variant | adds | ms/step (min-max) | tokens/s | speed-up | MFU | peak memory MB | built on | kept |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -77,24 +83,46 @@ def report_markdown(cfg: Config, res: Results) -> str:
             lines.append(f"| {r['variant']} | {r['change']} | skipped: {r['skipped']} | | | | | | |")
         else:
             mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-            lines.append(f"| {r['variant']} | {r['change']} | {r['ms_per_step']:.1f} ({r['min_ms']:.1f}-"
-                         f"{r['max_ms']:.1f}) | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | {mfu} | "
-                         f"{_fmt(r['peak_memory_mb'], '.0f')} | {r.get('builds_on') or '-'} | "
-                         f"{verdict(r, b.steps)} |")
+            lines.append(
+                f"| {r['variant']} | {r['change']} | {r['ms_per_step']:.1f} ({r['min_ms']:.1f}-"
+                f"{r['max_ms']:.1f}) | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | {mfu} | "
+                f"{_fmt(r['peak_memory_mb'], '.0f')} | {r.get('builds_on') or '-'} | "
+                f"{verdict(r, b.steps)} |"
+            )
     lines += ["", chain_summary(res.variants)]
-    lines += ["", f"## Attention (batch {b.attention_batch}, {b.attention_heads} heads of dim {b.attention_head_dim}, "
-              "causal)", "", "| backend | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['backend']} | {r['seq_len']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.3f} | {r['fwd_bwd_ms']:.2f} | "
-              f"{r['fwd_bwd_tflops']:.3f} |" for r in res.attention]
-    lines += ["", f"## Cross-entropy, forward+backward over {b.ce_rows} rows", "",
-              "| implementation | vocab | ms | peak memory MB |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['impl']} | {r['vocab']} | {r['ms']:.2f} | {_fmt(r['peak_memory_mb'], '.0f')} |"
-              for r in res.cross_entropy]
+    lines += [
+        "",
+        f"## Attention (batch {b.attention_batch}, {b.attention_heads} heads of dim {b.attention_head_dim}, causal)",
+        "",
+        "| backend | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['backend']} | {r['seq_len']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.3f} | {r['fwd_bwd_ms']:.2f} | "
+        f"{r['fwd_bwd_tflops']:.3f} |"
+        for r in res.attention
+    ]
+    lines += [
+        "",
+        f"## Cross-entropy, forward+backward over {b.ce_rows} rows",
+        "",
+        "| implementation | vocab | ms | peak memory MB |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['impl']} | {r['vocab']} | {r['ms']:.2f} | {_fmt(r['peak_memory_mb'], '.0f')} |"
+        for r in res.cross_entropy
+    ]
     for p in res.profiles:
-        lines += ["", f"## Top kernels: {p['variant']} (trace: `{p['trace']}`)", "",
-                  f"Time per step is {p['clock']} time, over {b.profile_steps} profiled steps.", "",
-                  "| kernel | ms/step | share | calls |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## Top kernels: {p['variant']} (trace: `{p['trace']}`)",
+            "",
+            f"Time per step is {p['clock']} time, over {b.profile_steps} profiled steps.",
+            "",
+            "| kernel | ms/step | share | calls |",
+            "| --- | --- | --- | --- |",
+        ]
         lines += [f"| `{t['kernel']}` | {t['ms_per_step']:.2f} | {t['share']:.1%} | {t['calls']} |" for t in p["top"]]
     lines += ["", f"Total benchmark time: {res.seconds:.0f} s.", ""]
     return "\n".join(lines)
@@ -153,23 +181,48 @@ def write_outputs(cfg: Config, res: Results, run, metrics_path, report_path, plo
     if kept:
         best = min(kept, key=lambda r: r["ms_per_step"])
         metrics["best_ms_per_step"], metrics["best_speedup"] = best["ms_per_step"], best["speedup"]
-        run.set_tags({"benchmark.best_variant": best["variant"],
-                      "benchmark.not_kept": "; ".join(f"{r['variant']}: {r['reason']}" for r in res.variants
-                                                      if "skipped" not in r and not r["kept"]) or "none"})
+        run.set_tags(
+            {
+                "benchmark.best_variant": best["variant"],
+                "benchmark.not_kept": "; ".join(
+                    f"{r['variant']}: {r['reason']}" for r in res.variants if "skipped" not in r and not r["kept"]
+                )
+                or "none",
+            }
+        )
     for r in res.attention:
         metrics[f"attention.{r['backend']}.T{r['seq_len']}.fwd_bwd_tflops"] = r["fwd_bwd_tflops"]
     for r in res.cross_entropy:
         metrics[f"cross_entropy.{r['impl']}.V{r['vocab']}.ms"] = r["ms"]
-    _write_csv(plots_dir / "benchmark_variants.csv",
-               [{**r, "kept": int(r["kept"]), "stopped_early": int(r["stopped_early"])} for r in res.variants
-                if "skipped" not in r],
-               # the measured columns stay last, in their old order: `dvc plots` plots the last one by default
-               ["variant", "kept", "builds_on", "stopped_early", "reason", "ms_per_step", "tokens_per_sec", "speedup",
-                "mfu", "peak_memory_mb"])
-    _write_csv(plots_dir / "benchmark_attention.csv", res.attention,
-               ["backend", "seq_len", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"])
-    _write_csv(plots_dir / "benchmark_cross_entropy.csv", res.cross_entropy, ["impl", "vocab", "rows", "ms",
-                                                                             "peak_memory_mb"])
+    _write_csv(
+        plots_dir / "benchmark_variants.csv",
+        [
+            {**r, "kept": int(r["kept"]), "stopped_early": int(r["stopped_early"])}
+            for r in res.variants
+            if "skipped" not in r
+        ],
+        # the measured columns stay last, in their old order: `dvc plots` plots the last one by default
+        [
+            "variant",
+            "kept",
+            "builds_on",
+            "stopped_early",
+            "reason",
+            "ms_per_step",
+            "tokens_per_sec",
+            "speedup",
+            "mfu",
+            "peak_memory_mb",
+        ],
+    )
+    _write_csv(
+        plots_dir / "benchmark_attention.csv",
+        res.attention,
+        ["backend", "seq_len", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"],
+    )
+    _write_csv(
+        plots_dir / "benchmark_cross_entropy.csv", res.cross_entropy, ["impl", "vocab", "rows", "ms", "peak_memory_mb"]
+    )
     with atomic_file(report_path, "w", encoding="utf-8") as f:
         f.write(report_markdown(cfg, res))
     publish_metrics(run, metrics, metrics_path)

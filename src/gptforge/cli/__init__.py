@@ -137,8 +137,12 @@ def entry() -> None:
     4 minutes in retries, and the pipeline waiting on it. GPTFORGE_EXIT_GRACE_SECONDS (5) bound it."""
     code = main()
     seconds = float(os.environ.get("GPTFORGE_EXIT_GRACE_SECONDS", "5"))
-    exit_within(seconds, code, f"gptforge: exiting {seconds:g} s after the command ended: what was left to send to "
-                               "the Prefect API or the MLflow tracking server is dropped")
+    exit_within(
+        seconds,
+        code,
+        f"gptforge: exiting {seconds:g} s after the command ended: what was left to send to "
+        "the Prefect API or the MLflow tracking server is dropped",
+    )
     sys.exit(code)
 
 
@@ -176,8 +180,10 @@ def _run(argv: Sequence[str] | None) -> int:
         stop = stop_cause(e)
         if stop is not None:  # stopped, and a library's cleanup raised on the way out
             signum = stop_signal(stop)
-            _say(f"gptforge: stopped by {signal.Signals(signum).name} ({type(e).__name__} on the way out: "
-                 f"{_one_line(e)})")
+            _say(
+                f"gptforge: stopped by {signal.Signals(signum).name} ({type(e).__name__} on the way out: "
+                f"{_one_line(e)})"
+            )
             return 128 + signum
         if debug:
             _close_progress_bars()

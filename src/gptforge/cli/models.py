@@ -10,26 +10,37 @@ from gptforge.cli.parsing import Parser, config_args, params_file
 
 def add_commands(sub) -> None:
     """`export` and `models list|promote`."""
-    e = sub.add_parser("export", help="export a checkpoint as a Hugging Face folder (model + tokenizer)",
-                       description="Write a folder that transformers' AutoModelForCausalLM and AutoTokenizer load.")
+    e = sub.add_parser(
+        "export",
+        help="export a checkpoint as a Hugging Face folder (model + tokenizer)",
+        description="Write a folder that transformers' AutoModelForCausalLM and AutoTokenizer load.",
+    )
     e.add_argument("--checkpoint", required=True, metavar="DIR")
     e.add_argument("--out", required=True, metavar="DIR")
     config_args(e)
     e.set_defaults(func=cmd_export)
 
-    models = sub.add_parser("models", help="the registered models: list their versions, promote one",
-                            description="The MLflow Model Registry at MLFLOW_TRACKING_URI (default: "
-                            "sqlite:///mlflow.db), as the register stage fills it (docs/registry.md).")
+    models = sub.add_parser(
+        "models",
+        help="the registered models: list their versions, promote one",
+        description="The MLflow Model Registry at MLFLOW_TRACKING_URI (default: "
+        "sqlite:///mlflow.db), as the register stage fills it (docs/registry.md).",
+    )
     models_sub = models.add_subparsers(dest="models_command", metavar="ACTION", parser_class=Parser)
     models_sub.required = True
-    m = models_sub.add_parser("list", help="every version of every registered model, newest first",
-                              description="One row per version: aliases, creation time, the promotion gate's "
-                              "verdict and the key metrics.")
+    m = models_sub.add_parser(
+        "list",
+        help="every version of every registered model, newest first",
+        description="One row per version: aliases, creation time, the promotion gate's verdict and the key metrics.",
+    )
     m.add_argument("--name", metavar="NAME", help="only this model (registered name, or a key of registry.names)")
     config_args(m)
     m.set_defaults(func=cmd_models_list)
-    m = models_sub.add_parser("promote", help="give a model version an alias (default: champion)",
-                              description="Move ALIAS to VERSION of NAME and say which version held it before.")
+    m = models_sub.add_parser(
+        "promote",
+        help="give a model version an alias (default: champion)",
+        description="Move ALIAS to VERSION of NAME and say which version held it before.",
+    )
     m.add_argument("name", metavar="NAME", help="registered name, or a key of registry.names (classify)")
     m.add_argument("version", metavar="VERSION")
     m.add_argument("--alias", default="champion", help="(default: %(default)s)")

@@ -37,15 +37,26 @@ DEFAULT_PARAMS_HELP = "params.yaml"
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default=None, metavar="FILE",
-                   help=f"params file (default: {DEFAULT_PARAMS_HELP} if present, else the built-in defaults)")
-    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a param with DVC's dotted keys, value parsed as YAML; repeatable")
+    p.add_argument(
+        "--params",
+        default=None,
+        metavar="FILE",
+        help=f"params file (default: {DEFAULT_PARAMS_HELP} if present, else the built-in defaults)",
+    )
+    p.add_argument(
+        "-S",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a param with DVC's dotted keys, value parsed as YAML; repeatable",
+    )
 
 
 def params_file(args) -> str | None:
     """An explicit --params must exist; without one, ./params.yaml is used when present."""
     from gptforge.config.load import DEFAULT_PARAMS
+
     if args.params is not None:
         return args.params
     return DEFAULT_PARAMS if os.path.exists(DEFAULT_PARAMS) else None

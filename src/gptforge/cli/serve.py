@@ -10,44 +10,90 @@ from gptforge.modeling.hf_causal import INFERENCE_DTYPES
 
 def add_commands(sub) -> None:
     """`serve`."""
-    s = sub.add_parser("serve", help="serve models behind an OpenAI-compatible API with a chat page",
-                       description="Serve language models (OpenAI's /v1/completions and /v1/chat/completions, "
-                       "streamed or not, with continuous batching) and spam classifiers (/v1/classify), with "
-                       "/v1/models, /health, /metrics and a chat page at /. MODEL is [NAME=]SPEC, SPEC a registry "
-                       "URI (models:/gptforge-instruct@champion), a gptforge checkpoint, a Hugging Face causal-LM "
-                       "folder or a classifier folder; none: the pipeline's instruct model and classifier "
-                       "(docs/serving.md).")
+    s = sub.add_parser(
+        "serve",
+        help="serve models behind an OpenAI-compatible API with a chat page",
+        description="Serve language models (OpenAI's /v1/completions and /v1/chat/completions, "
+        "streamed or not, with continuous batching) and spam classifiers (/v1/classify), with "
+        "/v1/models, /health, /metrics and a chat page at /. MODEL is [NAME=]SPEC, SPEC a registry "
+        "URI (models:/gptforge-instruct@champion), a gptforge checkpoint, a Hugging Face causal-LM "
+        "folder or a classifier folder; none: the pipeline's instruct model and classifier "
+        "(docs/serving.md).",
+    )
     s.add_argument("models", nargs="*", metavar="MODEL")
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $GPTFORGE_API_KEY, else none)")
-    s.add_argument("--engine", choices=("gptforge", "vllm"), default="gptforge",
-                   help="gptforge: this server; vllm: vLLM's OpenAI server for one Hugging Face model "
-                   "(GPU workers) (default: %(default)s)")
-    s.add_argument("--max-batch", type=int, default=16, metavar="N",
-                   help="requests decoded together per model (default: %(default)s)")
-    s.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests waiting per model before 429 (default: %(default)s)")
-    s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens prefilled per engine step, beside the running streams' decode "
-                   "(default: 256)")
-    s.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MB",
-                   help="memory for reused prompt prefixes per model, least recently used out; 0: off "
-                   "(default: %(default)s)")
-    s.add_argument("--engine-process", choices=("on", "off"), default="on",
-                   help="on: each model's engine in a process of its own; off: in a thread of the API "
-                   "process (default: %(default)s)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $GPTFORGE_API_KEY, else none)",
+    )
+    s.add_argument(
+        "--engine",
+        choices=("gptforge", "vllm"),
+        default="gptforge",
+        help="gptforge: this server; vllm: vLLM's OpenAI server for one Hugging Face model "
+        "(GPU workers) (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        metavar="N",
+        help="requests decoded together per model (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests waiting per model before 429 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens prefilled per engine step, beside the running streams' decode (default: 256)",
+    )
+    s.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="memory for reused prompt prefixes per model, least recently used out; 0: off (default: %(default)s)",
+    )
+    s.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        default="on",
+        help="on: each model's engine in a process of its own; off: in a thread of the API "
+        "process (default: %(default)s)",
+    )
     s.add_argument("--device", default="auto", help="auto | cpu | cuda (default: %(default)s)")
-    s.add_argument("--dtype", choices=INFERENCE_DTYPES, default="auto",
-                   help="weights of Hugging Face models: auto = bfloat16 on CUDA, float32 on the CPU; bfloat16 "
-                   "on a CPU with native bf16 (AVX-512 BF16, AMX) decodes faster (default: %(default)s)")
-    s.add_argument("--rag", default=None, metavar="INDEX",
-                   help="retrieval-augmented chat: put the top chunks of this index (data/index/NAME, from "
-                   "`gptforge index`) in front of the question of every chat request to the language models "
-                   "(`rag: false` in a request turns it off); answers carry a `sources` list (default: off)")
-    s.add_argument("--rag-top-k", type=int, default=None, metavar="K",
-                   help="chunks retrieved per question (default: index.top_k, 4)")
+    s.add_argument(
+        "--dtype",
+        choices=INFERENCE_DTYPES,
+        default="auto",
+        help="weights of Hugging Face models: auto = bfloat16 on CUDA, float32 on the CPU; bfloat16 "
+        "on a CPU with native bf16 (AVX-512 BF16, AMX) decodes faster (default: %(default)s)",
+    )
+    s.add_argument(
+        "--rag",
+        default=None,
+        metavar="INDEX",
+        help="retrieval-augmented chat: put the top chunks of this index (data/index/NAME, from "
+        "`gptforge index`) in front of the question of every chat request to the language models "
+        "(`rag: false` in a request turns it off); answers carry a `sources` list (default: off)",
+    )
+    s.add_argument(
+        "--rag-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="chunks retrieved per question (default: index.top_k, 4)",
+    )
     config_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -83,8 +129,9 @@ def cmd_serve(args) -> int:
 
         vllm_python()  # a missing vLLM is said before any model is fetched
         # vLLM serves one language model: with no MODEL, the pipeline's first one alone.
-        sources = resolve_all(args.models or (default_specs(cfg, language_models_only=True) or [DEFAULT_SPECS[0]])[:1],
-                              cfg)
+        sources = resolve_all(
+            args.models or (default_specs(cfg, language_models_only=True) or [DEFAULT_SPECS[0]])[:1], cfg
+        )
         return run_vllm(sources, host=args.host, port=args.port, api_key=api_key, cfg=cfg)
     from gptforge.serve import listen, run_server
     from gptforge.serve.loading import load_served
@@ -97,9 +144,19 @@ def cmd_serve(args) -> int:
     models = []
     try:
         for src in sources:
-            models.append(load_served(src, cfg, max_batch=args.max_batch, max_queue=args.max_queue, device=device,
-                                      prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                                      engine_process=args.engine_process == "on", dtype=args.dtype))
+            models.append(
+                load_served(
+                    src,
+                    cfg,
+                    max_batch=args.max_batch,
+                    max_queue=args.max_queue,
+                    device=device,
+                    prefill_chunk=args.prefill_chunk,
+                    prefix_cache_mb=args.prefix_cache_mb,
+                    engine_process=args.engine_process == "on",
+                    dtype=args.dtype,
+                )
+            )
     except BaseException:
         for m in models:  # the engine processes of the models loaded before the failure
             if getattr(m, "engine", None) is not None:

@@ -42,17 +42,34 @@ def add_commands(sub) -> None:
         p.set_defaults(func=cmd_stage, stage=stage.name)
 
     for command, name, dvc_name, more in (
-            ("synthesize", "synthesize", "synthesize@NAME",
-             "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY."),
-            ("index", "index", "index@NAME",
-             "Reads data/synthetic/NAME/chunks.jsonl (stage synthesize@NAME); -S synthesize.only=NAME picks one "
-             "entry of synthesize.documents (default: all). Reports recall@1/5/10 and MRR of the source chunk over "
-             "the synthesized questions."),
-            ("evaluate-qa", "evaluate_qa", "evaluate_qa@NAME",
-             "-S synthesize.only=NAME picks one entry of synthesize.documents (default: all)."),
-            ("pretrain", "pretrain", "pretrain",
-             "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun (DDP); "
-             "under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it trains with DDP.")):
+        (
+            "synthesize",
+            "synthesize",
+            "synthesize@NAME",
+            "The endpoint's API key, if it needs one: GPTFORGE_SYNTH_API_KEY.",
+        ),
+        (
+            "index",
+            "index",
+            "index@NAME",
+            "Reads data/synthetic/NAME/chunks.jsonl (stage synthesize@NAME); -S synthesize.only=NAME picks one "
+            "entry of synthesize.documents (default: all). Reports recall@1/5/10 and MRR of the source chunk over "
+            "the synthesized questions.",
+        ),
+        (
+            "evaluate-qa",
+            "evaluate_qa",
+            "evaluate_qa@NAME",
+            "-S synthesize.only=NAME picks one entry of synthesize.documents (default: all).",
+        ),
+        (
+            "pretrain",
+            "pretrain",
+            "pretrain",
+            "With pretrain.nproc_per_node or distributed.nnodes above 1 it launches itself under torchrun (DDP); "
+            "under torchrun (e.g. `torchrun --nproc_per_node=2 $(which gptforge) pretrain`) it trains with DDP.",
+        ),
+    ):
         stage = STAGES[name]
         p = sub.add_parser(command, help=stage.summary, description=f"DVC stage {dvc_name}: {stage.summary}. {more}")
         config_args(p)
@@ -61,25 +78,38 @@ def add_commands(sub) -> None:
     finetune = sub.add_parser("finetune", help="fine-tuning stages")
     finetune_sub = finetune.add_subparsers(dest="what", metavar="TASK", parser_class=Parser)
     finetune_sub.required = True
-    for what, name in (("classify", "finetune_classify"), ("instruct", "finetune_instruct"),
-                       ("preference", "finetune_preference"), ("reward", "train_reward"), ("rl", "finetune_rl")):
+    for what, name in (
+        ("classify", "finetune_classify"),
+        ("instruct", "finetune_instruct"),
+        ("preference", "finetune_preference"),
+        ("reward", "train_reward"),
+        ("rl", "finetune_rl"),
+    ):
         stage = STAGES[name]
-        p = finetune_sub.add_parser(what, help=stage.summary, description=f"DVC stage {stage.name}: {stage.summary}. "
-                                    f"With {what}.nproc_per_node or distributed.nnodes above 1 it launches itself under "
-                                    f"torchrun ({what}.strategy: ddp or fsdp), each process training on its part of "
-                                    "every batch.")
+        p = finetune_sub.add_parser(
+            what,
+            help=stage.summary,
+            description=f"DVC stage {stage.name}: {stage.summary}. "
+            f"With {what}.nproc_per_node or distributed.nnodes above 1 it launches itself under "
+            f"torchrun ({what}.strategy: ddp or fsdp), each process training on its part of "
+            "every batch.",
+        )
         config_args(p)
         p.set_defaults(func=cmd_stage, stage=stage.name)
     stage = STAGES["finetune_instruct_variant"]
-    p = finetune_sub.add_parser("instruct-variant", help=stage.summary,
-                                description=f"DVC stage finetune_instruct_variant@NAME: {stage.summary}. -S "
-                                "instruct_variants.only=NAME picks one entry of instruct_variants.models (default: all).")
+    p = finetune_sub.add_parser(
+        "instruct-variant",
+        help=stage.summary,
+        description=f"DVC stage finetune_instruct_variant@NAME: {stage.summary}. -S "
+        "instruct_variants.only=NAME picks one entry of instruct_variants.models (default: all).",
+    )
     config_args(p)
     p.set_defaults(func=cmd_stage, stage=stage.name)
 
     stage = STAGES["benchmark"]
-    p = sub.add_parser("benchmark", help=stage.summary,
-                       describe=lambda summary=stage.summary: _benchmark_description(summary))
+    p = sub.add_parser(
+        "benchmark", help=stage.summary, describe=lambda summary=stage.summary: _benchmark_description(summary)
+    )
     config_args(p)
     p.set_defaults(func=cmd_stage, stage="benchmark")
 
@@ -93,12 +123,15 @@ def add_commands(sub) -> None:
     config_args(p)
     p.set_defaults(func=cmd_stage, stage="register")
 
-    p = sub.add_parser("pipeline", help="run every stage that is stale (dvc repro) as one tracked run",
-                       description="Run `dvc repro` for the named stages (default: all) as one Prefect flow run and "
-                       "one MLflow run, each stage nested under it. --params and -S are written to params.yaml first "
-                       "(DVC tracks that file). With a default DVC remote: dvc pull before, dvc push after (a remote "
-                       "that cannot be reached is a warning). --pool runs it on a worker of that Prefect work pool "
-                       "through the deployment pipeline/POOL instead of in this process.")
+    p = sub.add_parser(
+        "pipeline",
+        help="run every stage that is stale (dvc repro) as one tracked run",
+        description="Run `dvc repro` for the named stages (default: all) as one Prefect flow run and "
+        "one MLflow run, each stage nested under it. --params and -S are written to params.yaml first "
+        "(DVC tracks that file). With a default DVC remote: dvc pull before, dvc push after (a remote "
+        "that cannot be reached is a warning). --pool runs it on a worker of that Prefect work pool "
+        "through the deployment pipeline/POOL instead of in this process.",
+    )
     p.add_argument("stages", nargs="*", metavar="STAGE", help="DVC stages to reproduce, with what they depend on")
     config_args(p)
     p.add_argument("--no-pull", dest="pull", action="store_false", help="do not dvc pull first")
@@ -112,7 +145,10 @@ def _benchmark_description(summary: str) -> str:
     from gptforge.bench.grid import variant_grid  # imports torch: only for `gptforge benchmark --help`
 
     grid = "; ".join(f"{name}: {change}" for name, change, _ in variant_grid())
-    return f"DVC stage benchmark: {summary}. Variants, each adding its change to the fastest kept so far (one that slows the step is not kept): {grid}."
+    return (
+        f"DVC stage benchmark: {summary}. Variants, each adding its change to the fastest kept so far "
+        f"(one that slows the step is not kept): {grid}."
+    )
 
 
 def use_prefect() -> bool:
@@ -155,8 +191,9 @@ def cmd_pipeline(args) -> int:
         from flows.submit import submit_pipeline
 
         with _prefect_console():
-            submit_pipeline(args.pool, {"stages": args.stages, "params": args.params, "overrides": list(args.set),
-                                        **options})
+            submit_pipeline(
+                args.pool, {"stages": args.stages, "params": args.params, "overrides": list(args.set), **options}
+            )
         return 0
     # A second pipeline (or one while a DVC command runs here) is refused now, before Prefect
     # starts; the library takes the same lock again (a no-op in this process).
@@ -211,16 +248,14 @@ def _quiet_prefect_console(debug: bool) -> None:
 
 
 @contextlib.contextmanager
-
-
 def _prefect_console() -> Iterator[None]:
     """Around a flow call: Prefect's console quieted, and its temporary server (the one it
     starts when no PREFECT_API_URL is set) stopped as soon as the flow ends instead of at
     interpreter exit, so that its "Stopping temporary server" comes before the CLI's error
     line and the error is the last line a user reads."""
     _quiet_prefect_console(debug=bool(os.environ.get("GPTFORGE_DEBUG")))
-    from flows.stages import temporary_server_in_own_session
     from flows.outage import watch_prefect_records
+    from flows.stages import temporary_server_in_own_session
 
     temporary_server_in_own_session()
     watch_prefect_records()

@@ -38,9 +38,10 @@ def _check_source(value: str) -> str:
 def _check_instruct_source(value: str) -> str:
     """The instruct source may also be `synthetic://NAME`: the kept pairs of stage synthesize@NAME."""
     if isinstance(value, str) and value.startswith("synthetic://"):
-        if not re.fullmatch(NAME_PATTERN, value[len("synthetic://"):]):
-            raise ValueError(f"synthetic:// sources are synthetic://NAME, NAME an entry of synthesize.documents, "
-                             f"got {value!r}")
+        if not re.fullmatch(NAME_PATTERN, value[len("synthetic://") :]):
+            raise ValueError(
+                f"synthetic:// sources are synthetic://NAME, NAME an entry of synthesize.documents, got {value!r}"
+            )
         return value
     return _check_source(value)
 
@@ -53,8 +54,10 @@ def _check_names(value: dict[str, str], param: str, folder: str) -> dict[str, st
     """Entry names of a foreach stage's mapping (they name its output folders) and non-empty values."""
     for key, source in value.items():
         if not re.fullmatch(NAME_PATTERN, key):
-            raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names the folder {folder} and "
-                             f"the DVC param {param}.{key}, where a '.' would nest)")
+            raise ValueError(
+                f"name {key!r} must be letters, digits, '_' or '-' (it names the folder {folder} and "
+                f"the DVC param {param}.{key}, where a '.' would nest)"
+            )
         if not isinstance(source, str) or not source.strip():
             raise ValueError(f"{param}.{key}: expected a non-empty string, got {source!r}")
     return value

@@ -16,8 +16,10 @@ from gptforge.config.section import Section
 SMS_SPAM_URL = "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip"
 ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
 # LLMs-from-scratch ch. 7's preference pairs (the Alpaca-style records with chosen/rejected answers)
-PREFERENCE_URL = ("https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch07/04_preference-tuning-with-dpo/"
-                  "instruction-data-with-preference.json")
+PREFERENCE_URL = (
+    "https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/ch07/04_preference-tuning-with-dpo/"
+    "instruction-data-with-preference.json"
+)
 
 
 class DownloadConfig(Section):

@@ -14,9 +14,23 @@ from pydantic import Field, field_validator, model_validator
 from gptforge.config.section import Section
 
 # trl 1.16's DPOTrainer loss types (DPOConfig.loss_type); sigmoid is DPO's own.
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-
+DPO_LOSSES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
 
 
 class LoraConfig(Section):
@@ -50,14 +64,17 @@ class FinetuneCommon(Section):
     # process reads its own part of every batch (batch_size is the whole batch), process 0 writes.
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: a whole copy per process | fsdp: weights, grads and AdamW states split (FSDP2)")
+        "ddp", description="ddp: a whole copy per process | fsdp: weights, grads and AdamW states split (FSDP2)"
+    )
 
 
 def ddp_only(section: FinetuneCommon, name: str, what: str) -> FinetuneCommon:
     """The trl stages run their processes through accelerate's DDP here: fsdp is refused, not ignored."""
     if section.strategy == "fsdp":
-        raise ValueError(f"{name}.strategy: fsdp is not available for {what}: trl's trainer runs the processes "
-                         "through accelerate's DDP here (a whole copy each); use ddp")
+        raise ValueError(
+            f"{name}.strategy: fsdp is not available for {what}: trl's trainer runs the processes "
+            "through accelerate's DDP here (a whole copy each); use ddp"
+        )
     return section
 
 
@@ -95,16 +112,21 @@ class InstructConfig(FinetuneCommon):
     @model_validator(mode="after")
     def _check(self):
         if self.quantize is not None and self.strategy == "fsdp":
-            raise ValueError(f"instruct.quantize: {self.quantize} (QLoRA) keeps the base in bitsandbytes' 4-bit "
-                             "tensors, which FSDP does not shard here: use instruct.strategy: ddp")
+            raise ValueError(
+                f"instruct.quantize: {self.quantize} (QLoRA) keeps the base in bitsandbytes' 4-bit "
+                "tensors, which FSDP does not shard here: use instruct.strategy: ddp"
+            )
         if self.quantize is not None and self.method != "lora":
-            raise ValueError(f"instruct.quantize: {self.quantize} (QLoRA) trains LoRA adapters on frozen quantized "
-                             f"weights: it needs instruct.method: lora, not {self.method}")
+            raise ValueError(
+                f"instruct.quantize: {self.quantize} (QLoRA) trains LoRA adapters on frozen quantized "
+                f"weights: it needs instruct.method: lora, not {self.method}"
+            )
         if (self.judge.url is None) != (self.judge.model is None):
             raise ValueError("instruct.judge.url and instruct.judge.model go together: set both, or neither")
         if self.judge.url is not None and not self.judge.url.startswith(("http://", "https://")):
             raise ValueError(f"instruct.judge.url must be an http:// or https:// URL, got {self.judge.url!r}")
         return self
+
     mask_prompt: bool = False
     epochs: int = Field(2, gt=0)
     n_responses: Optional[int] = Field(20, gt=0, description="test examples answered at the end; null: all")
@@ -157,7 +179,8 @@ class RewardConfig(FinetuneCommon):
     max_samples: Optional[int] = Field(None, gt=0, description="training pairs used (the split's first N); null: all")
     group_by_length: bool = True  # batches of pairs of similar lengths: less padding scored
     center_rewards_coefficient: Optional[float] = Field(
-        None, ge=0, description="trl's auxiliary loss pulling rewards toward 0 (Eisenstein et al. 2023); null: off")
+        None, ge=0, description="trl's auxiliary loss pulling rewards toward 0 (Eisenstein et al. 2023); null: off"
+    )
 
     @model_validator(mode="after")
     def _strategy(self):
@@ -206,9 +229,13 @@ class RLConfig(FinetuneCommon):
     def _check(self):
         ddp_only(self, "rl", self.algorithm.upper())
         if self.algorithm in ("grpo", "rloo") and self.num_generations < 2:
-            raise ValueError(f"rl.num_generations must be at least 2 for {self.algorithm} (got {self.num_generations}): "
-                             "the advantage of an answer is measured against the others of its group")
+            raise ValueError(
+                f"rl.num_generations must be at least 2 for {self.algorithm} (got {self.num_generations}): "
+                "the advantage of an answer is measured against the others of its group"
+            )
         if self.batch_size % self.num_generations:
-            raise ValueError(f"rl.batch_size ({self.batch_size}) must be a multiple of rl.num_generations "
-                             f"({self.num_generations}): a batch holds whole groups of answers")
+            raise ValueError(
+                f"rl.batch_size ({self.batch_size}) must be a multiple of rl.num_generations "
+                f"({self.num_generations}): a batch holds whole groups of answers"
+            )
         return self

@@ -118,12 +118,16 @@ class PretrainConfig(Section):
     # parameters, gradients and AdamW's states all split (FSDP2 fully_shard on every block and the
     # root), checkpoints written by every process through torch.distributed.checkpoint.
     strategy: Literal["ddp", "zero1", "fsdp"] = Field(
-        "ddp", description="ddp | zero1 (optimizer states sharded) | fsdp (parameters, gradients, states sharded)")
+        "ddp", description="ddp | zero1 (optimizer states sharded) | fsdp (parameters, gradients, states sharded)"
+    )
     fsdp_reshard_after_forward: bool = Field(
-        True, description="fsdp: free each block's gathered weights after its forward (ZeRO-3; false: ZeRO-2, "
-                          "more memory, one all-gather less per step)")
+        True,
+        description="fsdp: free each block's gathered weights after its forward (ZeRO-3; false: ZeRO-2, "
+        "more memory, one all-gather less per step)",
+    )
     activation_checkpointing: bool = Field(
-        False, description="recompute each block's activations in the backward instead of keeping them")
+        False, description="recompute each block's activations in the backward instead of keeping them"
+    )
     # Above 1 process in all (x distributed.nnodes), `gptforge pretrain` launches itself under
     # torchrun (gptforge.training.launch); the node and rendezvous settings are `distributed`'s.
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
@@ -151,8 +155,10 @@ class DistributedConfig(Section):
     @model_validator(mode="after")
     def _check(self):
         if self.nnodes > 1 and not self.rdzv_endpoint.strip():
-            raise ValueError(f"distributed.rdzv_endpoint is required when distributed.nnodes > 1 (got {self.nnodes}): "
-                             "the host:port of the rendezvous, the same on every node")
+            raise ValueError(
+                f"distributed.rdzv_endpoint is required when distributed.nnodes > 1 (got {self.nnodes}): "
+                "the host:port of the rendezvous, the same on every node"
+            )
         if ":" in self.rdzv_endpoint:  # HOST alone is fine: torchrun's default port (29400)
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host.strip() or not (port.isdigit() and 0 < int(port) < 65536):
@@ -179,8 +185,12 @@ class EvaluateConfig(Section):
     batch_size: int = Field(16, gt=0)
     device: str = "auto"
     # Models evaluated, each when its folder exists: name -> gptforge checkpoint or Hugging Face causal-LM folder.
-    models: dict[str, str] = {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final",
-                              "preference": "checkpoints/preference/final", "rl": "checkpoints/rl/final"}
+    models: dict[str, str] = {
+        "pretrain": "checkpoints/pretrain/final",
+        "instruct": "checkpoints/instruct/final",
+        "preference": "checkpoints/preference/final",
+        "rl": "checkpoints/rl/final",
+    }
     hellaswag: EvalSource = EvalSource()
     mmlu: EvalSource = EvalSource()
 
@@ -284,13 +294,17 @@ class SynthesizeConfig(Section):
     @model_validator(mode="after")
     def _check(self):
         if self.chunk_overlap >= self.chunk_tokens:
-            raise ValueError(f"synthesize.chunk_overlap ({self.chunk_overlap}) must be below synthesize.chunk_tokens "
-                             f"({self.chunk_tokens})")
+            raise ValueError(
+                f"synthesize.chunk_overlap ({self.chunk_overlap}) must be below synthesize.chunk_tokens "
+                f"({self.chunk_tokens})"
+            )
         if (self.endpoint.url is None) != (self.endpoint.model is None):
             given, missing = ("url", "model") if self.endpoint.model is None else ("model", "url")
-            raise ValueError(f"synthesize.endpoint.{given} is set but synthesize.endpoint.{missing} is null: set both "
-                             "(an OpenAI-compatible server and its model), or neither to write the chunks alone "
-                             "(no pairs; docs/rag.md)")
+            raise ValueError(
+                f"synthesize.endpoint.{given} is set but synthesize.endpoint.{missing} is null: set both "
+                "(an OpenAI-compatible server and its model), or neither to write the chunks alone "
+                "(no pairs; docs/rag.md)"
+            )
         return self
 
 
@@ -329,8 +343,11 @@ class EvaluateQAConfig(Section):
 def variant_paths(name: str) -> dict[str, str]:
     """Where stage finetune_instruct_variant@NAME writes (the instruct stage's names, with NAME):
     the recipe's out_dir, metrics_path and responses_path; serve and the closing summary read them."""
-    return {"out_dir": f"checkpoints/instruct_{name}", "metrics_path": f"metrics/instruct_{name}.json",
-            "responses_path": f"reports/instruct_{name}_responses.jsonl"}
+    return {
+        "out_dir": f"checkpoints/instruct_{name}",
+        "metrics_path": f"metrics/instruct_{name}.json",
+        "responses_path": f"reports/instruct_{name}_responses.jsonl",
+    }
 
 
 class InstructVariantsConfig(Section):
@@ -346,11 +363,15 @@ class InstructVariantsConfig(Section):
     def _names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for key, changes in value.items():
             if not re.fullmatch(NAME_PATTERN, key):
-                raise ValueError(f"name {key!r} must be letters, digits, '_' or '-' (it names checkpoints/instruct_NAME "
-                                 f"and the DVC param instruct_variants.models.{key})")
+                raise ValueError(
+                    f"name {key!r} must be letters, digits, '_' or '-' (it names checkpoints/instruct_NAME "
+                    f"and the DVC param instruct_variants.models.{key})"
+                )
             if not isinstance(changes.get("init_from"), str) or not changes["init_from"].strip():
-                raise ValueError(f"instruct_variants.models.{key}.init_from: set it (the folder it starts from: "
-                                 "dvc.yaml tracks it as the stage's dependency)")
+                raise ValueError(
+                    f"instruct_variants.models.{key}.init_from: set it (the folder it starts from: "
+                    "dvc.yaml tracks it as the stage's dependency)"
+                )
         return value
 
 
@@ -361,9 +382,14 @@ class TrackingConfig(Section):
 
 class RegistryConfig(Section):
     # The MLflow Model Registry name of each model the pipeline makes (stage `register`).
-    names: dict[str, str] = {"pretrain": "gptforge-pretrain", "classify": "gptforge-classify",
-                             "instruct": "gptforge-instruct", "preference": "gptforge-preference",
-                             "reward": "gptforge-reward", "rl": "gptforge-rl"}
+    names: dict[str, str] = {
+        "pretrain": "gptforge-pretrain",
+        "classify": "gptforge-classify",
+        "instruct": "gptforge-instruct",
+        "preference": "gptforge-preference",
+        "reward": "gptforge-reward",
+        "rl": "gptforge-rl",
+    }
     # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
     # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
     promote: dict[str, dict[str, str]] = {"classify": {"classify.test_accuracy": ">= 0.95"}}
@@ -403,9 +429,15 @@ class Config(Section):
             return tree
         distributed = dict(tree.get("distributed") or {})
         for key, value in moved.items():
-            if key in distributed and distributed[key] != value and value != DistributedConfig.model_fields[key].default:
-                raise ValueError(f"pretrain.{key} ({value!r}) and distributed.{key} ({distributed[key]!r}) disagree: "
-                                 f"set distributed.{key} only")
+            if (
+                key in distributed
+                and distributed[key] != value
+                and value != DistributedConfig.model_fields[key].default
+            ):
+                raise ValueError(
+                    f"pretrain.{key} ({value!r}) and distributed.{key} ({distributed[key]!r}) disagree: "
+                    f"set distributed.{key} only"
+                )
             if key not in distributed or value != DistributedConfig.model_fields[key].default:
                 distributed[key] = value
         return {**tree, "pretrain": pretrain, "distributed": distributed}
@@ -428,17 +460,20 @@ class Config(Section):
                 where = ".".join(str(p) for p in err["loc"])
                 raise ValueError(f"instruct_variants.models.{name}.{where}: {err['msg']}") from None
             if variant.nproc_per_node > 1:
-                raise ValueError(f"instruct_variants.models.{name}.nproc_per_node: a variant trains in one process; "
-                                 "several processes are the instruct stage's (instruct.nproc_per_node)")
+                raise ValueError(
+                    f"instruct_variants.models.{name}.nproc_per_node: a variant trains in one process; "
+                    "several processes are the instruct stage's (instruct.nproc_per_node)"
+                )
         return self
 
     @model_validator(mode="after")
     def _synthetic_source(self):
         source = self.data.instruct.source
-        if source.startswith("synthetic://") and source[len("synthetic://"):] not in self.synthesize.documents:
+        if source.startswith("synthetic://") and source[len("synthetic://") :] not in self.synthesize.documents:
             known = ", ".join(self.synthesize.documents) or "none"
-            raise ValueError(f"data.instruct.source: {source} names no entry of synthesize.documents "
-                             f"(entries: {known})")
+            raise ValueError(
+                f"data.instruct.source: {source} names no entry of synthesize.documents (entries: {known})"
+            )
         return self
 
     def flat(self, *sections: str) -> dict[str, Any]:
@@ -447,6 +482,7 @@ class Config(Section):
         if sections:
             tree = {k: _get(tree, k) for k in sections}
         return flatten(tree)
+
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}

@@ -55,8 +55,9 @@ def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         if local.exists():
             raise BadInput(f"{param}: cannot load {local} ({reason})") from None
-        raise SourceUnreachable(f"cannot load {source} from the Hugging Face hub ({reason}); set {param} to a "
-                                "local folder") from None
+        raise SourceUnreachable(
+            f"cannot load {source} from the Hugging Face hub ({reason}); set {param} to a local folder"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else source)
     except Exception as e:  # a weights-only folder: fine-tuning uses tokenizer.path anyway
@@ -67,8 +68,14 @@ def fetch(source: str, dest: str | os.PathLike, *, param: str) -> dict:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("base model %s -> %s (%.1fM parameters, %s%s)", source, dest, n_params / 1e6, model.config.model_type,
-             ", an encoder" if kind == "encoder" else "")
+    log.info(
+        "base model %s -> %s (%.1fM parameters, %s%s)",
+        source,
+        dest,
+        n_params / 1e6,
+        model.config.model_type,
+        ", an encoder" if kind == "encoder" else "",
+    )
     return {"parameters": n_params, "has_tokenizer": int(tokenizer is not None), "encoder": int(kind == "encoder")}
 
 
@@ -83,8 +90,14 @@ def model_kind(where: str) -> str:
     return "encoder" if archs and not any(a.endswith(heads) for a in archs) else "causal_lm"
 
 
-def prepare_base(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), out_root: str | os.PathLike = OUT_ROOT,
-                 metrics_dir: str | os.PathLike = "metrics/base") -> dict:
+def prepare_base(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    out_root: str | os.PathLike = OUT_ROOT,
+    metrics_dir: str | os.PathLike = "metrics/base",
+) -> dict:
     """Fetch `base.models[base.only]` (every entry when `base.only` is null) into `out_root/NAME`:
     dvc.yaml's prepare_base@NAME runs `gptforge prepare base -S base.only=NAME`."""
     models, name = cfg.base.models, cfg.base.only

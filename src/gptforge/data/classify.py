@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptforge.config.schema import Config
+from gptforge.data.sources import is_hf, materialize, read_records, safe_extract_zip, shuffle_split, write_splits
 from gptforge.errors import BadInput
 from gptforge.io import data_suffix, open_data
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-
-from gptforge.data.sources import is_hf, materialize, read_records, safe_extract_zip, shuffle_split, write_splits
 
 log = logging.getLogger("gptforge")
 
@@ -65,10 +64,11 @@ def prepare_classify(
 ) -> dict:
     c = cfg.data.classify
     if is_hf(c.source):
-        raise BadInput(f"{PARAM}: hub datasets are not supported here, got {c.source}; "
-                       "use the UCI zip URL or a local SMSSpamCollection, .csv or .jsonl file")
-    path = materialize(c.source, param=PARAM, sha256=c.sha256, download=cfg.data.download, steps=steps,
-                       raw_dir=raw_dir)
+        raise BadInput(
+            f"{PARAM}: hub datasets are not supported here, got {c.source}; "
+            "use the UCI zip URL or a local SMSSpamCollection, .csv or .jsonl file"
+        )
+    path = materialize(c.source, param=PARAM, sha256=c.sha256, download=cfg.data.download, steps=steps, raw_dir=raw_dir)
     path = steps(find_sms_file, path, raw_dir=raw_dir)
     labelled = steps(read_labelled, path)
     check_labelled(labelled, path, max_bad_fraction=c.max_bad_fraction)
@@ -82,8 +82,9 @@ def prepare_classify(
         metrics[f"{name}_spam"] = counts[1]
     metrics.update({name: len(examples) for name, examples in splits.items()})
     publish_metrics(run, metrics, metrics_path)
-    log.info("classify data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
-             out_dir)
+    log.info(
+        "classify data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"], out_dir
+    )
     return metrics
 
 
@@ -98,8 +99,10 @@ def find_sms_file(path: str | os.PathLike, *, raw_dir: str | os.PathLike = "data
         return _sms_in([p for p in path.rglob("*") if p.is_file()], path)
     suffix = data_suffix(path)
     if suffix not in SMS_SUFFIXES | RECORD_SUFFIXES:
-        raise BadInput(f"{PARAM} {path}: unsupported file type {suffix!r}; expected the UCI zip, "
-                       f"{SMS_FILE} (.tsv/.txt), .csv, .jsonl, .json or .parquet")
+        raise BadInput(
+            f"{PARAM} {path}: unsupported file type {suffix!r}; expected the UCI zip, "
+            f"{SMS_FILE} (.tsv/.txt), .csv, .jsonl, .json or .parquet"
+        )
     return path
 
 
@@ -177,16 +180,26 @@ def check_labelled(labelled: Labelled, path: str | os.PathLike, *, max_bad_fract
         raise BadInput(f"{PARAM} {path}: no {unit}s to read (empty file)")
     fraction = labelled.bad / labelled.total
     if fraction > max_bad_fraction:
-        expected = ("'ham' or 'spam', a TAB, then the message" if unit == "line"
-                    else "a non-empty 'text' and a 'label' of ham/spam or 0/1")
+        expected = (
+            "'ham' or 'spam', a TAB, then the message"
+            if unit == "line"
+            else "a non-empty 'text' and a 'label' of ham/spam or 0/1"
+        )
         raise BadInput(
             f"{labelled.bad} of {labelled.total} {unit}s malformed ({fraction:.1%}) in {path}, above "
             f"data.classify.max_bad_fraction={max_bad_fraction:g} (first bad {unit}: {labelled.first_bad}; "
             f"expected {expected})"
         )
     if labelled.bad:
-        log.warning("skipped %d malformed %ss of %d in %s (first: %s %d)", labelled.bad, unit, labelled.total, path,
-                    unit, labelled.first_bad)
+        log.warning(
+            "skipped %d malformed %ss of %d in %s (first: %s %d)",
+            labelled.bad,
+            unit,
+            labelled.total,
+            path,
+            unit,
+            labelled.first_bad,
+        )
     counts = Counter(e["label"] for e in labelled.examples)
     if len(counts) < 2:
         only = ", ".join(f"{CLASS_NAMES[k]} ({n})" for k, n in counts.items()) or "none"

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gptforge.config.schema import Config
+from gptforge.data.sources import read_records, shuffle_split, source_records, write_splits
 from gptforge.errors import BadInput
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-
-from gptforge.data.sources import read_records, shuffle_split, source_records, write_splits
 
 log = logging.getLogger("gptforge")
 
@@ -59,18 +58,30 @@ def prepare_instruct(
     if synthetic:
         records = steps(synthetic_records, d.source.removeprefix("synthetic://"), synthetic_root)
     else:
-        records = source_records(d.source, param=PARAM, split=d.split, sha256=d.sha256,
-                                 download=cfg.data.download, steps=steps, raw_dir=raw_dir)
+        records = source_records(
+            d.source,
+            param=PARAM,
+            split=d.split,
+            sha256=d.sha256,
+            download=cfg.data.download,
+            steps=steps,
+            raw_dir=raw_dir,
+        )
     validated = steps(validate_records, records, where=f"{PARAM} {d.source}", keep=PROVENANCE if synthetic else ())
     splits = steps(shuffle_split, validated.records, d.splits, d.seed)
     check_no_empty_split(splits, d.splits, len(validated.records))
     steps(write_splits, splits, out_dir)
 
-    metrics = {"records": validated.total, "invalid": validated.invalid, "dropped_empty": validated.dropped_empty,
-               **{name: len(items) for name, items in splits.items()}}
+    metrics = {
+        "records": validated.total,
+        "invalid": validated.invalid,
+        "dropped_empty": validated.dropped_empty,
+        **{name: len(items) for name, items in splits.items()},
+    }
     publish_metrics(run, metrics, metrics_path)
-    log.info("instruct data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
-             out_dir)
+    log.info(
+        "instruct data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"], out_dir
+    )
     return metrics
 
 
@@ -80,12 +91,16 @@ def synthetic_records(name: str, root: str | os.PathLike = "data/synthetic") -> 
 
     path = synthetic_path(name, root)
     if not path.is_file() and (path.parent / "chunks.jsonl").is_file():
-        raise BadInput(f"{PARAM}: synthetic://{name}: {path.parent} holds chunks only, no pairs "
-                       "(synthesized with synthesize.endpoint.url null): name an endpoint and run `gptforge "
-                       f"synthesize -S synthesize.only={name}` again, or train on another source")
+        raise BadInput(
+            f"{PARAM}: synthetic://{name}: {path.parent} holds chunks only, no pairs "
+            "(synthesized with synthesize.endpoint.url null): name an endpoint and run `gptforge "
+            f"synthesize -S synthesize.only={name}` again, or train on another source"
+        )
     if not path.is_file():
-        raise BadInput(f"{PARAM}: synthetic://{name} reads {path}, which does not exist: run "
-                       f"`gptforge synthesize -S synthesize.only={name}` (or `dvc repro synthesize@{name}`) first")
+        raise BadInput(
+            f"{PARAM}: synthetic://{name} reads {path}, which does not exist: run "
+            f"`gptforge synthesize -S synthesize.only={name}` (or `dvc repro synthesize@{name}`) first"
+        )
     return read_records(path, param=PARAM)
 
 
@@ -94,8 +109,10 @@ def check_no_empty_split(splits: dict[str, list], fractions: Sequence[float], n:
     the fine-tuning stage nothing to score): one line naming the record count."""
     for (name, items), fraction in zip(splits.items(), fractions):
         if fraction > 0 and not items:
-            raise BadInput(f"data.instruct.splits: {n} records leave the {name} split ({fraction:g}) empty: "
-                           "give it a larger share or the source more records")
+            raise BadInput(
+                f"data.instruct.splits: {n} records leave the {name} split ({fraction:g}) empty: "
+                "give it a larger share or the source more records"
+            )
 
 
 def validate_records(records: Sequence[Any], *, where: str, keep: Sequence[str] = ()) -> Validated:
@@ -124,25 +141,41 @@ def validate_records(records: Sequence[Any], *, where: str, keep: Sequence[str] 
         if not instruction.strip() or not output.strip():
             out.dropped_empty += 1
             continue
-        out.records.append({"instruction": instruction, "input": record.get("input") or "", "output": output,
-                            **{key: record[key] for key in keep if key in record}})
+        out.records.append(
+            {
+                "instruction": instruction,
+                "input": record.get("input") or "",
+                "output": output,
+                **{key: record[key] for key in keep if key in record},
+            }
+        )
 
     for key in REQUIRED:
         if missing[key] * 2 > out.total:
-            raise BadInput(f"{where}: field '{key}' is missing in {missing[key]} of {out.total} records "
-                           f"(first: record {first_missing[key]}); expected objects with {', '.join(FIELDS)}")
+            raise BadInput(
+                f"{where}: field '{key}' is missing in {missing[key]} of {out.total} records "
+                f"(first: record {first_missing[key]}); expected objects with {', '.join(FIELDS)}"
+            )
     if out.invalid == out.total:
         number, problem = first_invalid
         raise BadInput(f"{where}: all {out.total} records are invalid (first: record {number}: {problem})")
     if out.invalid:
         number, problem = first_invalid
-        log.warning("%s: skipped %d invalid records of %d (first: record %d: %s)", where, out.invalid, out.total,
-                    number, problem)
+        log.warning(
+            "%s: skipped %d invalid records of %d (first: record %d: %s)",
+            where,
+            out.invalid,
+            out.total,
+            number,
+            problem,
+        )
     if out.dropped_empty:
         log.warning("%s: dropped %d records with an empty instruction or output", where, out.dropped_empty)
     if not out.records:
-        raise BadInput(f"{where}: no records left after dropping {out.dropped_empty} with an empty instruction "
-                       f"or output and {out.invalid} invalid ones")
+        raise BadInput(
+            f"{where}: no records left after dropping {out.dropped_empty} with an empty instruction "
+            f"or output and {out.invalid} invalid ones"
+        )
     return out
 
 

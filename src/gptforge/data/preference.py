@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gptforge.config.schema import Config
+from gptforge.data.sources import shuffle_split, source_records, write_splits
 from gptforge.errors import BadInput
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
-
-from gptforge.data.sources import shuffle_split, source_records, write_splits
 
 log = logging.getLogger("gptforge")
 
@@ -80,17 +79,18 @@ def prepare_preference(
     raw_dir: str | os.PathLike = "data/raw",
 ) -> dict:
     d = cfg.data.preference
-    records = source_records(d.source, param=PARAM, split=d.split, sha256=d.sha256, download=cfg.data.download,
-                             steps=steps, raw_dir=raw_dir)
+    records = source_records(
+        d.source, param=PARAM, split=d.split, sha256=d.sha256, download=cfg.data.download, steps=steps, raw_dir=raw_dir
+    )
     validated = steps(validate_records, records, where=f"{PARAM} {d.source}", max_bad_fraction=d.max_bad_fraction)
     splits = steps(shuffle_split, validated.records, d.splits, d.seed)
     steps(write_splits, splits, out_dir)
 
-    metrics = {"records": validated.total, **validated.counts,
-               **{name: len(items) for name, items in splits.items()}}
+    metrics = {"records": validated.total, **validated.counts, **{name: len(items) for name, items in splits.items()}}
     publish_metrics(run, metrics, metrics_path)
-    log.info("preference data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"],
-             out_dir)
+    log.info(
+        "preference data: %d train, %d val, %d test -> %s", metrics["train"], metrics["val"], metrics["test"], out_dir
+    )
     return metrics
 
 
@@ -120,15 +120,16 @@ def validate_records(records: Sequence[Any], *, where: str, max_bad_fraction: fl
     if out.bad and out.bad / out.total > max_bad_fraction:
         parts = ", ".join(f"{n} {KINDS[kind]}" for kind, n in out.counts.items() if n)
         number, reason = min(out.first.values())
-        raise BadInput(f"{where}: {out.bad} of {out.total} records are unusable ({parts}; first: record {number}: "
-                       f"{reason}); at most data.preference.max_bad_fraction={max_bad_fraction:g} may be")
+        raise BadInput(
+            f"{where}: {out.bad} of {out.total} records are unusable ({parts}; first: record {number}: "
+            f"{reason}); at most data.preference.max_bad_fraction={max_bad_fraction:g} may be"
+        )
     for kind, n in out.counts.items():
         if n:
             number, reason = out.first[kind]
             what = f"record{'' if n == 1 else 's'}"
             what = f"invalid {what}" if kind == "invalid" else f"{what} {KINDS[kind]}"
-            log.warning("%s: dropped %d %s of %d (first: record %d: %s)", where, n, what, out.total, number,
-                        reason)
+            log.warning("%s: dropped %d %s of %d (first: record %d: %s)", where, n, what, out.total, number, reason)
     if not out.records:
         raise BadInput(f"{where}: no records left after dropping {out.bad} unusable ones")
     return out

@@ -297,8 +297,9 @@ def encode_item(enc: tiktoken.Encoding, item: list[Segment]) -> np.ndarray:
 def _own_copy(enc: tiktoken.Encoding) -> tiktoken.Encoding:
     """The same tokenizer with its own Rust core (20 ms to build from the loaded vocabulary)."""
     try:
-        return tiktoken.Encoding(enc.name, pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
-                                 special_tokens=enc._special_tokens)
+        return tiktoken.Encoding(
+            enc.name, pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks, special_tokens=enc._special_tokens
+        )
     except AttributeError:  # a tiktoken that keeps these elsewhere: share it
         return enc
 
@@ -359,7 +360,12 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, shard_tokens: int, val_tokens: int, max_tokens: int, eot: int) -> None:
         self.out_dir, self.shard_tokens, self.val_tokens, self.max_tokens, self.eot = (
-            out_dir, shard_tokens, val_tokens, max_tokens, eot)
+            out_dir,
+            shard_tokens,
+            val_tokens,
+            max_tokens,
+            eot,
+        )
         self.stats = ShardStats()
         self.buffer = np.empty(shard_tokens, dtype=np.uint16)
         self.filled = 0
@@ -484,15 +490,28 @@ def prepare_pretrain(
         from gptforge.data.sources import materialize
 
         source = str(
-            materialize(source, param="data.pretrain.source", sha256=d.sha256, download=cfg.data.download,
-                        steps=steps, raw_dir=raw_dir)
+            materialize(
+                source,
+                param="data.pretrain.source",
+                sha256=d.sha256,
+                download=cfg.data.download,
+                steps=steps,
+                raw_dir=raw_dir,
+            )
         )
-    corpus = steps(find_corpus, source, name=d.name, split=d.split, text_field=d.text_field,
-                   param="data.pretrain.source")
+    corpus = steps(
+        find_corpus, source, name=d.name, split=d.split, text_field=d.text_field, param="data.pretrain.source"
+    )
     with atomic_dir(out_dir) as tmp:
         stats = steps(
-            tokenize_to_shards, corpus, tmp, tokenizer_path=cfg.tokenizer.path, max_tokens=d.max_tokens,
-            shard_tokens=d.shard_tokens, val_tokens=d.val_tokens, workers=d.workers,
+            tokenize_to_shards,
+            corpus,
+            tmp,
+            tokenizer_path=cfg.tokenizer.path,
+            max_tokens=d.max_tokens,
+            shard_tokens=d.shard_tokens,
+            val_tokens=d.val_tokens,
+            workers=d.workers,
         )
         manifest = {
             "source": d.source,
@@ -515,8 +534,13 @@ def prepare_pretrain(
         "documents": stats.documents["train"] + stats.documents["val"],
         "tokens_per_sec": manifest["tokens_per_sec"],
     }
-    log.info("wrote %d shards, %d tokens (%.2fM tokens/s) to %s", len(stats.shards), stats.total_tokens,
-             manifest["tokens_per_sec"] / 1e6, out_dir)
+    log.info(
+        "wrote %d shards, %d tokens (%.2fM tokens/s) to %s",
+        len(stats.shards),
+        stats.total_tokens,
+        manifest["tokens_per_sec"] / 1e6,
+        out_dir,
+    )
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(Path(out_dir) / "manifest.json")
     return metrics

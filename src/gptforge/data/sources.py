@@ -97,8 +97,14 @@ def materialize(
         log.info("using cached %s (sha256 verified)", dest)
         return dest
     try:
-        steps(download_url, source, dest, sha256=sha256, timeout=download.timeout,
-              retry=Retry(download.retries, download.backoff))
+        steps(
+            download_url,
+            source,
+            dest,
+            sha256=sha256,
+            timeout=download.timeout,
+            retry=Retry(download.retries, download.backoff),
+        )
     except BadInput as e:  # the only one is a checksum mismatch: the pin or the URL is wrong
         raise BadInput(f"{e} (check {sha_param} and {param})") from None
     except Exception as e:
@@ -142,7 +148,7 @@ def _cached(dest: Path, url: str, sha256: str | None) -> bool:
     lines = side.read_text(encoding="utf-8").splitlines()
     recorded = lines[0].split()[0] if lines and lines[0].split() else ""
     # Two URLs can share a file name; the sidecar remembers which one this file came from.
-    source = next((ln[len("# source: "):] for ln in lines if ln.startswith("# source: ")), None)
+    source = next((ln[len("# source: ") :] for ln in lines if ln.startswith("# source: ")), None)
     return source == url and recorded == sha256_file(dest)
 
 
@@ -162,10 +168,19 @@ def download_url(url: str, dest: str | os.PathLike, *, sha256: str | None = None
         length = resp.headers.get("Content-Length")
         length = int(length) if length and length.isdigit() else None
         received = 0
-        with open(part, mode) as f, tqdm(
-            total=offset + length if length is not None else None, initial=offset, unit="B",
-            unit_scale=True, unit_divisor=1024, desc=dest.name, disable=None, leave=False,
-        ) as bar:
+        with (
+            open(part, mode) as f,
+            tqdm(
+                total=offset + length if length is not None else None,
+                initial=offset,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=dest.name,
+                disable=None,
+                leave=False,
+            ) as bar,
+        ):
             while chunk := resp.read(_CHUNK):
                 f.write(chunk)
                 received += len(chunk)
@@ -315,8 +330,10 @@ def read_records(path: str | os.PathLike, *, param: str) -> list[Any]:
         raise BadInput(f"{where}: not UTF-8 text ({one_line(e)})") from None
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise BadInput(f"{where}: cannot read it ({one_line(e)})") from None
-    raise BadInput(f"{where}: unsupported file type {suffix or '(none)'!r}; expected .json, .jsonl, .csv or "
-                   ".parquet (the first three may be .gz)")
+    raise BadInput(
+        f"{where}: unsupported file type {suffix or '(none)'!r}; expected .json, .jsonl, .csv or "
+        ".parquet (the first three may be .gz)"
+    )
 
 
 def _read_json(path: Path, where: str) -> list[Any]:
@@ -363,7 +380,7 @@ def _read_parquet(path: Path, where: str) -> list[Any]:
 
 def load_hf(source: str, *, name: str | None = None, split: str = "train", streaming: bool = False, param: str):
     """A Hugging Face hub dataset split (`hf://OWNER/NAME`), through `datasets.load_dataset`."""
-    repo = source[len("hf://"):] if is_hf(source) else source
+    repo = source[len("hf://") :] if is_hf(source) else source
     try:
         import datasets  # heavy import: only the stages that read the hub pay for it
 
@@ -379,8 +396,16 @@ def load_hf_records(source: str, *, split: str, param: str) -> list[Any]:
     return [dict(r) for r in load_hf(source, split=split, param=param)]
 
 
-def source_records(source: str, *, param: str, split: str, sha256: str | None, download: DownloadConfig,
-                   steps: Steps = DIRECT, raw_dir: str | os.PathLike = "data/raw") -> list[Any]:
+def source_records(
+    source: str,
+    *,
+    param: str,
+    split: str,
+    sha256: str | None,
+    download: DownloadConfig,
+    steps: Steps = DIRECT,
+    raw_dir: str | os.PathLike = "data/raw",
+) -> list[Any]:
     """The records of a record-file source (the instruct and preference data stages): a hub
     dataset's `split`, or a downloaded or local .json / .jsonl / .csv / .parquet file (a folder
     is refused in one line naming `param`). Each part runs as a step (a Prefect task)."""
@@ -409,7 +434,7 @@ def shuffle_split(items: Sequence[Any], fractions: Sequence[float], seed: int) -
     items = list(items)
     random.Random(seed).shuffle(items)
     train, val, _ = split_counts(len(items), fractions)
-    return {"train": items[:train], "val": items[train:train + val], "test": items[train + val:]}
+    return {"train": items[:train], "val": items[train : train + val], "test": items[train + val :]}
 
 
 def write_splits(splits: dict[str, list[dict]], out_dir: str | os.PathLike) -> dict[str, int]:

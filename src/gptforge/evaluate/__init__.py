@@ -64,7 +64,7 @@ def existing_models(models: Mapping[str, str]) -> dict[str, Path]:
     missing = {name: folder for name, folder in models.items() if name not in found}
     if not found:
         if len(missing) == 1:
-            (name, folder), = missing.items()
+            ((name, folder),) = missing.items()
             raise BadInput(f"evaluate.models.{name}: checkpoint folder {folder} not found")
         listed = ", ".join(f"{n} ({f})" for n, f in missing.items())
         raise BadInput(f"evaluate.models: none of the checkpoint folders exists: {listed}")
@@ -98,8 +98,9 @@ def _child_of(run: NullRun):
             os.environ[mlflow_values.PARENT_ENV] = old
 
 
-def evaluate_model(name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, enc, device: torch.device,
-                   results_dir: Path) -> dict:
+def evaluate_model(
+    name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, enc, device: torch.device, results_dir: Path
+) -> dict:
     """One model on every task: lm-eval results saved under results_dir/<name>/.
 
     `folder`: a gptforge checkpoint or a Hugging Face GPT-2 folder (checkpoints/base/NAME,
@@ -112,7 +113,6 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, en
     from lm_eval import simple_evaluate
 
     from gptforge.evaluate import template_cache
-
     from gptforge.modeling.hf_causal import hf_source
 
     ev = cfg.evaluate
@@ -125,8 +125,7 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, en
 
         model, tokenizer = load_causal_lm(str(folder), param=param)
         model = model.to(device).eval()  # HFLM takes a loaded model where it is (its device= is for a name)
-        lm = measured(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size, device=str(device)),
-                      name)
+        lm = measured(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size, device=str(device)), name)
     else:
         from gptforge.evaluate.lm import GptforgeLM
         from gptforge.modeling.hf_convert import load_pretrained
@@ -136,23 +135,52 @@ def evaluate_model(name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, en
         lm = GptforgeLM(model, enc, batch_size=ev.batch_size, device=device, name=name)
     template_cache.install()
     start = time.perf_counter()
-    results = simple_evaluate(model=lm, tasks=copy.deepcopy(tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
-                              batch_size=ev.batch_size, device=str(device), task_manager=plan.manager,
-                              log_samples=True)
+    results = simple_evaluate(
+        model=lm,
+        tasks=copy.deepcopy(tasks),
+        num_fewshot=ev.num_fewshot,
+        limit=ev.limit,
+        batch_size=ev.batch_size,
+        device=str(device),
+        task_manager=plan.manager,
+        log_samples=True,
+    )
     seconds = time.perf_counter() - start
     examples = int(sum(v.get("effective", 0) for v in results.get("n-samples", {}).values()))
     flat = flatten_results(results)
     results["config"]["checkpoint"] = str(folder)
     save_results(results, results_dir / name)
     rate = examples / seconds if seconds > 0 else 0.0
-    log.info("evaluate %s: %d examples (%d loglikelihood requests) in %.1f s, %.1f examples/s on %s",
-             name, examples, lm.counts["loglikelihood"], seconds, rate, device)
-    return {"flat": flat, "examples": examples, "seconds": seconds, "examples_per_sec": rate,
-            "model_seconds": lm.seconds, "device": str(device), "requests": dict(lm.counts), "cut_continuations": lm.cut_continuations}
+    log.info(
+        "evaluate %s: %d examples (%d loglikelihood requests) in %.1f s, %.1f examples/s on %s",
+        name,
+        examples,
+        lm.counts["loglikelihood"],
+        seconds,
+        rate,
+        device,
+    )
+    return {
+        "flat": flat,
+        "examples": examples,
+        "seconds": seconds,
+        "examples_per_sec": rate,
+        "model_seconds": lm.seconds,
+        "device": str(device),
+        "requests": dict(lm.counts),
+        "cut_continuations": lm.cut_continuations,
+    }
 
 
-def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_path="metrics/evaluate.json",
-             report_path="reports/evaluate.md", results_dir="reports/evaluate") -> dict:
+def evaluate(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    metrics_path="metrics/evaluate.json",
+    report_path="reports/evaluate.md",
+    results_dir="reports/evaluate",
+) -> dict:
     """Stage `evaluate`: see the module docstring. Returns the flat metrics it wrote."""
     from gptforge.modeling.tokenizer import load_tokenizer
 
@@ -166,14 +194,28 @@ def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
         tasks = steps(load_task_objects, plan)  # once (seconds: lm-eval reads every subject's data)
         enc = load_tokenizer(cfg.tokenizer.path)
         for name, folder in models.items():
-            with _child_of(run), tracking.start_run(
-                    enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage=f"evaluate:{name}",
-                    params={**cfg.flat("evaluate"), "model": name, "checkpoint": str(folder),
-                            "tokenizer.path": cfg.tokenizer.path},
-                    tags={"gptforge.model": name}) as model_run:
+            with (
+                _child_of(run),
+                tracking.start_run(
+                    enabled=cfg.tracking.enabled,
+                    experiment=cfg.tracking.experiment,
+                    stage=f"evaluate:{name}",
+                    params={
+                        **cfg.flat("evaluate"),
+                        "model": name,
+                        "checkpoint": str(folder),
+                        "tokenizer.path": cfg.tokenizer.path,
+                    },
+                    tags={"gptforge.model": name},
+                ) as model_run,
+            ):
                 info = steps(evaluate_model, name, folder, plan, tasks, cfg, enc, device, results_dir)
-                mine = {**info["flat"], "examples_per_sec": info["examples_per_sec"], "seconds": info["seconds"],
-                        "model_seconds": info["model_seconds"]}
+                mine = {
+                    **info["flat"],
+                    "examples_per_sec": info["examples_per_sec"],
+                    "seconds": info["seconds"],
+                    "model_seconds": info["model_seconds"],
+                }
                 model_run.log_metrics(mine)
                 model_run.log_artifact(results_dir / name, "lm_eval")
             per_model[name] = info
@@ -183,4 +225,3 @@ def evaluate(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
     run.log_artifact(report_path)
     run.log_artifact(results_dir)
     return metrics
-

@@ -64,12 +64,23 @@ class GptforgeLM(TemplateLM):
     window; longer generations slide the window as `generate` does.
     """
 
-    def __init__(self, model, enc, *, batch_size: int = 16, device: str | torch.device = "cpu",
-                 name: str = "gptforge", max_gen_toks: int = 256, gen_chunk: int = 32) -> None:
+    def __init__(
+        self,
+        model,
+        enc,
+        *,
+        batch_size: int = 16,
+        device: str | torch.device = "cpu",
+        name: str = "gptforge",
+        max_gen_toks: int = 256,
+        gen_chunk: int = 32,
+    ) -> None:
         super().__init__()
         if model.config.n_vocab != enc.n_vocab:
-            raise BadInput(f"model {name}: its checkpoint has a vocabulary of {model.config.n_vocab} tokens but the "
-                           f"tokenizer (tokenizer.path) has {enc.n_vocab}; evaluate it with the tokenizer it was trained with")
+            raise BadInput(
+                f"model {name}: its checkpoint has a vocabulary of {model.config.n_vocab} tokens but the "
+                f"tokenizer (tokenizer.path) has {enc.n_vocab}; evaluate it with the tokenizer it was trained with"
+            )
         self._device = torch.device(device)
         self.model = model.to(self._device).eval()
         self.enc = enc
@@ -106,9 +117,14 @@ class GptforgeLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         cfg = self.model.config
-        return {"model_name": self.name, "model_num_parameters": self.model.num_params(non_embedding=False),
-                "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-                "tokenizer": self.enc.name}
+        return {
+            "model_name": self.name,
+            "model_num_parameters": self.model.num_params(non_embedding=False),
+            "block_size": cfg.block_size,
+            "n_layer": cfg.n_layer,
+            "n_embd": cfg.n_embd,
+            "tokenizer": self.enc.name,
+        }
 
     # -- scoring ----------------------------------------------------------------------------
 
@@ -118,8 +134,9 @@ class GptforgeLM(TemplateLM):
         return self.score_tokens([(ctx, cont) for _, ctx, cont in requests], disable_tqdm=disable_tqdm)
 
     @torch.inference_mode()
-    def score_tokens(self, pairs: list[tuple[list[int], list[int]]], *, disable_tqdm: bool = False,
-                     desc: str = "loglikelihood") -> list[tuple[float, bool]]:
+    def score_tokens(
+        self, pairs: list[tuple[list[int], list[int]]], *, disable_tqdm: bool = False, desc: str = "loglikelihood"
+    ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation)
         for each (context_ids, continuation_ids) pair, batched, in the input order."""
         t0 = time.perf_counter()
@@ -130,17 +147,25 @@ class GptforgeLM(TemplateLM):
             if not cont:
                 out[i] = (0.0, True)
                 continue
-            seq = (list(ctx) + list(cont))[-(self.block_size + 1):]
+            seq = (list(ctx) + list(cont))[-(self.block_size + 1) :]
             inp = tuple(seq[:-1])
             if not inp:
-                raise BadInput("a loglikelihood request with an empty context and a one-token continuation "
-                               "(lm-eval should have put <|endoftext|> before it)")
+                raise BadInput(
+                    "a loglikelihood request with an empty context and a one-token continuation "
+                    "(lm-eval should have put <|endoftext|> before it)"
+                )
             k = min(len(cont), len(inp))
             if k < len(cont):
                 self.cut_continuations += 1
                 if self.cut_continuations == 1:
-                    log.warning("evaluate %s: a continuation of %d tokens does not fit block_size %d; only its "
-                                "last %d tokens are scored", self.name, len(cont), self.block_size, k)
+                    log.warning(
+                        "evaluate %s: a continuation of %d tokens does not fit block_size %d; only its "
+                        "last %d tokens are scored",
+                        self.name,
+                        len(cont),
+                        self.block_size,
+                        k,
+                    )
             groups.setdefault(inp, []).append((i, k))
         # Longest first: a batch holds similar lengths, so little padding; OOM shows up at once.
         inputs = sorted(groups, key=len, reverse=True)
@@ -148,11 +173,11 @@ class GptforgeLM(TemplateLM):
         bar = _bar(len(pairs) - sum(o is not None for o in out), f"{self.name} {desc}", disable_tqdm)
         try:
             for start in range(0, len(inputs), self.batch_size):
-                batch = inputs[start:start + self.batch_size]
+                batch = inputs[start : start + self.batch_size]
                 width = len(batch[0])
                 idx = torch.zeros((len(batch), width), dtype=torch.long)
                 for b, inp in enumerate(batch):
-                    idx[b, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+                    idx[b, : len(inp)] = torch.tensor(inp, dtype=torch.long)
                 # Right padding is harmless under causal attention: real positions never see it.
                 hidden = self.model.hidden_states(idx.to(self._device))
                 rows, positions, targets, owners = [], [], [], []
@@ -171,7 +196,7 @@ class GptforgeLM(TemplateLM):
                 greedy = (logits.argmax(dim=-1) == tgt).cpu()
                 offset = 0
                 for i, k in owners:
-                    out[i] = (float(token_logp[offset:offset + k].sum()), bool(greedy[offset:offset + k].all()))
+                    out[i] = (float(token_logp[offset : offset + k].sum()), bool(greedy[offset : offset + k].all()))
                     offset += k
                 bar.update(len(owners))
         finally:
@@ -186,9 +211,15 @@ class GptforgeLM(TemplateLM):
         windows, owner = [], []
         for r, req in enumerate(requests):
             (string,) = req.args
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.block_size, context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.block_size,
+                    context_len=1,
+                ),
+            ):
                 windows.append((ctx, cont))
                 owner.append(r)
         scores = self.score_tokens(windows, disable_tqdm=disable_tqdm, desc="loglikelihood_rolling")
@@ -214,21 +245,21 @@ class GptforgeLM(TemplateLM):
             do_sample = bool(kwargs.pop("do_sample", False))
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
             room = min(max_new, self.block_size // 2)
-            ctx = self.tok_encode(context)[-(self.block_size - room):] or [self.eot_token_id]
+            ctx = self.tok_encode(context)[-(self.block_size - room) :] or [self.eot_token_id]
             idx = torch.tensor([ctx], dtype=torch.long, device=self._device)
             new: list[int] = []
             text = ""
             while len(new) < max_new:
                 step = min(self.gen_chunk, max_new - len(new))
                 full = generate(self.model, idx, step, temperature=temperature, eot_id=self.eot_token_id)
-                chunk = full[0, idx.size(1):].tolist()
+                chunk = full[0, idx.size(1) :].tolist()
                 new += chunk
                 idx = full
                 text = self.tok_decode(new)
                 if self.eot_token_id in chunk or any(u in text for u in until) or not chunk:
                     break
             if self.eot_token_id in new:
-                text = self.tok_decode(new[:new.index(self.eot_token_id)])
+                text = self.tok_decode(new[: new.index(self.eot_token_id)])
             for u in until:
                 text = text.split(u)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
@@ -257,6 +288,7 @@ def measured(lm: Any, name: str) -> Any:
         def call(requests, *args, **kwargs):
             lm.counts[kind] += len(requests)
             return method(requests, *args, **kwargs)
+
         return call
 
     def timed(method, scoring: bool = False):
@@ -265,13 +297,16 @@ def measured(lm: Any, name: str) -> Any:
             if scoring:  # ((context, continuation), context_ids, continuation_ids)
                 longest = max((len(cont) for _, _, cont in requests), default=0)
                 if longest > lm.max_length:
-                    raise BadInput(f"evaluate.models.{name}: a continuation of {longest} tokens does not fit the "
-                                   f"model's {lm.max_length} positions (lm-eval's HFLM scores it whole or not at all)")
+                    raise BadInput(
+                        f"evaluate.models.{name}: a continuation of {longest} tokens does not fit the "
+                        f"model's {lm.max_length} positions (lm-eval's HFLM scores it whole or not at all)"
+                    )
             t0 = time.perf_counter()
             try:
                 return method(requests, *args, **kwargs)
             finally:
                 lm.seconds += time.perf_counter() - t0
+
         return call
 
     lm._loglikelihood_tokens = timed(lm._loglikelihood_tokens, scoring=True)
@@ -303,4 +338,3 @@ def _iter_bar(items, desc: str, disable: bool):
             bar.update(1)
     finally:
         bar.close()
-

@@ -34,10 +34,11 @@ log = logging.getLogger("gptforge")
 # Published figures for GPT-2 124M, shown beside ours in the report.
 REFERENCE = {("hellaswag", "acc_norm"): (0.3114, "GPT-2 124M in lm-eval")}
 CHANCE = {("mmlu", "acc"): 0.25, ("mmlu", "acc_subject_mean"): 0.25}
-OTHER_METRICS = {"metrics/classify.json": ("spam classifier", ("test_accuracy", "precision", "recall", "f1")),
-                 "metrics/instruct.json": ("instruction model", ("test_loss",)),
-                 "metrics/preference.json": ("preference-tuned model (DPO)", ("val_reward_accuracy",
-                                                                              "val_reward_margin"))}
+OTHER_METRICS = {
+    "metrics/classify.json": ("spam classifier", ("test_accuracy", "precision", "recall", "f1")),
+    "metrics/instruct.json": ("instruction model", ("test_loss",)),
+    "metrics/preference.json": ("preference-tuned model (DPO)", ("val_reward_accuracy", "val_reward_margin")),
+}
 
 
 def _is_number(v: Any) -> bool:
@@ -86,7 +87,8 @@ def save_results(results: dict, folder: Path) -> None:
     with atomic_dir(folder) as tmp:
         body = {k: v for k, v in results.items() if k != "samples"}
         (tmp / "results.json").write_text(
-            json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n", encoding="utf-8")
+            json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
         for task, rows in samples.items():
             with open(tmp / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
                 for row in rows:
@@ -97,18 +99,24 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return "" if v is None else f"{v:.{digits}f}"
 
 
-def write_report(path: str | Path, per_model: dict[str, dict], cfg, plan: TaskPlan,
-                 other_metrics: Mapping[str, str] = OTHER_METRICS) -> str:
+def write_report(
+    path: str | Path, per_model: dict[str, dict], cfg, plan: TaskPlan, other_metrics: Mapping[str, str] = OTHER_METRICS
+) -> str:
     import lm_eval
 
     ev = cfg.evaluate
-    lines = ["# Evaluation", "",
-             f"lm-evaluation-harness {getattr(lm_eval, '__version__', '?')} through gptforge's `LM` "
-             f"(`gptforge.evaluate`); num_fewshot: {'task default' if ev.num_fewshot is None else ev.num_fewshot}, "
-             f"limit: {ev.limit if ev.limit is not None else 'none'} (per task; per subject for MMLU).", ""]
+    lines = [
+        "# Evaluation",
+        "",
+        f"lm-evaluation-harness {getattr(lm_eval, '__version__', '?')} through gptforge's `LM` "
+        f"(`gptforge.evaluate`); num_fewshot: {'task default' if ev.num_fewshot is None else ev.num_fewshot}, "
+        f"limit: {ev.limit if ev.limit is not None else 'none'} (per task; per subject for MMLU).",
+        "",
+    ]
     for name in plan.names:
-        where = plan.local.get(name) or (f"lm-eval's own data ({plan.hub[name]} not set)" if name in plan.hub
-                                         else "lm-eval's own task and data")
+        where = plan.local.get(name) or (
+            f"lm-eval's own data ({plan.hub[name]} not set)" if name in plan.hub else "lm-eval's own task and data"
+        )
         lines.append(f"- `{name}`: {where}")
     lines += ["", "| model | task | metric | value | ± stderr | n | reference |", "|---|---|---|---|---|---|---|"]
     for model, info in per_model.items():
@@ -124,24 +132,45 @@ def write_report(path: str | Path, per_model: dict[str, dict], cfg, plan: TaskPl
             chance = CHANCE.get((task, metric))
             ref_text = f"{ref[0]:.4f} ({ref[1]})" if ref else (f"chance {chance:.2f} (4 choices)" if chance else "")
             n = flat.get(f"{task}.n")
-            lines.append(f"| {model} | {task} | {metric} | {_fmt(flat[key])} | {_fmt(stderr)} | "
-                         f"{'' if n is None else int(n)} | {ref_text} |")
-    subjects = {m: {k.rpartition(".")[0]: v for k, v in info["flat"].items()
-                    if k.startswith("mmlu_") and k.endswith(".acc")} for m, info in per_model.items()}
+            lines.append(
+                f"| {model} | {task} | {metric} | {_fmt(flat[key])} | {_fmt(stderr)} | "
+                f"{'' if n is None else int(n)} | {ref_text} |"
+            )
+    subjects = {
+        m: {k.rpartition(".")[0]: v for k, v in info["flat"].items() if k.startswith("mmlu_") and k.endswith(".acc")}
+        for m, info in per_model.items()
+    }
     if any(subjects.values()) and "mmlu" in plan.local:
         models = list(per_model)
-        lines += ["", "MMLU accuracy per subject:", "", "| subject | " + " | ".join(models) + " |",
-                  "|---|" + "---|" * len(models)]
+        lines += [
+            "",
+            "MMLU accuracy per subject:",
+            "",
+            "| subject | " + " | ".join(models) + " |",
+            "|---|" + "---|" * len(models),
+        ]
         for task in sorted(set().union(*subjects.values())):
-            lines.append(f"| {task[len('mmlu_'):]} | " + " | ".join(_fmt(subjects[m].get(task)) for m in models) + " |")
-    lines += ["", "Throughput (this machine; seconds: the whole lm-eval call, model seconds: inside our model):", "",
-              "| model | examples | seconds | examples/s | model seconds | device |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {task[len('mmlu_') :]} | " + " | ".join(_fmt(subjects[m].get(task)) for m in models) + " |"
+            )
+    lines += [
+        "",
+        "Throughput (this machine; seconds: the whole lm-eval call, model seconds: inside our model):",
+        "",
+        "| model | examples | seconds | examples/s | model seconds | device |",
+        "|---|---|---|---|---|---|",
+    ]
     for model, info in per_model.items():
-        lines.append(f"| {model} | {info['examples']} | {info['seconds']:.1f} | {info['examples_per_sec']:.1f} | "
-                     f"{info['model_seconds']:.2f} | {info['device']} |")
-    lines += ["", "HellaSwag here is lm-eval's: query `activity_label: ctx_a Ctx_b` with `[...]` tags stripped, "
-              "acc_norm normalised by characters. The `hellaswag_acc_norm` in metrics/pretrain.json is "
-              "build-nanogpt's completion-style score (raw `ctx`, loss per token); the two are not comparable."]
+        lines.append(
+            f"| {model} | {info['examples']} | {info['seconds']:.1f} | {info['examples_per_sec']:.1f} | "
+            f"{info['model_seconds']:.2f} | {info['device']} |"
+        )
+    lines += [
+        "",
+        "HellaSwag here is lm-eval's: query `activity_label: ctx_a Ctx_b` with `[...]` tags stripped, "
+        "acc_norm normalised by characters. The `hellaswag_acc_norm` in metrics/pretrain.json is "
+        "build-nanogpt's completion-style score (raw `ctx`, loss per token); the two are not comparable.",
+    ]
     outcome = []
     for file, (what, keys) in other_metrics.items():
         p = Path(file)
@@ -156,8 +185,14 @@ def write_report(path: str | Path, per_model: dict[str, dict], cfg, plan: TaskPl
             if _is_number(data.get(key)):
                 outcome.append(f"| {what} | {key} | {_fmt(float(data[key]))} | `{file}` |")
     if outcome:
-        lines += ["", "## The rest of the pipeline", "", "| model | metric | value | from |", "|---|---|---|---|",
-                  *outcome]
+        lines += [
+            "",
+            "## The rest of the pipeline",
+            "",
+            "| model | metric | value | from |",
+            "|---|---|---|---|",
+            *outcome,
+        ]
     text = "\n".join(lines) + "\n"
     with atomic_file(path, "w", encoding="utf-8") as f:
         f.write(text)

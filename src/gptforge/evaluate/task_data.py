@@ -135,8 +135,7 @@ def load_hellaswag(path: str | Path) -> list[dict]:
     docs = []
     for where, obj in read_records(p):
         obj = _check_fields(where, obj, HELLASWAG_FIELDS, hint)
-        doc = {k: obj[k] for k in ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "source_id", "split")
-               if k in obj}
+        doc = {k: obj[k] for k in ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "source_id", "split") if k in obj}
         doc["endings"] = _check_choices(where, obj["endings"], "endings", hint)
         doc["label"] = _check_answer(where, obj["label"], "label", hint)
         docs.append(doc)
@@ -150,16 +149,18 @@ def mmlu_files(source: str | Path) -> dict[str, Path]:
     `<split>.jsonl`, `<split>.parquet` or `<split>-*.parquet` (one shard). `dev` may be absent."""
     folder = Path(source)
     if not folder.is_dir():
-        raise BadInput(f"{MMLU_PARAM}: MMLU folder not found: {source} (a folder with test and dev files, "
-                       ".jsonl or .parquet)")
+        raise BadInput(
+            f"{MMLU_PARAM}: MMLU folder not found: {source} (a folder with test and dev files, .jsonl or .parquet)"
+        )
     if (folder / "all").is_dir() and not _split_files(folder, "test"):
         folder = folder / "all"
     found = {}
     for split in ("test", "dev"):
         files = _split_files(folder, split)
         if len(files) > 1:
-            raise BadInput(f"{MMLU_PARAM}: {folder} holds several {split} files ({', '.join(f.name for f in files)}); "
-                           "keep one")
+            raise BadInput(
+                f"{MMLU_PARAM}: {folder} holds several {split} files ({', '.join(f.name for f in files)}); keep one"
+            )
         if files:
             found[split] = files[0]
     if "test" not in found:
@@ -181,9 +182,14 @@ def load_mmlu(path: Path) -> list[dict]:
         obj = _check_fields(where, obj, MMLU_FIELDS, hint)
         if not obj["subject"].strip():
             raise BadInput(f"{where}: subject is empty ({hint})")
-        docs.append({"question": obj["question"], "subject": obj["subject"],
-                     "choices": _check_choices(where, obj["choices"], "choices", hint),
-                     "answer": _check_answer(where, obj["answer"], "answer", hint)})
+        docs.append(
+            {
+                "question": obj["question"],
+                "subject": obj["subject"],
+                "choices": _check_choices(where, obj["choices"], "choices", hint),
+                "answer": _check_answer(where, obj["answer"], "answer", hint),
+            }
+        )
     if not docs:
         raise BadInput(f"{MMLU_PARAM}: no questions in {path}")
     return docs
@@ -234,7 +240,8 @@ def write_hellaswag_task(source: str, out: Path) -> int:
     data = out / "data" / "hellaswag.jsonl"
     _write_jsonl(data, docs)
     (out / "hellaswag.yaml").write_text(
-        _task_yaml("hellaswag.yaml", {}, out / "hf_cache", {"validation": data}), encoding="utf-8")
+        _task_yaml("hellaswag.yaml", {}, out / "hf_cache", {"validation": data}), encoding="utf-8"
+    )
     return len(docs)
 
 
@@ -257,21 +264,26 @@ def write_mmlu_tasks(source: str, out: Path, num_fewshot: int | None) -> int:
         shots = dev_by_subject.get(subject, [])
         if num_fewshot and len(shots) < num_fewshot:
             where = files.get("dev", Path(source) / "dev.jsonl")
-            raise BadInput(f"{where}: subject {subject!r} has {len(shots)} dev question(s), evaluate.num_fewshot="
-                           f"{num_fewshot} needs {num_fewshot} ({MMLU_PARAM} dev files give the few-shot examples)")
+            raise BadInput(
+                f"{where}: subject {subject!r} has {len(shots)} dev question(s), evaluate.num_fewshot="
+                f"{num_fewshot} needs {num_fewshot} ({MMLU_PARAM} dev files give the few-shot examples)"
+            )
         data_files = {"test": out / "data" / f"{name}.test.jsonl"}
         _write_jsonl(data_files["test"], by_subject[subject])
         extra: dict[str, Any] = {
-            "task": name, "task_alias": subject,
+            "task": name,
+            "task_alias": subject,
             "description": f"The following are multiple choice questions (with answers) about "
-                           f"{' '.join(subject.split('_'))}.\n\n"}
+            f"{' '.join(subject.split('_'))}.\n\n",
+        }
         if shots:
             data_files["dev"] = out / "data" / f"{name}.dev.jsonl"
             _write_jsonl(data_files["dev"], shots)
             extra["fewshot_split"] = "dev"
             extra["fewshot_config"] = {"sampler": "first_n"}
-        (out / f"{name}.yaml").write_text(_task_yaml("mmlu_subject.yaml", extra, out / "hf_cache", data_files),
-                                          encoding="utf-8")
+        (out / f"{name}.yaml").write_text(
+            _task_yaml("mmlu_subject.yaml", extra, out / "hf_cache", data_files), encoding="utf-8"
+        )
     group = (TASKS_DIR / "mmlu_group.yaml").read_text(encoding="utf-8").rstrip() + "\n"
     group += "task:\n" + "".join(f"  - {name}\n" for name in tasks)
     (out / "mmlu.yaml").write_text(group, encoding="utf-8")
@@ -305,10 +317,15 @@ def plan_tasks(cfg, workdir: Path) -> TaskPlan:
                 folder = lm_eval_tasks_dir() / ("hellaswag" if name == "hellaswag" else "mmlu/default")
                 plan.include_path.append(str(folder))
             elif "://" in source:
-                raise BadInput(f"{param}: expected a local path, got {source!r} (null: lm-eval's own data from the hub)")
+                raise BadInput(
+                    f"{param}: expected a local path, got {source!r} (null: lm-eval's own data from the hub)"
+                )
             else:
-                n = (write_hellaswag_task(source, workdir) if name == "hellaswag"
-                     else write_mmlu_tasks(source, workdir, ev.num_fewshot))
+                n = (
+                    write_hellaswag_task(source, workdir)
+                    if name == "hellaswag"
+                    else write_mmlu_tasks(source, workdir, ev.num_fewshot)
+                )
                 plan.local[name] = f"{source} ({n} examples)"
         else:
             others.append(name)
@@ -344,8 +361,10 @@ def load_task_objects(plan: TaskPlan) -> list:
                 raise
             param = plan.hub.get(name)
             fix = f"set {param} to a local copy" if param else "check the network or the task's data"
-            raise SourceUnreachable(f"evaluate: lm-eval task {name!r} could not load its data "
-                                    f"({type(e).__name__}: {_one_line(e)[:300]}); {fix}") from None
+            raise SourceUnreachable(
+                f"evaluate: lm-eval task {name!r} could not load its data "
+                f"({type(e).__name__}: {_one_line(e)[:300]}); {fix}"
+            ) from None
         if name in loaded["groups"]:
             objects.append(loaded["groups"][name])
         elif name in loaded["tasks"]:

@@ -85,8 +85,7 @@ def reference_scores(rows: Sequence[Row]) -> dict[str, float]:
         rl += scorer.score(reference, response)["rougeL"].fmeasure  # score(target, prediction)
         distinct += distinct_share(response)
     n = len(rows)
-    return {"exact_match": em / n, "token_f1": f1 / n, "rouge_l": rl / n, "distinct_share": distinct / n,
-            "n_scored": n}
+    return {"exact_match": em / n, "token_f1": f1 / n, "rouge_l": rl / n, "distinct_share": distinct / n, "n_scored": n}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,9 +104,11 @@ def format_input(row: Row) -> str:
 
 def judge_prompt(row: Row) -> str:
     """The scoring prompt of ch. 7's `generate_model_scores`, same wording."""
-    return (f"Given the input `{format_input(row)}` and correct output `{_text(row, 'reference')}`, "
-            f"score the model response `{_text(row, 'response')}` on a scale from 0 to 100, "
-            "where 100 is the best score. Respond with the integer number only.")
+    return (
+        f"Given the input `{format_input(row)}` and correct output `{_text(row, 'reference')}`, "
+        f"score the model response `{_text(row, 'response')}` on a scale from 0 to 100, "
+        "where 100 is the best score. Respond with the integer number only."
+    )
 
 
 def parse_score(content: Any) -> int | None:
@@ -125,8 +126,9 @@ class JudgeResult:
     error: str | None = None  # set when the judge stopped early (unreachable server)
 
 
-def judge_scores(rows: Sequence[Row], *, url: str, model: str, api_key: str | None = None,
-                 timeout: float = 60.0, retries: int = 2) -> JudgeResult:
+def judge_scores(
+    rows: Sequence[Row], *, url: str, model: str, api_key: str | None = None, timeout: float = 60.0, retries: int = 2
+) -> JudgeResult:
     """Score every response 0..100 with an LLM on an OpenAI-compatible server at `url` (base URL,
     e.g. http://127.0.0.1:11434/v1). Unparsable or out-of-range replies and failed requests leave
     that row unscored (None); a server that cannot be reached stops the judging, sets `error`
@@ -146,8 +148,9 @@ def judge_scores(rows: Sequence[Row], *, url: str, model: str, api_key: str | No
             continue
         score = None
         try:
-            reply = client.complete([{"role": "user", "content": judge_prompt(row)}], temperature=0, max_tokens=16,
-                                    seed=123)
+            reply = client.complete(
+                [{"role": "user", "content": judge_prompt(row)}], temperature=0, max_tokens=16, seed=123
+            )
             score = parse_score(reply.content)
         except Unreachable as exc:
             result.error = f"judge at {client.endpoint} unreachable ({exc}); remaining rows unscored"
@@ -155,8 +158,7 @@ def judge_scores(rows: Sequence[Row], *, url: str, model: str, api_key: str | No
         except EndpointError as exc:
             log.warning("instruct: judge answered HTTP %s for row %d; row unscored", exc.status, len(result.scores))
         except BadReply:
-            log.warning("instruct: judge reply for row %d is not a chat completion; row unscored",
-                        len(result.scores))
+            log.warning("instruct: judge reply for row %d is not a chat completion; row unscored", len(result.scores))
         result.scores.append(score)
     scored = [s for s in result.scores if s is not None]
     result.mean = sum(scored) / len(scored) if scored else None
@@ -179,8 +181,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def score_file(path: str | Path, *, judge_url: str | None = None, judge_model: str | None = None,
-               api_key: str | None = None) -> dict[str, float]:
+def score_file(
+    path: str | Path, *, judge_url: str | None = None, judge_model: str | None = None, api_key: str | None = None
+) -> dict[str, float]:
     """Reference scores of a responses jsonl, plus judge_score (when any row was scored) and
     judge_unscored when both judge_url and judge_model are set. Flat numbers for metrics/instruct.json."""
     rows = read_rows(path)

@@ -79,8 +79,9 @@ class GPTClassifier(LastTokenClassifier):
     def __init__(self, gpt: GPT, n_classes: int, labels: Sequence[str] | None = None, max_length: int | None = None):
         super().__init__()
         self.gpt = gpt
-        self._add_head(gpt.config.n_embd, n_classes, labels, max_length if max_length is not None
-                       else gpt.config.block_size)
+        self._add_head(
+            gpt.config.n_embd, n_classes, labels, max_length if max_length is not None else gpt.config.block_size
+        )
 
     @property
     def backbone(self) -> nn.Module:
@@ -97,12 +98,19 @@ class HFClassifier(LastTokenClassifier):
     the final norm), so the vocabulary logits are never computed; the LM head stays, unused, so
     the backbone is saved as an ordinary causal LM."""
 
-    def __init__(self, lm: nn.Module, n_classes: int, labels: Sequence[str] | None = None,
-                 max_length: int | None = None, tokenizer: HFTokenizer | None = None):
+    def __init__(
+        self,
+        lm: nn.Module,
+        n_classes: int,
+        labels: Sequence[str] | None = None,
+        max_length: int | None = None,
+        tokenizer: HFTokenizer | None = None,
+    ):
         super().__init__()
         self.lm = lm
-        self._add_head(lm.config.hidden_size, n_classes, labels,
-                       max_length if max_length is not None else model_positions(lm))
+        self._add_head(
+            lm.config.hidden_size, n_classes, labels, max_length if max_length is not None else model_positions(lm)
+        )
         self.tokenizer = tokenizer
 
     @property
@@ -122,8 +130,9 @@ def default_labels(n_classes: int) -> list[str]:
 # Saving and loading the result
 
 
-def save_classifier(classifier: LastTokenClassifier, folder: str | os.PathLike,
-                    extra: dict[str, Any] | None = None) -> Path:
+def save_classifier(
+    classifier: LastTokenClassifier, folder: str | os.PathLike, extra: dict[str, Any] | None = None
+) -> Path:
     """Write the backbone and the head (classifier.safetensors + classifier.json) into `folder`.
     Our GPT's backbone as `save_model` writes it (model.safetensors + config.json); a Hugging
     Face backbone as an ordinary Hugging Face folder of the causal LM and its tokenizer
@@ -138,8 +147,16 @@ def save_classifier(classifier: LastTokenClassifier, folder: str | os.PathLike,
     head = {k: v.detach().contiguous().cpu() for k, v in classifier.head.state_dict().items()}
     with atomic_file(folder / HEAD_FILE, "wb") as f:
         f.write(_safetensors_bytes(head, metadata={"format": "pt"}))
-    write_json(folder / HEAD_CONFIG, {"n_classes": classifier.n_classes, "labels": classifier.labels,
-                                      "max_length": classifier.max_length, "backbone": backbone, **(extra or {})})
+    write_json(
+        folder / HEAD_CONFIG,
+        {
+            "n_classes": classifier.n_classes,
+            "labels": classifier.labels,
+            "max_length": classifier.max_length,
+            "backbone": backbone,
+            **(extra or {}),
+        },
+    )
     return folder
 
 
@@ -154,8 +171,9 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> LastTokenC
     meta_path, head_path = folder / HEAD_CONFIG, folder / HEAD_FILE
     for path in (meta_path, head_path):
         if not path.is_file():
-            raise BadInput(f"{path}: not found (a classifier folder holds {HEAD_FILE} and {HEAD_CONFIG} "
-                           "beside the model)")
+            raise BadInput(
+                f"{path}: not found (a classifier folder holds {HEAD_FILE} and {HEAD_CONFIG} beside the model)"
+            )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         n_classes, labels, max_length = int(meta["n_classes"]), list(meta["labels"]), int(meta["max_length"])
@@ -167,12 +185,15 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> LastTokenC
         # float32 whatever the saved dtype (transformers 5 loads the saved one by default):
         # classify_texts runs without autocast, where exact probabilities matter.
         lm, tokenizer = load_causal_lm(str(folder), param="classifier", dtype=torch.float32)
-        classifier: LastTokenClassifier = HFClassifier(lm, n_classes, labels, max_length,
-                                                       tokenizer=HFTokenizer(tokenizer))
+        classifier: LastTokenClassifier = HFClassifier(
+            lm, n_classes, labels, max_length, tokenizer=HFTokenizer(tokenizer)
+        )
     else:
         if meta.get("backbone", "gpt") != "gpt":
-            raise BadInput(f"{meta_path}: the backbone is a {meta['backbone']!r} model, but {folder / 'config.json'} "
-                           "is not a Hugging Face causal LM's config")
+            raise BadInput(
+                f"{meta_path}: the backbone is a {meta['backbone']!r} model, but {folder / 'config.json'} "
+                "is not a Hugging Face causal LM's config"
+            )
         classifier = GPTClassifier(load_model(folder, map_location=map_location), n_classes, labels, max_length)
     positions = model_positions(classifier.backbone)
     if max_length > positions:
@@ -188,8 +209,9 @@ def load_classifier(folder: str | os.PathLike, map_location="cpu") -> LastTokenC
 
 @torch.no_grad()
 @torch.no_grad()
-def class_probabilities(classifier: LastTokenClassifier, texts: Sequence[str], enc, device="cpu",
-                        batch_size: int = 32) -> torch.Tensor:
+def class_probabilities(
+    classifier: LastTokenClassifier, texts: Sequence[str], enc, device="cpu", batch_size: int = 32
+) -> torch.Tensor:
     """(N, n_classes) softmax probabilities of every class for each text, in order, in fp32 (a
     few texts, where exact probabilities matter more than speed); texts are cut to the
     classifier's max_length tokens as in training. A classifier that brings its own tokenizer
@@ -203,8 +225,9 @@ def class_probabilities(classifier: LastTokenClassifier, texts: Sequence[str], e
     return logits.softmax(-1)
 
 
-def classify_texts(classifier: LastTokenClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
-                   ) -> list[tuple[int, float]]:
+def classify_texts(
+    classifier: LastTokenClassifier, texts: Sequence[str], enc, device, batch_size: int = 32
+) -> list[tuple[int, float]]:
     """(label index, its softmax probability) for each text, in order (`class_probabilities`)."""
     probs = class_probabilities(classifier, texts, enc, device, batch_size)
     best = probs.argmax(-1)

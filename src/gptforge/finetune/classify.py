@@ -52,11 +52,30 @@ import torch.nn.functional as F
 
 from gptforge.config.schema import Config
 from gptforge.finetune.classifier import GPTClassifier, HFClassifier, LastTokenClassifier, save_classifier
-from gptforge.finetune.classify_data import (SPLITS, Example, binary_report, collate, encode, load_splits, predict,
-                                             scores)
-from gptforge.finetune.common import (apply_lora, check_max_length, enable_gradient_checkpointing, epoch_batches,
-                                      load_base, load_hf_base, make_optimizer, merge_lora, plot_curves, runtime,
-                                      train_epochs, trainable_params)
+from gptforge.finetune.classify_data import (
+    SPLITS,
+    Example,
+    binary_report,
+    collate,
+    encode,
+    load_splits,
+    predict,
+    scores,
+)
+from gptforge.finetune.common import (
+    apply_lora,
+    check_max_length,
+    enable_gradient_checkpointing,
+    epoch_batches,
+    load_base,
+    load_hf_base,
+    make_optimizer,
+    merge_lora,
+    plot_curves,
+    runtime,
+    train_epochs,
+    trainable_params,
+)
 from gptforge.finetune.distributed import Wrapped, alone, gathered, part, wrap
 from gptforge.io import atomic_dir
 from gptforge.modeling.hf_causal import HFTokenizer, find_blocks, hf_source
@@ -148,8 +167,15 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
         data[name], n_cut = encode(recs, enc, classifier.max_length)
         cut += n_cut
     n_train, n_total = trainable_params(model)
-    log.info("classify: trainable=%s, %d of %d parameters train (%.2f%%); max_length %d (%d texts cut to it)",
-             c.trainable, n_train, n_total, 100 * n_train / n_total, classifier.max_length, cut)
+    log.info(
+        "classify: trainable=%s, %d of %d parameters train (%.2f%%); max_length %d (%d texts cut to it)",
+        c.trainable,
+        n_train,
+        n_total,
+        100 * n_train / n_total,
+        classifier.max_length,
+        cut,
+    )
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return Session(model, classifier, data, rt, enc.eot_token)
 
@@ -171,20 +197,37 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
         # Fixed prefixes of the splits, comparable from one evaluation to the next; train accuracy
         # beside val accuracy shows over-fitting (Raschka's ch. 6 curves).
         logits, labels = predict(w.module, s.data["val"], c.batch_size, s.pad_id, s.rt, max_batches=c.eval_batches)
-        train_logits, train_labels = predict(w.module, s.data["train"], c.batch_size, s.pad_id, s.rt,
-                                             max_batches=c.eval_batches)
-        return {**scores(logits, labels, "val"),
-                "train_accuracy": scores(train_logits, train_labels, "train")["train_accuracy"]}
+        train_logits, train_labels = predict(
+            w.module, s.data["train"], c.batch_size, s.pad_id, s.rt, max_batches=c.eval_batches
+        )
+        return {
+            **scores(logits, labels, "val"),
+            "train_accuracy": scores(train_logits, train_labels, "train")["train_accuracy"],
+        }
 
     s.history = train_epochs(
-        w.module, optimizer, loss_fn, lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
-        rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval, evaluate=evaluate, run=run, desc="classify")
+        w.module,
+        optimizer,
+        loss_fn,
+        lambda epoch: epoch_batches(s.data["train"], c.batch_size, c.seed, epoch),
+        rt=s.rt,
+        epochs=c.epochs,
+        eval_interval=c.eval_interval,
+        evaluate=evaluate,
+        run=run,
+        desc="classify",
+    )
     return s
 
 
-def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/classify",
-           metrics_path: str | os.PathLike = "metrics/classify.json",
-           plots_dir: str | os.PathLike = "plots") -> dict:
+def finish(
+    s: Session,
+    cfg: Config,
+    run=NullRun(),
+    out_dir: str | os.PathLike = "checkpoints/classify",
+    metrics_path: str | os.PathLike = "metrics/classify.json",
+    plots_dir: str | os.PathLike = "plots",
+) -> dict:
     """Merge LoRA, measure the saved model on the full splits, write the model, metrics and curves."""
     c = cfg.classify
     n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
@@ -206,8 +249,12 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
         metrics.update(split_scores)
     metrics.update(binary_report(*results["test"]))
     seconds = s.history.epoch_seconds
-    metrics.update(trainable_params=n_train, total_params=n_total,
-                   seconds_per_epoch=sum(seconds) / len(seconds) if seconds else 0.0, steps=s.history.step)
+    metrics.update(
+        trainable_params=n_train,
+        total_params=n_total,
+        seconds_per_epoch=sum(seconds) / len(seconds) if seconds else 0.0,
+        steps=s.history.step,
+    )
 
     final = Path(out_dir) / "final"
     with atomic_dir(final) as tmp:
@@ -217,10 +264,17 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     run.log_text(confusion_text(*results["test"], classifier.labels), "classify_confusion.txt")
     for png in write_plots(s.history, plots_dir):
         run.log_artifact(png)
-    log.info("classify done: accuracy train %.3f, val %.3f, test %.3f; test precision %.3f, recall %.3f, "
-             "F1 %.3f; %.1f s per epoch", metrics["train_accuracy"], metrics["val_accuracy"],
-             metrics["test_accuracy"], metrics["precision"], metrics["recall"], metrics["f1"],
-             metrics["seconds_per_epoch"])
+    log.info(
+        "classify done: accuracy train %.3f, val %.3f, test %.3f; test precision %.3f, recall %.3f, "
+        "F1 %.3f; %.1f s per epoch",
+        metrics["train_accuracy"],
+        metrics["val_accuracy"],
+        metrics["test_accuracy"],
+        metrics["precision"],
+        metrics["recall"],
+        metrics["f1"],
+        metrics["seconds_per_epoch"],
+    )
     return metrics
 
 
@@ -241,12 +295,22 @@ def write_plots(history, plots_dir: str | os.PathLike) -> list[Path]:
     plots_dir = Path(plots_dir)
     val = history.evals
     made = [
-        plot_curves({"train (batch)": history.train_loss,
-                     "val (first eval_batches)": [(e["step"], e["val_loss"]) for e in val]},
-                    "cross-entropy loss", plots_dir / "classify_loss.png"),
-        plot_curves({"train (first eval_batches)": [(e["step"], e["train_accuracy"]) for e in val],
-                     "val (first eval_batches)": [(e["step"], e["val_accuracy"]) for e in val]},
-                    "accuracy", plots_dir / "classify_accuracy.png"),
+        plot_curves(
+            {
+                "train (batch)": history.train_loss,
+                "val (first eval_batches)": [(e["step"], e["val_loss"]) for e in val],
+            },
+            "cross-entropy loss",
+            plots_dir / "classify_loss.png",
+        ),
+        plot_curves(
+            {
+                "train (first eval_batches)": [(e["step"], e["train_accuracy"]) for e in val],
+                "val (first eval_batches)": [(e["step"], e["val_accuracy"]) for e in val],
+            },
+            "accuracy",
+            plots_dir / "classify_accuracy.png",
+        ),
     ]
     return [p for p in made if p is not None]
 

@@ -45,11 +45,13 @@ def read_split(path: str | os.PathLike, n_classes: int) -> list[dict]:
     records = []
     for number, rec in enumerate(read_records(path, param="classify data"), 1):
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise BadInput(f"{path}: record {number}: expected an object with a string \"text\" and a \"label\"")
+            raise BadInput(f'{path}: record {number}: expected an object with a string "text" and a "label"')
         label = rec.get("label")
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < n_classes:
-            raise BadInput(f"{path}: record {number}: label {label!r} is outside [0, {n_classes}) "
-                           f"(classify.n_classes = {n_classes})")
+            raise BadInput(
+                f"{path}: record {number}: label {label!r} is outside [0, {n_classes}) "
+                f"(classify.n_classes = {n_classes})"
+            )
         records.append({"text": rec["text"], "label": label})
     if not records:
         raise BadInput(f"classify data: {path} has no examples (the {path.stem} split is empty)")
@@ -86,7 +88,7 @@ def collate(examples: Sequence[Example], pad_id: int, device: torch.device) -> t
 
 
 def batches(examples: Sequence[Example], batch_size: int) -> list[list[Example]]:
-    return [list(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size)]
+    return [list(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +96,14 @@ def batches(examples: Sequence[Example], batch_size: int) -> list[list[Example]]
 
 
 @torch.no_grad()
-def predict(model: nn.Module, examples: Sequence[Example], batch_size: int, pad_id: int, rt: Runtime,
-            max_batches: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def predict(
+    model: nn.Module,
+    examples: Sequence[Example],
+    batch_size: int,
+    pad_id: int,
+    rt: Runtime,
+    max_batches: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (N, n_classes) float32 on the CPU, labels (N,)) over `examples` in order (the first
     `max_batches` batches only, when given); eval mode, autocast, then back to the old mode.
     Under torchrun (`rt.world_size` > 1, `model` the wrapped classifier) each process scores its
@@ -125,8 +133,10 @@ def _cat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def scores(logits: torch.Tensor, labels: torch.Tensor, prefix: str) -> dict[str, float]:
-    return {f"{prefix}_loss": F.cross_entropy(logits, labels).item(),
-            f"{prefix}_accuracy": (logits.argmax(-1) == labels).float().mean().item()}
+    return {
+        f"{prefix}_loss": F.cross_entropy(logits, labels).item(),
+        f"{prefix}_accuracy": (logits.argmax(-1) == labels).float().mean().item(),
+    }
 
 
 def binary_report(pred: Sequence[int], gold: Sequence[int], positive: int = POSITIVE) -> dict[str, float]:
@@ -140,5 +150,12 @@ def binary_report(pred: Sequence[int], gold: Sequence[int], positive: int = POSI
     precision = tp / (tp + fp) if tp + fp else 0.0
     recall = tp / (tp + fn) if tp + fn else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"precision": precision, "recall": recall, "f1": f1,
-            "test_tp": tp, "test_fp": fp, "test_tn": tn, "test_fn": fn}
+    return {
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "test_tp": tp,
+        "test_fp": fp,
+        "test_tn": tn,
+        "test_fn": fn,
+    }

@@ -24,8 +24,8 @@ from gptforge.errors import BadInput, StageFailed
 from gptforge.modeling.gpt import GPT, GPTConfig
 from gptforge.modeling.hf_convert import load_pretrained
 from gptforge.runtime.tracking import NullRun
-from gptforge.training.runtime import Runtime
 from gptforge.training.optim import adamw
+from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 
@@ -38,8 +38,10 @@ def check_whole_batch(param: str, batch_size: int, world_size: int) -> None:
     """A trl stage's batch_size is the whole batch, split evenly over the processes: one line
     when it cannot be (the CLI checks it before launching: pipeline.stages.check_inputs)."""
     if batch_size % world_size:
-        raise BadInput(f"{param}.batch_size ({batch_size}) is the whole batch, shared by the {world_size} "
-                       "processes: make it a multiple of their number")
+        raise BadInput(
+            f"{param}.batch_size ({batch_size}) is the whole batch, shared by the {world_size} "
+            "processes: make it a multiple of their number"
+        )
 
 
 def cpu_has_native_bf16() -> bool:
@@ -96,8 +98,7 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
         resolved = precision
     if resolved == "fp16" and dev.type == "cpu":
         raise BadInput(f"{param}.precision fp16 needs CUDA; on the CPU use bf16 or fp32")
-    return Runtime(device=dev, rank=rank, local_rank=local_rank, world_size=world, ddp=world > 1,
-                   precision=resolved)
+    return Runtime(device=dev, rank=rank, local_rank=local_rank, world_size=world, ddp=world > 1, precision=resolved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,8 +119,10 @@ def load_base(init_from: str, n_vocab: int, *, param: str) -> GPT:
     """
     model, source = load_pretrained(init_from, param=param, missing="run `gptforge pretrain` first, or ")
     if model.config.n_vocab != n_vocab:
-        raise BadInput(f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
-                       f"(tokenizer.path) {n_vocab}")
+        raise BadInput(
+            f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
+            f"(tokenizer.path) {n_vocab}"
+        )
     log.info("fine-tuning from %s (%.2fM parameters)", source, model.num_params() / 1e6)
     return model.train()
 
@@ -131,7 +134,8 @@ def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: 
     Weights load in float32 (autocast computes in bf16 on CUDA) except under LoRA with bf16,
     where the frozen base's linear layers stay in bf16 (`bf16_linears`: half their memory, no
     cast per step; peft keeps the adapters in float32). `quantize: 4bit` is QLoRA: the base in
-    bitsandbytes NF4 with double quantization and bf16 compute, prepared with peft's `prepare_model_for_kbit_training`; it needs CUDA and
+    bitsandbytes NF4 with double quantization and bf16 compute, prepared with peft's
+    `prepare_model_for_kbit_training`; it needs CUDA and
     the bitsandbytes package, and says so in one line (BadInput) before anything is loaded.
     `param` is the config section (`instruct`) the messages name.
     """
@@ -140,17 +144,24 @@ def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: 
     kwargs: dict[str, Any] = {}
     if quantize is not None:
         if rt.device.type != "cuda":
-            raise BadInput(f"{param}.quantize: {quantize} (QLoRA) needs CUDA: bitsandbytes' NF4 kernels; "
-                           f"this run is on the {rt.device.type}: set {param}.quantize to null")
+            raise BadInput(
+                f"{param}.quantize: {quantize} (QLoRA) needs CUDA: bitsandbytes' NF4 kernels; "
+                f"this run is on the {rt.device.type}: set {param}.quantize to null"
+            )
         try:
             import bitsandbytes  # noqa: F401
             from transformers import BitsAndBytesConfig
         except ImportError:
-            raise BadInput(f"{param}.quantize: {quantize} needs the bitsandbytes package "
-                           "(pip install bitsandbytes; the GPU worker image has it)") from None
+            raise BadInput(
+                f"{param}.quantize: {quantize} needs the bitsandbytes package "
+                "(pip install bitsandbytes; the GPU worker image has it)"
+            ) from None
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
         kwargs["device_map"] = {"": rt.device.index or 0}
         kwargs["dtype"] = torch.bfloat16
     elif lora and rt.precision == "bf16":  # the frozen base in bf16 (autocast would cast it every step)
@@ -165,8 +176,13 @@ def load_hf_base(source: str, rt: Runtime, *, param: str, lora: bool, quantize: 
     else:
         model.to(rt.device)
     n = sum(p.numel() for p in model.parameters())
-    log.info("fine-tuning from Hugging Face %s %s (%.2fM parameters%s)", model.config.model_type, source, n / 1e6,
-             ", 4-bit NF4" if quantize else "")
+    log.info(
+        "fine-tuning from Hugging Face %s %s (%.2fM parameters%s)",
+        model.config.model_type,
+        source,
+        n / 1e6,
+        ", 4-bit NF4" if quantize else "",
+    )
     return model.train(), tokenizer
 
 
@@ -234,8 +250,7 @@ def check_max_length(max_length: int | None, model: nn.Module, param: str) -> in
 # LoRA (peft)
 
 
-def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = (), task_type: str | None = None
-               ) -> nn.Module:
+def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = (), task_type: str | None = None) -> nn.Module:
     """Wrap `model` in peft LoRA adapters; return the `peft.PeftModel`.
 
     `lora` is a config's LoRA section (`cfg.classify.lora`, `cfg.instruct.lora`: r, alpha,
@@ -263,8 +278,9 @@ def apply_lora(model: nn.Module, lora, extra_trainable: Sequence[str] = (), task
     from gptforge.modeling.hf_causal import block_linear_names
 
     targets = block_linear_names(model) if lora.target_modules == "auto" else list(lora.target_modules)
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                             task_type=task_type)
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task_type
+    )
     try:
         peft_model = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matched target_modules
@@ -366,8 +382,14 @@ def train_epochs(
     for epoch in range(1, epochs + 1):
         epoch_batches = batches(epoch)
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
-        bar = tqdm(epoch_batches, total=total, desc=f"{desc} epoch {epoch}/{epochs}", unit="batch", leave=False,
-                   disable=not rt.master)
+        bar = tqdm(
+            epoch_batches,
+            total=total,
+            desc=f"{desc} epoch {epoch}/{epochs}",
+            unit="batch",
+            leave=False,
+            disable=not rt.master,
+        )
         train_time, evaluated_at = 0.0, -1
         t0 = time.perf_counter()
         for batch in bar:
@@ -377,8 +399,10 @@ def train_epochs(
             # (finetune/distributed.py): their mean is the batch's loss, the same on every process.
             value = reduce_sums([loss.item()], rt)[0] / rt.world_size
             if not math.isfinite(value):
-                raise StageFailed(f"{desc}: loss is {value} at step {history.step + 1} (epoch {epoch}); "
-                                  "stopping before it reaches the weights (try a lower lr)")
+                raise StageFailed(
+                    f"{desc}: loss is {value} at step {history.step + 1} (epoch {epoch}); "
+                    "stopping before it reaches the weights (try a lower lr)"
+                )
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if grad_clip > 0:
@@ -402,14 +426,21 @@ def train_epochs(
         history.epoch_seconds.append(train_time)
         if evaluated_at != history.step:
             run_eval(epoch)
-        log.info("%s epoch %d/%d: %d steps so far, %.1f s of training, %s", desc, epoch, epochs, history.step,
-                 train_time, ", ".join(f"{k} {v:.4f}" for k, v in history.evals[-1].items()
-                                       if k not in ("step", "epoch")))
+        log.info(
+            "%s epoch %d/%d: %d steps so far, %.1f s of training, %s",
+            desc,
+            epoch,
+            epochs,
+            history.step,
+            train_time,
+            ", ".join(f"{k} {v:.4f}" for k, v in history.evals[-1].items() if k not in ("step", "epoch")),
+        )
     return history
 
 
-def plot_curves(series: dict[str, list[tuple[float, float]]], ylabel: str, path: str | os.PathLike,
-                xlabel: str = "step") -> Path | None:
+def plot_curves(
+    series: dict[str, list[tuple[float, float]]], ylabel: str, path: str | os.PathLike, xlabel: str = "step"
+) -> Path | None:
     """One PNG line plot of named (x, y) series (matplotlib, Agg backend); None when matplotlib
     is not installed (a bare GPU box: the numbers are in the metrics and the run anyway)."""
     try:
@@ -452,11 +483,12 @@ def epoch_batches(examples: Sequence[Any], batch_size: int, seed: int, epoch: in
     same batches, and every epoch a different order."""
     order = list(examples)
     random.Random(f"{seed}:{epoch}").shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def length_grouped_batches(examples: Sequence[Any], batch_size: int, seed: int, epoch: int,
-                           length: Callable[[Any], int], group: int = 50) -> list[list[Any]]:
+def length_grouped_batches(
+    examples: Sequence[Any], batch_size: int, seed: int, epoch: int, length: Callable[[Any], int], group: int = 50
+) -> list[list[Any]]:
     """`epoch_batches` with little padding: the shuffled examples are cut into groups of
     `group` batches, each group sorted by `length` (longest first) and cut into batches, and the
     batches shuffled again, so a batch holds examples of similar length while the order still
@@ -469,7 +501,7 @@ def length_grouped_batches(examples: Sequence[Any], batch_size: int, seed: int, 
     size = batch_size * group
     batches: list[list[Any]] = []
     for start in range(0, len(order), size):
-        chunk = sorted(order[start:start + size], key=length, reverse=True)
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[start : start + size], key=length, reverse=True)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches

@@ -43,8 +43,9 @@ from gptforge.training.runtime import Runtime
 TRACE_ENV = "GPTFORGE_BATCH_TRACE"
 
 
-def part(batch: Sequence[Any], rt: Runtime, weight: Callable[[Sequence[Any]], float] = len, *,
-         trace: bool = False) -> tuple[list[Any], float]:
+def part(
+    batch: Sequence[Any], rt: Runtime, weight: Callable[[Sequence[Any]], float] = len, *, trace: bool = False
+) -> tuple[list[Any], float]:
     """(this process's rows of `batch`, the factor its mean loss is multiplied by).
 
     The factor is world x weight(part) / weight(batch), `weight` counting what the loss averages
@@ -134,8 +135,15 @@ class Wrapped:
     prefix: str = ""  # what the wrapping adds in front of the model's parameter names
 
 
-def wrap(model: nn.Module, rt: Runtime, strategy: str, *, loss: Callable[..., torch.Tensor] | None = None,
-         param: str, find_unused_parameters: bool = False) -> Wrapped:
+def wrap(
+    model: nn.Module,
+    rt: Runtime,
+    strategy: str,
+    *,
+    loss: Callable[..., torch.Tensor] | None = None,
+    param: str,
+    find_unused_parameters: bool = False,
+) -> Wrapped:
     """`model` (on `rt.device`) under `strategy` when there is more than one process; `loss`,
     when given, runs inside the wrapped forward (`LossOf`)."""
     root: nn.Module = LossOf(model, loss) if loss is not None else model
@@ -148,16 +156,19 @@ def wrap(model: nn.Module, rt: Runtime, strategy: str, *, loss: Callable[..., to
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         return Wrapped(DDP(root, device_ids=ids, find_unused_parameters=find_unused_parameters), model, "ddp")
     if rt.precision == "fp16":
-        raise BadInput(f"{param}.strategy fsdp keeps fp32 master weights and computes in bf16: use "
-                       f"{param}.precision bf16 (fp16's loss scaling is not supported under fsdp)")
+        raise BadInput(
+            f"{param}.strategy fsdp keeps fp32 master weights and computes in bf16: use "
+            f"{param}.precision bf16 (fp16's loss scaling is not supported under fsdp)"
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     twin = meta_copy(model) if rt.master else None
     kinds = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
-        raise BadInput(f"{param}.strategy fsdp: {type(model).__name__} names no transformer layer to shard "
-                       "(no _no_split_modules)")
+        raise BadInput(
+            f"{param}.strategy fsdp: {type(model).__name__} names no transformer layer to shard (no _no_split_modules)"
+        )
     kw: dict = {}
     if rt.device.type == "cuda" and rt.precision == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -188,7 +199,7 @@ def gathered(w: Wrapped) -> nn.Module | None:
     state = get_model_state_dict(w.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if w.twin is None:
         return None
-    state = {k[len(w.prefix):] if k.startswith(w.prefix) else k: v for k, v in state.items()}
+    state = {k[len(w.prefix) :] if k.startswith(w.prefix) else k: v for k, v in state.items()}
     ties = _tied_names(w.twin)
     w.twin.load_state_dict(state, strict=True, assign=True)
     _retie(w.twin, ties)

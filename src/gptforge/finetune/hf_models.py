@@ -78,8 +78,9 @@ def targeted_logits(model: nn.Module, inputs: torch.Tensor, keep: torch.Tensor) 
 
 
 @torch.no_grad()
-def greedy_answers(model: nn.Module, examples: Sequence[Example], *, enc: HFTokenizer, max_new_tokens: int,
-                   positions: int, rt: Runtime) -> tuple[list[str], float]:
+def greedy_answers(
+    model: nn.Module, examples: Sequence[Example], *, enc: HFTokenizer, max_new_tokens: int, positions: int, rt: Runtime
+) -> tuple[list[str], float]:
     """Greedy answers to each prompt with `decoding.generate_hf` (transformers' `generate`, its
     KV cache), one prompt at a time as the GPT path does, stopping at any of the model's stop ids (`stop_ids`).
     Returns (texts, generated tokens per second of generation)."""
@@ -96,7 +97,7 @@ def greedy_answers(model: nn.Module, examples: Sequence[Example], *, enc: HFToke
             out = generate_hf(model, enc.tokenizer, idx, room, temperature=0, stop=stops)
         rt.sync()
         seconds += time.perf_counter() - t0
-        new = out[0, len(prompt_ids):].tolist()
+        new = out[0, len(prompt_ids) :].tolist()
         generated += len(new)
         end = next((i for i, t in enumerate(new) if t in stops), len(new))
         texts.append(enc.decode(new[:end]).strip())

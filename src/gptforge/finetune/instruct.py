@@ -51,15 +51,28 @@ from gptforge.config.schema import Config, variant_paths
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
 from gptforge.finetune.answer_quality import reference_scores, score_file
-from gptforge.modeling.decoding import generate
-from gptforge.finetune.common import (History, apply_lora, check_max_length, enable_gradient_checkpointing,
-                                      epoch_batches, is_gpt, length_grouped_batches, load_base, load_hf_base,
-                                      make_optimizer, merge_lora, model_positions, runtime, train_epochs,
-                                      trainable_params)
+from gptforge.finetune.common import (
+    History,
+    apply_lora,
+    check_max_length,
+    enable_gradient_checkpointing,
+    epoch_batches,
+    is_gpt,
+    length_grouped_batches,
+    load_base,
+    load_hf_base,
+    make_optimizer,
+    merge_lora,
+    model_positions,
+    runtime,
+    train_epochs,
+    trainable_params,
+)
 from gptforge.finetune.distributed import LossOf, Wrapped, alone, gathered, part, reduce_sums, wrap
 from gptforge.finetune.hf_models import greedy_answers, lm_loss, merged_qlora, save_hf_model
 from gptforge.finetune.templates import IGNORE_INDEX, Example, chat_template_tokenizer, collate, encode_all
 from gptforge.io import atomic_dir, atomic_file
+from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT
 from gptforge.modeling.hf_causal import HFTokenizer, hf_source
 from gptforge.modeling.tokenizer import load_tokenizer
@@ -86,10 +99,16 @@ def read_split(path: str | os.PathLike) -> list[dict]:
         raise BadInput(f"instruct data: {path} not found; run `gptforge prepare instruct` first")
     records = []
     for number, rec in enumerate(read_records(path, param="instruct data"), 1):
-        if not (isinstance(rec, dict) and isinstance(rec.get("instruction"), str)
-                and isinstance(rec.get("output"), str) and isinstance(rec.get("input") or "", str)):
-            raise BadInput(f"instruct data: {path} record {number} is not an object with string \"instruction\", "
-                           "\"input\" and \"output\"")
+        if not (
+            isinstance(rec, dict)
+            and isinstance(rec.get("instruction"), str)
+            and isinstance(rec.get("output"), str)
+            and isinstance(rec.get("input") or "", str)
+        ):
+            raise BadInput(
+                f'instruct data: {path} record {number} is not an object with string "instruction", '
+                '"input" and "output"'
+            )
         records.append({"instruction": rec["instruction"], "input": rec.get("input") or "", "output": rec["output"]})
     if not records:
         raise BadInput(f"instruct data: {path} has no examples (the {path.stem} split is empty)")
@@ -113,8 +132,17 @@ def padding_stats(batch: Sequence[Example], width: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int, pad_id: int, max_length: int,
-               mask_prompt: bool, rt: Runtime, max_batches: int | None = None) -> float:
+def split_loss(
+    model: nn.Module,
+    examples: Sequence[Example],
+    *,
+    batch_size: int,
+    pad_id: int,
+    max_length: int,
+    mask_prompt: bool,
+    rt: Runtime,
+    max_batches: int | None = None,
+) -> float:
     """Mean cross-entropy per target token over `examples` in order (the first `max_batches`
     batches only, when given): a fixed prefix, so evaluations during training are comparable.
     `model` is the model, or the training module that computes the loss itself (`LossOf`, under
@@ -127,7 +155,7 @@ def split_loss(model: nn.Module, examples: Sequence[Example], *, batch_size: int
         for i in range(0, len(examples), batch_size):
             if max_batches is not None and i // batch_size >= max_batches:
                 break
-            rows, factor = part(examples[i:i + batch_size], rt)
+            rows, factor = part(examples[i : i + batch_size], rt)
             inputs, targets = collate(rows, pad_id=pad_id, max_length=max_length, mask_prompt=mask_prompt)
             n = int((targets != IGNORE_INDEX).sum())
             with rt.autocast():
@@ -151,8 +179,9 @@ def target_count(rows: Sequence[Example], **shape) -> int:
     return int((collate(rows, **shape)[1] != IGNORE_INDEX).sum())
 
 
-def respond(model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int,
-            rt: Runtime) -> tuple[list[str], float]:
+def respond(
+    model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int, rt: Runtime
+) -> tuple[list[str], float]:
     """Greedy answers (KV cache, stop at end-of-text) to each prompt, one at a time: rows of
     different prompt lengths cannot share a batch without left padding, which GPT-2's absolute
     positions do not allow. Returns (texts, generated tokens per second of generation).
@@ -172,7 +201,7 @@ def respond(model: GPT, examples: Sequence[Example], *, enc, max_new_tokens: int
             out = generate(model, idx, min(max_new_tokens, block - len(prompt_ids)), temperature=0, eot_id=eot)
         rt.sync()
         seconds += time.perf_counter() - t0
-        new = out[0, len(prompt_ids):].tolist()
+        new = out[0, len(prompt_ids) :].tolist()
         generated += len(new)
         texts.append(enc.decode(new[:-1] if new and new[-1] == eot else new).strip())
     return texts, generated / seconds if seconds > 0 else 0.0
@@ -209,14 +238,20 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     rt = runtime(c.device, c.precision, param=PARAM)
     records = {name: read_split(Path(data_dir) / f"{name}.jsonl") for name in SPLITS}  # fail before the model
     if c.max_samples is not None and c.max_samples < len(records["train"]):
-        log.info("instruct: training on the first %d of %d train records (%s.max_samples)", c.max_samples,
-                 len(records["train"]), PARAM)
-        records["train"] = records["train"][:c.max_samples]
+        log.info(
+            "instruct: training on the first %d of %d train records (%s.max_samples)",
+            c.max_samples,
+            len(records["train"]),
+            PARAM,
+        )
+        records["train"] = records["train"][: c.max_samples]
     source = hf_source(c.init_from)
     if source is None:  # our GPT: a checkpoint, a GPT-2 size or a Hugging Face GPT-2 folder
         if c.quantize is not None:
-            raise BadInput(f"{PARAM}.quantize: {c.quantize} applies to Hugging Face models; {c.init_from} is a "
-                           "gptforge GPT (small enough to train unquantized): set it to null")
+            raise BadInput(
+                f"{PARAM}.quantize: {c.quantize} applies to Hugging Face models; {c.init_from} is a "
+                "gptforge GPT (small enough to train unquantized): set it to null"
+            )
         enc = load_tokenizer(cfg.tokenizer.path)
         model = load_base(c.init_from, enc.n_vocab, param=f"{PARAM}.init_from")
         if c.template == "chat":
@@ -231,11 +266,16 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
         data[name], kept[name] = encode_all(recs, c.template, enc, max_length)
         skipped[name] = len(recs) - len(data[name])
         if not data[name]:
-            raise BadInput(f"instruct data: every one of the {len(recs)} {name} prompts is {max_length} tokens or "
-                           f"longer ({PARAM}.max_length={c.max_length}, template {c.template}): nothing to learn from")
+            raise BadInput(
+                f"instruct data: every one of the {len(recs)} {name} prompts is {max_length} tokens or "
+                f"longer ({PARAM}.max_length={c.max_length}, template {c.template}): nothing to learn from"
+            )
     if any(skipped.values()):
-        log.warning("instruct: skipped %s prompt(s) of %d tokens or more (no room for the response)",
-                    ", ".join(f"{n} {k}" for k, n in skipped.items() if n), max_length)
+        log.warning(
+            "instruct: skipped %s prompt(s) of %d tokens or more (no room for the response)",
+            ", ".join(f"{n} {k}" for k, n in skipped.items() if n),
+            max_length,
+        )
 
     if source is None:  # load_hf_base placed a transformers model (a quantized one on its GPU)
         model.to(rt.device)
@@ -245,9 +285,16 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
         torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
         model = apply_lora(model, c.lora, task_type=None if source is None else "CAUSAL_LM")
     n_train, n_total = trainable_params(model)
-    log.info("instruct: %s fine-tuning, %d of %d parameters train (%.2f%%); template %s, max_length %d; %s",
-             c.method, n_train, n_total, 100 * n_train / n_total, c.template, max_length,
-             ", ".join(f"{len(v)} {k}" for k, v in data.items()))
+    log.info(
+        "instruct: %s fine-tuning, %d of %d parameters train (%.2f%%); template %s, max_length %d; %s",
+        c.method,
+        n_train,
+        n_total,
+        100 * n_train / n_total,
+        c.template,
+        max_length,
+        ", ".join(f"{len(v)} {k}" for k, v in data.items()),
+    )
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return Session(model, records, data, kept, enc, rt, max_length, sum(skipped.values()), source)
 
@@ -257,22 +304,37 @@ def answer(model: nn.Module, s: Session, c, rt: Runtime) -> tuple[list[str], flo
     n = len(s.data["test"]) if c.n_responses is None else min(c.n_responses, len(s.data["test"]))
     if s.hf_source is None:
         return respond(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens, rt=rt)
-    return greedy_answers(model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens,
-                          positions=model_positions(model), rt=rt)
+    return greedy_answers(
+        model, s.data["test"][:n], enc=s.enc, max_new_tokens=c.max_new_tokens, positions=model_positions(model), rt=rt
+    )
 
 
 def response_rows(s: Session, texts: Sequence[str]) -> list[dict]:
     """instruction, input, reference and response of each answered test example."""
-    return [{"instruction": s.records["test"][i]["instruction"], "input": s.records["test"][i]["input"],
-             "reference": s.records["test"][i]["output"], "response": text} for i, text in zip(s.kept["test"], texts)]
+    return [
+        {
+            "instruction": s.records["test"][i]["instruction"],
+            "input": s.records["test"][i]["input"],
+            "reference": s.records["test"][i]["output"],
+            "response": text,
+        }
+        for i, text in zip(s.kept["test"], texts)
+    ]
 
 
 def score_start(s: Session, cfg: Config, run=NullRun()) -> Session:
     """`score_before`: the starting model's test loss and answers, scored as the result will be
     (with LoRA's adapters in place: peft starts them at zero, so the model is the base)."""
     c = cfg.instruct
-    test_loss = split_loss(s.model, s.data["test"], batch_size=c.batch_size, pad_id=s.enc.eot_token,
-                           max_length=s.max_length, mask_prompt=c.mask_prompt, rt=s.rt)  # every process's part
+    test_loss = split_loss(
+        s.model,
+        s.data["test"],
+        batch_size=c.batch_size,
+        pad_id=s.enc.eot_token,
+        max_length=s.max_length,
+        mask_prompt=c.mask_prompt,
+        rt=s.rt,
+    )  # every process's part
     if s.rt.rank != 0:  # process 0 answers, measures and writes (finish)
         return s
     rt = alone(s.rt)
@@ -285,8 +347,12 @@ def score_start(s: Session, cfg: Config, run=NullRun()) -> Session:
     scores = reference_scores(response_rows(s, s.answers_before))
     s.before = {"test_loss_before": test_loss, **{f"{k}_before": v for k, v in scores.items() if k != "n_scored"}}
     run.log_metrics(s.before)
-    log.info("instruct: before training, test loss %.4f, token F1 %.3f, ROUGE-L %.3f", test_loss,
-             s.before["token_f1_before"], s.before["rouge_l_before"])
+    log.info(
+        "instruct: before training, test loss %.4f, token F1 %.3f, ROUGE-L %.3f",
+        test_loss,
+        s.before["token_f1_before"],
+        s.before["rouge_l_before"],
+    )
     return s
 
 
@@ -304,8 +370,10 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     # over the data, whatever the batches hold.
     train_rows = s.data["train"]
     n_batches = max(1, math.ceil(len(train_rows) / c.batch_size))
-    per_batch = sum(target_count(train_rows[i:i + c.batch_size], **shape)
-                    for i in range(0, len(train_rows), c.batch_size)) / n_batches
+    per_batch = (
+        sum(target_count(train_rows[i : i + c.batch_size], **shape) for i in range(0, len(train_rows), c.batch_size))
+        / n_batches
+    )
 
     def loss_fn(batch):
         # This process's rows (all of them on one), its loss weighted by its share of the targets.
@@ -321,24 +389,40 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
 
     def batches(epoch: int) -> list[list[Example]]:
         if c.group_by_length:
-            return length_grouped_batches(s.data["train"], c.batch_size, c.seed, epoch,
-                                          length=lambda e: len(e[0]) + len(e[1]))
+            return length_grouped_batches(
+                s.data["train"], c.batch_size, c.seed, epoch, length=lambda e: len(e[0]) + len(e[1])
+            )
         return epoch_batches(s.data["train"], c.batch_size, c.seed, epoch)
 
     def evaluate():
-        loss = split_loss(w.module, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches,
-                          **shape)
+        loss = split_loss(
+            w.module, s.data["val"], batch_size=c.batch_size, rt=s.rt, max_batches=c.eval_batches, **shape
+        )
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
 
     s.history = train_epochs(
-        w.module, optimizer, loss_fn, batches, rt=s.rt, epochs=c.epochs, eval_interval=c.eval_interval,
-        evaluate=evaluate, run=run, desc="instruct")
+        w.module,
+        optimizer,
+        loss_fn,
+        batches,
+        rt=s.rt,
+        epochs=c.epochs,
+        eval_interval=c.eval_interval,
+        evaluate=evaluate,
+        run=run,
+        desc="instruct",
+    )
     return s
 
 
-def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/instruct",
-           metrics_path: str | os.PathLike = "metrics/instruct.json",
-           responses_path: str | os.PathLike = "reports/instruct_responses.jsonl") -> dict:
+def finish(
+    s: Session,
+    cfg: Config,
+    run=NullRun(),
+    out_dir: str | os.PathLike = "checkpoints/instruct",
+    metrics_path: str | os.PathLike = "metrics/instruct.json",
+    responses_path: str | os.PathLike = "reports/instruct_responses.jsonl",
+) -> dict:
     """Save the adapter, merge it, then measure, answer with and save the merged model."""
     c, out_dir = cfg.instruct, Path(out_dir)
     n_train, n_total = trainable_params(s.model)  # before merging: the adapters are gone after
@@ -360,8 +444,9 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
         model = merge_lora(trained)
     model.eval()
 
-    shape = dict(batch_size=c.batch_size, pad_id=s.enc.eot_token, max_length=s.max_length,
-                 mask_prompt=c.mask_prompt, rt=rt)
+    shape = dict(
+        batch_size=c.batch_size, pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=c.mask_prompt, rt=rt
+    )
     val_loss = split_loss(model, s.data["val"], **shape)
     test_loss = split_loss(model, s.data["test"], **shape)
 
@@ -384,14 +469,23 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
 
     seconds = s.history.epoch_seconds if s.history else []
     processed = s.real_tokens + s.padded
-    metrics = {"val_loss": val_loss, "test_loss": test_loss, "val_perplexity": math.exp(min(val_loss, 80.0)),
-               "test_perplexity": math.exp(min(test_loss, 80.0)), "response_tokens_per_sec": tokens_per_sec,
-               "trainable_params": n_train, "total_params": n_total, "skipped_too_long": s.skipped,
-               "steps": s.history.step if s.history else 0,
-               "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0,
-               "train_tokens": s.real_tokens, "padding_fraction": s.padded / processed if processed else 0.0,
-               "train_tokens_per_sec": s.real_tokens / sum(seconds) if sum(seconds) > 0 else 0.0,
-               **quality, **(s.before or {})}
+    metrics = {
+        "val_loss": val_loss,
+        "test_loss": test_loss,
+        "val_perplexity": math.exp(min(val_loss, 80.0)),
+        "test_perplexity": math.exp(min(test_loss, 80.0)),
+        "response_tokens_per_sec": tokens_per_sec,
+        "trainable_params": n_train,
+        "total_params": n_total,
+        "skipped_too_long": s.skipped,
+        "steps": s.history.step if s.history else 0,
+        "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0,
+        "train_tokens": s.real_tokens,
+        "padding_fraction": s.padded / processed if processed else 0.0,
+        "train_tokens_per_sec": s.real_tokens / sum(seconds) if sum(seconds) > 0 else 0.0,
+        **quality,
+        **(s.before or {}),
+    }
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(responses_path)
     if s.hf_source is None:
@@ -400,9 +494,16 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
         run.log_hf_model(final, "model")
     if adapter is not None:
         run.log_artifact(adapter, "adapter")
-    log.info("instruct done: val loss %.4f (perplexity %.2f), test loss %.4f; %d responses at %.1f tokens/s; "
-             "padding %.1f%% of the training positions", val_loss, metrics["val_perplexity"], test_loss, n,
-             tokens_per_sec, 100 * metrics["padding_fraction"])
+    log.info(
+        "instruct done: val loss %.4f (perplexity %.2f), test loss %.4f; %d responses at %.1f tokens/s; "
+        "padding %.1f%% of the training positions",
+        val_loss,
+        metrics["val_perplexity"],
+        test_loss,
+        n,
+        tokens_per_sec,
+        100 * metrics["padding_fraction"],
+    )
     return metrics
 
 
@@ -424,14 +525,17 @@ def finetune_instruct(
     return steps(finish, session, cfg, run, out_dir, metrics_path, responses_path)
 
 
-def finetune_instruct_variant(cfg: Config, *, steps: Steps = DIRECT, run=NullRun(),
-                              data_dir: str | os.PathLike = "data/instruct") -> dict:
+def finetune_instruct_variant(
+    cfg: Config, *, steps: Steps = DIRECT, run=NullRun(), data_dir: str | os.PathLike = "data/instruct"
+) -> dict:
     """Stage finetune_instruct_variant@NAME (`-S instruct_variants.only=NAME`; every entry when
     null): the instruct recipe with `instruct_variants.models[NAME]` over the instruct section,
     into `variant_paths(NAME)`. The quickstart's SmolLM2 LoRA beside the tiny GPT's SFT."""
     variants, name = cfg.instruct_variants, cfg.instruct_variants.only
     if name is not None and name not in variants.models:
-        raise BadInput(f"instruct_variants.models has no entry {name!r} (entries: {', '.join(variants.models) or 'none'})")
+        raise BadInput(
+            f"instruct_variants.models has no entry {name!r} (entries: {', '.join(variants.models) or 'none'})"
+        )
     metrics: dict[str, float] = {}
     for key in [name] if name is not None else list(variants.models):
         sub = cfg.model_copy(update={"instruct": cfg.instruct_variant(key)})

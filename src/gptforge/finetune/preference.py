@@ -52,8 +52,14 @@ import torch.nn as nn
 
 from gptforge.config.schema import Config
 from gptforge.finetune import trl_policy
-from gptforge.finetune.common import (check_max_length, check_whole_batch, model_positions, plot_curves, runtime,
-                                      trainable_params)
+from gptforge.finetune.common import (
+    check_max_length,
+    check_whole_batch,
+    model_positions,
+    plot_curves,
+    runtime,
+    trainable_params,
+)
 from gptforge.finetune.hf_models import greedy_answers
 from gptforge.finetune.preference_data import Pairs, encode_splits, read_split
 from gptforge.finetune.preference_models import PARAM, Models, load_models
@@ -87,8 +93,15 @@ def pretokenized_trainer_class():
     return PretokenizedDPOTrainer
 
 
-def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runtime, output_dir: str,
-                 max_length: int, callbacks: Sequence[Any] = ()):
+def make_trainer(
+    models: Models,
+    pairs: dict[str, Pairs],
+    cfg: Config,
+    rt: Runtime,
+    output_dir: str,
+    max_length: int,
+    callbacks: Sequence[Any] = (),
+):
     """The DPOTrainer over the train pairs (the first `max_samples`), validating on all val pairs."""
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
@@ -97,26 +110,46 @@ def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runti
     c = cfg.preference
     train_rows = pairs["train"].rows[: c.max_samples] if c.max_samples else pairs["train"].rows
     args = DPOConfig(
-        output_dir=output_dir, report_to="none", save_strategy="no", seed=c.seed, data_seed=c.seed,
+        output_dir=output_dir,
+        report_to="none",
+        save_strategy="no",
+        seed=c.seed,
+        data_seed=c.seed,
         # preference.batch_size is the whole batch: under torchrun each process takes its share
         per_device_train_batch_size=c.batch_size // rt.world_size,
         per_device_eval_batch_size=c.batch_size // rt.world_size,
-        num_train_epochs=c.epochs, learning_rate=c.lr, weight_decay=c.weight_decay,
+        num_train_epochs=c.epochs,
+        learning_rate=c.lr,
+        weight_decay=c.weight_decay,
         lr_scheduler_type="constant",  # LLMs-from-scratch ch. 7: plain AdamW, no schedule
-        beta=c.beta, loss_type=[c.loss_type], max_length=max_length, truncation_mode="keep_start",
-        logging_steps=1, eval_strategy="steps", eval_steps=c.eval_interval,
+        beta=c.beta,
+        loss_type=[c.loss_type],
+        max_length=max_length,
+        truncation_mode="keep_start",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=c.eval_interval,
         # the sampler reads the `length` column; kept (trl's collator ignores it) because the
         # Trainer drops unused columns before it builds the sampler
-        train_sampling_strategy="group_by_length" if c.group_by_length else "random", length_column_name="length",
+        train_sampling_strategy="group_by_length" if c.group_by_length else "random",
+        length_column_name="length",
         remove_unused_columns=False,
         activation_checkpointing=c.gradient_checkpointing,  # trl's DPOConfig would default it on
-        bf16=rt.precision == "bf16", fp16=rt.precision == "fp16", use_cpu=rt.device.type == "cpu",
-        dataloader_pin_memory=rt.device.type == "cuda", disable_tqdm=False,
+        bf16=rt.precision == "bf16",
+        fp16=rt.precision == "fp16",
+        use_cpu=rt.device.type == "cpu",
+        dataloader_pin_memory=rt.device.type == "cuda",
+        disable_tqdm=False,
     )
     trainer = pretokenized_trainer_class()(
-        model=models.policy, ref_model=models.reference, args=args, processing_class=models.tokenizer,
-        train_dataset=Dataset.from_list(train_rows), eval_dataset=Dataset.from_list(pairs["val"].rows),
-        callbacks=list(callbacks))
+        model=models.policy,
+        ref_model=models.reference,
+        args=args,
+        processing_class=models.tokenizer,
+        train_dataset=Dataset.from_list(train_rows),
+        eval_dataset=Dataset.from_list(pairs["val"].rows),
+        callbacks=list(callbacks),
+    )
     trainer.remove_callback(ProgressCallback)  # it prints every log dict; Records shows a bar instead
     return trainer
 
@@ -125,20 +158,23 @@ def make_trainer(models: Models, pairs: dict[str, Pairs], cfg: Config, rt: Runti
 # Answers
 
 
-def answers(model: nn.Module, examples: Sequence[Example], *, models: Models, gpt_model, max_new_tokens: int,
-            rt: Runtime) -> list[str]:
+def answers(
+    model: nn.Module, examples: Sequence[Example], *, models: Models, gpt_model, max_new_tokens: int, rt: Runtime
+) -> list[str]:
     """Greedy answers to the prompts: our GPT with the instruct stage's `respond`, a Hugging Face
     model with `greedy_answers` (both stop at the model's end of text)."""
     if gpt_model is not None:
         from gptforge.finetune.instruct import respond
 
-        return respond(gpt_model.to(rt.device).eval(), examples, enc=models.enc, max_new_tokens=max_new_tokens,
-                       rt=rt)[0]
+        return respond(gpt_model.to(rt.device).eval(), examples, enc=models.enc, max_new_tokens=max_new_tokens, rt=rt)[
+            0
+        ]
     was_training = model.training
     model.eval()
     try:
-        return greedy_answers(model, examples, enc=models.enc, max_new_tokens=max_new_tokens,
-                              positions=model_positions(model), rt=rt)[0]
+        return greedy_answers(
+            model, examples, enc=models.enc, max_new_tokens=max_new_tokens, positions=model_positions(model), rt=rt
+        )[0]
     finally:
         model.train(was_training)
 
@@ -186,24 +222,40 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     n = len(pairs["test"].rows) if c.n_responses is None else min(c.n_responses, len(pairs["test"].rows))
     if not rt.master:  # under torchrun process 0 answers (before and after) and writes
         n = 0
-    sft_answers = answers(models.policy, pairs["test"].prompts()[:n], models=models, gpt_model=models.gpt,
-                          max_new_tokens=c.max_new_tokens, rt=rt)
+    sft_answers = answers(
+        models.policy,
+        pairs["test"].prompts()[:n],
+        models=models,
+        gpt_model=models.gpt,
+        max_new_tokens=c.max_new_tokens,
+        rt=rt,
+    )
     if models.gpt is not None:
         models.gpt.to("cpu")  # only its config is needed from here on: keep the device for training
     n_train, n_total = trainable_params(models.policy)
-    log.info("preference: DPO (%s, beta %g, %s), %d of %d parameters train; template %s, max_length %d; %s",
-             c.loss_type, c.beta, c.method, n_train, n_total, template, max_length,
-             ", ".join(f"{len(p.rows)} {k}" for k, p in pairs.items()))
+    log.info(
+        "preference: DPO (%s, beta %g, %s), %d of %d parameters train; template %s, max_length %d; %s",
+        c.loss_type,
+        c.beta,
+        c.method,
+        n_train,
+        n_total,
+        template,
+        max_length,
+        ", ".join(f"{len(p.rows)} {k}" for k, p in pairs.items()),
+    )
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return Session(models, records, pairs, rt, max_length, template, sft_answers)
 
 
 def _val_summary(metrics: dict[str, float], suffix: str = "") -> dict[str, float]:
-    return {f"val_reward_accuracy{suffix}": metrics["eval_rewards/accuracies"],
-            f"val_reward_margin{suffix}": metrics["eval_rewards/margins"],
-            f"val_loss{suffix}": metrics["eval_loss"],
-            f"val_rewards_chosen{suffix}": metrics["eval_rewards/chosen"],
-            f"val_rewards_rejected{suffix}": metrics["eval_rewards/rejected"]}
+    return {
+        f"val_reward_accuracy{suffix}": metrics["eval_rewards/accuracies"],
+        f"val_reward_margin{suffix}": metrics["eval_rewards/margins"],
+        f"val_loss{suffix}": metrics["eval_loss"],
+        f"val_rewards_chosen{suffix}": metrics["eval_rewards/chosen"],
+        f"val_rewards_rejected{suffix}": metrics["eval_rewards/rejected"],
+    }
 
 
 def train(s: Session, cfg: Config, run=NullRun()) -> Session:
@@ -223,16 +275,25 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     s.rt.sync()
     s.train_seconds = time.perf_counter() - t0
     s.after = _val_summary(s.trainer.evaluate())
-    log.info("preference: validation reward accuracy %.3f -> %.3f, margin %.4f -> %.4f",
-             s.before["val_reward_accuracy_before"], s.after["val_reward_accuracy"],
-             s.before["val_reward_margin_before"], s.after["val_reward_margin"])
+    log.info(
+        "preference: validation reward accuracy %.3f -> %.3f, margin %.4f -> %.4f",
+        s.before["val_reward_accuracy_before"],
+        s.after["val_reward_accuracy"],
+        s.before["val_reward_margin_before"],
+        s.after["val_reward_margin"],
+    )
     return s
 
 
-def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/preference",
-           metrics_path: str | os.PathLike = "metrics/preference.json",
-           responses_path: str | os.PathLike = "reports/preference_responses.jsonl",
-           plots_dir: str | os.PathLike = "plots") -> dict:
+def finish(
+    s: Session,
+    cfg: Config,
+    run=NullRun(),
+    out_dir: str | os.PathLike = "checkpoints/preference",
+    metrics_path: str | os.PathLike = "metrics/preference.json",
+    responses_path: str | os.PathLike = "reports/preference_responses.jsonl",
+    plots_dir: str | os.PathLike = "plots",
+) -> dict:
     """Save the adapter, merge it, answer the test prompts, and write the model, the records and
     the metrics."""
     import shutil
@@ -244,36 +305,54 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     n_train, n_total = trainable_params(s.trainer.model)
     trained = trl_policy.merged(s.trainer.model, method=c.method, out_dir=out_dir, started_as=s.models.gpt)
 
-    prompts = s.pairs["test"].prompts()[:len(s.sft_answers)]
-    dpo_answers = answers(trained.model, prompts, models=s.models, gpt_model=trained.gpt,
-                          max_new_tokens=c.max_new_tokens, rt=s.rt)
+    prompts = s.pairs["test"].prompts()[: len(s.sft_answers)]
+    dpo_answers = answers(
+        trained.model, prompts, models=s.models, gpt_model=trained.gpt, max_new_tokens=c.max_new_tokens, rt=s.rt
+    )
     with atomic_file(responses_path, "w", encoding="utf-8") as f:
         for index, sft, dpo in zip(s.pairs["test"].kept, s.sft_answers, dpo_answers):
             rec = s.records["test"][index]
-            f.write(json.dumps({**{k: rec[k] for k in FIELDS}, "sft_response": sft, "dpo_response": dpo},
-                               ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {**{k: rec[k] for k in FIELDS}, "sft_response": sft, "dpo_response": dpo}, ensure_ascii=False
+                )
+                + "\n"
+            )
 
     final = trl_policy.save(trained, s.models.tokenizer, out_dir / "final")
 
     history = s.callback.train
     val_history = s.callback.val
-    write_csv(plots_dir / "preference.csv", history,
-              ["step", "train_loss", "train_reward_margin", "train_reward_accuracy"])
-    write_csv(plots_dir / "preference_val.csv", val_history,
-              ["step", "val_loss", "val_reward_margin", "val_reward_accuracy"])
-    png = plot_curves({"train (batch)": [(r["step"], r["train_reward_margin"]) for r in history],
-                       "validation (all pairs)": [(r["step"], r["val_reward_margin"]) for r in val_history]},
-                      "reward margin (beta x log-ratio, chosen - rejected)", plots_dir / "preference_margins.png")
+    write_csv(
+        plots_dir / "preference.csv", history, ["step", "train_loss", "train_reward_margin", "train_reward_accuracy"]
+    )
+    write_csv(
+        plots_dir / "preference_val.csv", val_history, ["step", "val_loss", "val_reward_margin", "val_reward_accuracy"]
+    )
+    png = plot_curves(
+        {
+            "train (batch)": [(r["step"], r["train_reward_margin"]) for r in history],
+            "validation (all pairs)": [(r["step"], r["val_reward_margin"]) for r in val_history],
+        },
+        "reward margin (beta x log-ratio, chosen - rejected)",
+        plots_dir / "preference_margins.png",
+    )
 
     train_pairs = min(len(s.pairs["train"].rows), c.max_samples or len(s.pairs["train"].rows))
     steps = s.trainer.state.global_step
-    metrics = {**s.before, **s.after,
-               "train_pairs": train_pairs, "val_pairs": len(s.pairs["val"].rows),
-               "skipped_too_long": sum(p.skipped_too_long for p in s.pairs.values()),
-               "dropped_identical_after_truncation": sum(p.identical for p in s.pairs.values()),
-               "steps": steps, "train_seconds": s.train_seconds,
-               "pairs_per_sec": train_pairs * c.epochs / s.train_seconds if s.train_seconds > 0 else 0.0,
-               "trainable_params": n_train, "total_params": n_total}
+    metrics = {
+        **s.before,
+        **s.after,
+        "train_pairs": train_pairs,
+        "val_pairs": len(s.pairs["val"].rows),
+        "skipped_too_long": sum(p.skipped_too_long for p in s.pairs.values()),
+        "dropped_identical_after_truncation": sum(p.identical for p in s.pairs.values()),
+        "steps": steps,
+        "train_seconds": s.train_seconds,
+        "pairs_per_sec": train_pairs * c.epochs / s.train_seconds if s.train_seconds > 0 else 0.0,
+        "trainable_params": n_train,
+        "total_params": n_total,
+    }
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(responses_path)
     for path in (plots_dir / "preference.csv", plots_dir / "preference_val.csv", png):
@@ -281,8 +360,14 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             run.log_artifact(path)
     trl_policy.log(run, trained, final)
     shutil.rmtree(s.workdir, ignore_errors=True)
-    log.info("preference done: %d steps over %d pairs in %.1f s; validation reward accuracy %.3f, margin %.4f",
-             steps, train_pairs, s.train_seconds, metrics["val_reward_accuracy"], metrics["val_reward_margin"])
+    log.info(
+        "preference done: %d steps over %d pairs in %.1f s; validation reward accuracy %.3f, margin %.4f",
+        steps,
+        train_pairs,
+        s.train_seconds,
+        metrics["val_reward_accuracy"],
+        metrics["val_reward_margin"],
+    )
     return metrics
 
 

@@ -30,12 +30,23 @@ def read_split(path: str | os.PathLike) -> list[dict]:
         raise BadInput(f"preference data: {path} not found; run `gptforge prepare preference` first")
     records = []
     for number, rec in enumerate(read_records(path, param="preference data"), 1):
-        if not (isinstance(rec, dict) and all(isinstance(rec.get(k), str) for k in ("instruction", "chosen", "rejected"))
-                and isinstance(rec.get("input") or "", str)):
-            raise BadInput(f"preference data: {path} record {number} is not an object with string \"instruction\", "
-                           "\"chosen\" and \"rejected\"")
-        records.append({"instruction": rec["instruction"], "input": rec.get("input") or "",
-                        "chosen": rec["chosen"], "rejected": rec["rejected"]})
+        if not (
+            isinstance(rec, dict)
+            and all(isinstance(rec.get(k), str) for k in ("instruction", "chosen", "rejected"))
+            and isinstance(rec.get("input") or "", str)
+        ):
+            raise BadInput(
+                f'preference data: {path} record {number} is not an object with string "instruction", '
+                '"chosen" and "rejected"'
+            )
+        records.append(
+            {
+                "instruction": rec["instruction"],
+                "input": rec.get("input") or "",
+                "chosen": rec["chosen"],
+                "rejected": rec["rejected"],
+            }
+        )
     if not records:
         raise BadInput(f"preference data: {path} has no pairs (the {path.stem} split is empty)")
     return records
@@ -68,25 +79,39 @@ def encode_pairs(records: Sequence[dict], template: str, enc, max_length: int) -
         elif (prompt + chosen)[:max_length] == (prompt + rejected)[:max_length]:
             out.identical += 1
         else:
-            out.rows.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected,
-                             "length": len(prompt) + max(len(chosen), len(rejected))})
+            out.rows.append(
+                {
+                    "prompt_ids": prompt,
+                    "chosen_ids": chosen,
+                    "rejected_ids": rejected,
+                    "length": len(prompt) + max(len(chosen), len(rejected)),
+                }
+            )
             out.kept.append(i)
     return out
 
 
-
-def encode_splits(records: dict[str, Sequence[dict]], template: str, enc, max_length: int, *, stage: str,
-                  param: str) -> dict[str, Pairs]:
+def encode_splits(
+    records: dict[str, Sequence[dict]], template: str, enc, max_length: int, *, stage: str, param: str
+) -> dict[str, Pairs]:
     """`encode_pairs` for every split: BadInput when a split keeps no pair at `param`.max_length,
     a warning (naming `stage`) for the pairs dropped. Shared by the DPO and reward-model stages."""
     pairs = {name: encode_pairs(recs, template, enc, max_length) for name, recs in records.items()}
     for name, p in pairs.items():
         if not p.rows:
-            raise BadInput(f"preference data: none of the {len(records[name])} {name} pairs is usable at "
-                           f"{param}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
-                           "pairs are identical once cut to it)")
+            raise BadInput(
+                f"preference data: none of the {len(records[name])} {name} pairs is usable at "
+                f"{param}.max_length={max_length} ({p.skipped_too_long} prompts fill it, {p.identical} "
+                "pairs are identical once cut to it)"
+            )
     skipped, identical = (sum(getattr(p, k) for p in pairs.values()) for k in ("skipped_too_long", "identical"))
     if skipped or identical:
-        log.warning("%s: skipped %d pair(s) whose prompt fills max_length %d and dropped %d whose chosen and "
-                    "rejected are identical once cut to it", stage, skipped, max_length, identical)
+        log.warning(
+            "%s: skipped %d pair(s) whose prompt fills max_length %d and dropped %d whose chosen and "
+            "rejected are identical once cut to it",
+            stage,
+            skipped,
+            max_length,
+            identical,
+        )
     return pairs

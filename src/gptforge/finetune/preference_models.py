@@ -36,8 +36,10 @@ def model_family(path: str, *, param: str) -> tuple[str, int | None]:
         return path, None
     config = Path(path) / CONFIG_FILE
     if not config.is_file():
-        raise BadInput(f"{param}: {path} is not a model folder (no {CONFIG_FILE}); run the stage that makes it "
-                       "first, or name a gptforge checkpoint or a Hugging Face causal-LM folder")
+        raise BadInput(
+            f"{param}: {path} is not a model folder (no {CONFIG_FILE}); run the stage that makes it "
+            "first, or name a gptforge checkpoint or a Hugging Face causal-LM folder"
+        )
     hf = hf_config_dict(config)
     if hf is not None:
         return hf["model_type"], hf.get("vocab_size")
@@ -58,21 +60,27 @@ def check_reference(init_from: str, reference: str) -> None:
     if policy_vocab is None or ref_vocab is None:
         return  # a hub id: compared after loading (`check_loaded_reference`)
     if ref_arch != policy_arch:
-        raise BadInput(f"{PARAM}.reference: {reference} is a {ref_arch} model, the policy ({PARAM}.init_from "
-                       f"{init_from}) a {policy_arch} model; the reference must be of the policy's architecture "
-                       "and tokenizer")
+        raise BadInput(
+            f"{PARAM}.reference: {reference} is a {ref_arch} model, the policy ({PARAM}.init_from "
+            f"{init_from}) a {policy_arch} model; the reference must be of the policy's architecture "
+            "and tokenizer"
+        )
     if ref_vocab != policy_vocab:
-        raise BadInput(f"{PARAM}.reference: {reference} has a vocabulary of {ref_vocab} tokens, the policy "
-                       f"{init_from} {policy_vocab}; the reference must use the policy's tokenizer")
+        raise BadInput(
+            f"{PARAM}.reference: {reference} has a vocabulary of {ref_vocab} tokens, the policy "
+            f"{init_from} {policy_vocab}; the reference must use the policy's tokenizer"
+        )
 
 
 def check_loaded_reference(policy: nn.Module, ref: nn.Module, reference: str) -> None:
     """`check_reference` for models that came from the hub (no config.json to read first)."""
     p, r = policy.config, ref.config
     if p.model_type != r.model_type or p.vocab_size != r.vocab_size:
-        raise BadInput(f"{PARAM}.reference: {reference} is a {r.model_type} model with {r.vocab_size} tokens, the "
-                       f"policy a {p.model_type} model with {p.vocab_size}; the reference must be of the policy's "
-                       "architecture and tokenizer")
+        raise BadInput(
+            f"{PARAM}.reference: {reference} is a {r.model_type} model with {r.vocab_size} tokens, the "
+            f"policy a {p.model_type} model with {p.vocab_size}; the reference must be of the policy's "
+            "architecture and tokenizer"
+        )
 
 
 @dataclass
@@ -113,9 +121,11 @@ def load_models(cfg: Config, rt: Runtime) -> Models:
         if c.reference is not None:
             ref_source = hf_source(c.reference)
             if ref_source is None:
-                raise BadInput(f"{PARAM}.reference: {c.reference} is a gptforge GPT; the policy {c.init_from} is a "
-                               f"Hugging Face {policy.config.model_type} model: the reference must be of its "
-                               "architecture and tokenizer")
+                raise BadInput(
+                    f"{PARAM}.reference: {c.reference} is a gptforge GPT; the policy {c.init_from} is a "
+                    f"Hugging Face {policy.config.model_type} model: the reference must be of its "
+                    "architecture and tokenizer"
+                )
             ref, _ = load_hf_base(ref_source, rt, param=f"{PARAM}.reference", lora=False)
             check_loaded_reference(policy, ref, c.reference)
     if ref is None and c.method == "full":

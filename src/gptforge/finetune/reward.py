@@ -41,8 +41,16 @@ import torch.nn as nn
 
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.finetune.common import (apply_lora, check_max_length, check_whole_batch, load_base, merge_lora,
-                                      plot_curves, runtime, trainable_params)
+from gptforge.finetune.common import (
+    apply_lora,
+    check_max_length,
+    check_whole_batch,
+    load_base,
+    merge_lora,
+    plot_curves,
+    runtime,
+    trainable_params,
+)
 from gptforge.finetune.preference_data import Pairs, encode_splits, read_split
 from gptforge.finetune.trl_records import write_csv
 from gptforge.io import atomic_dir
@@ -128,14 +136,19 @@ def hf_reward_model(source: str, seed: int) -> RewardModel:
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, unreadable config: one line either way
         raise BadInput(f"{param}: cannot read the config of {where} ({reason(e)})") from None
     if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
-        raise BadInput(f"{param}: {where} is a {config.model_type} model, for which transformers has no "
-                       "sequence-classification (reward) head")
+        raise BadInput(
+            f"{param}: {where} is a {config.model_type} model, for which transformers has no "
+            "sequence-classification (reward) head"
+        )
     classifier = any(str(a).endswith("ForSequenceClassification") for a in config.architectures or [])
     if classifier and config.num_labels != 1:
-        raise BadInput(f"{param}: {where} is a classifier of {config.num_labels} labels; a reward model has one "
-                       "(a scalar score)")
-    has_tokenizer = not local or any((path / f).is_file() for f in (
-        "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model"))
+        raise BadInput(
+            f"{param}: {where} is a classifier of {config.num_labels} labels; a reward model has one (a scalar score)"
+        )
+    has_tokenizer = not local or any(
+        (path / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    )
     tokenizer = None
     if has_tokenizer:
         try:
@@ -143,8 +156,10 @@ def hf_reward_model(source: str, seed: int) -> RewardModel:
         except Exception:  # noqa: BLE001 - reported below, in one line
             tokenizer = None
     if tokenizer is None or len(tokenizer) < 2:
-        raise BadInput(f"{param}: {where} has no tokenizer; a reward model scores the pairs in its own tokens: "
-                       "save its tokenizer in the folder (tokenizer.save_pretrained)")
+        raise BadInput(
+            f"{param}: {where} has no tokenizer; a reward model scores the pairs in its own tokens: "
+            "save its tokenizer in the folder (tokenizer.save_pretrained)"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     enc = HFTokenizer(tokenizer)  # BadInput without an eos token
@@ -152,15 +167,20 @@ def hf_reward_model(source: str, seed: int) -> RewardModel:
     try:
         with suppress_seqcls_warning():
             model, info = AutoModelForSequenceClassification.from_pretrained(
-                where, num_labels=1, local_files_only=local, dtype=torch.float32, output_loading_info=True)
+                where, num_labels=1, local_files_only=local, dtype=torch.float32, output_loading_info=True
+            )
     except Exception as e:  # noqa: BLE001 - damaged weights, shapes that disagree with config.json
         raise BadInput(f"{param}: cannot load {where} as a reward model ({reason(e)})") from None
     absent = [k for k in info.get("missing_keys", ()) if k.split(".")[0] not in HEADS]
     if absent:
         raise BadInput(f"{param}: {where} lacks tensors {', '.join(sorted(absent)[:3])}")
     model.config.pad_token_id = tokenizer.pad_token_id
-    log.info("reward model from Hugging Face %s %s (%.2fM parameters)", config.model_type, where,
-             sum(p.numel() for p in model.parameters()) / 1e6)
+    log.info(
+        "reward model from Hugging Face %s %s (%.2fM parameters)",
+        config.model_type,
+        where,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
     return RewardModel(model.train(), enc, tokenizer, int(tokenizer.pad_token_id), source)
 
 
@@ -199,8 +219,9 @@ def reward_rows(pairs: Pairs, max_length: int) -> list[dict]:
 
 
 @torch.no_grad()
-def score_pairs(model: nn.Module, rows: Sequence[dict], pad_id: int, batch_size: int,
-                rt: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(
+    model: nn.Module, rows: Sequence[dict], pad_id: int, batch_size: int, rt: Runtime
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_chosen, r_rejected), float64 on the CPU, of every row, from plain forward passes in eval
     mode, batched as trl's collator batches (right padding with `pad_id`); rows of similar length
     go together (less padding), the result is in the rows' order."""
@@ -214,13 +235,14 @@ def score_pairs(model: nn.Module, rows: Sequence[dict], pad_id: int, batch_size:
     model.eval()
     try:
         for start in range(0, len(order), batch_size):
-            index = order[start:start + batch_size]
+            index = order[start : start + batch_size]
             batch = collate([rows[i] for i in index])
             with rt.autocast():
-                logits = model(input_ids=batch["input_ids"].to(rt.device),
-                               attention_mask=batch["attention_mask"].to(rt.device)).logits
+                logits = model(
+                    input_ids=batch["input_ids"].to(rt.device), attention_mask=batch["attention_mask"].to(rt.device)
+                ).logits
             r = logits.squeeze(-1).double().cpu()
-            chosen[index], rejected[index] = r[:len(index)], r[len(index):]
+            chosen[index], rejected[index] = r[: len(index)], r[len(index) :]
     finally:
         model.train(was_training)
     return chosen, rejected
@@ -229,16 +251,25 @@ def score_pairs(model: nn.Module, rows: Sequence[dict], pad_id: int, batch_size:
 def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, suffix: str = "") -> dict[str, float]:
     """val_accuracy (share with r_chosen > r_rejected), val_margin (mean difference), val_loss."""
     diff = chosen - rejected
-    return {f"val_accuracy{suffix}": float((diff > 0).double().mean()), f"val_margin{suffix}": float(diff.mean()),
-            f"val_loss{suffix}": float(-torch.nn.functional.logsigmoid(diff).mean())}
+    return {
+        f"val_accuracy{suffix}": float((diff > 0).double().mean()),
+        f"val_margin{suffix}": float(diff.mean()),
+        f"val_loss{suffix}": float(-torch.nn.functional.logsigmoid(diff).mean()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # trl
 
 
-def make_trainer(rm: RewardModel, rows: dict[str, list[dict]], cfg: Config, rt: Runtime, output_dir: str,
-                 callbacks: Sequence[Any] = ()):
+def make_trainer(
+    rm: RewardModel,
+    rows: dict[str, list[dict]],
+    cfg: Config,
+    rt: Runtime,
+    output_dir: str,
+    callbacks: Sequence[Any] = (),
+):
     """trl's RewardTrainer over the train rows (the first `max_samples`), validating on the val rows
     every `eval_interval` steps. The rows are pretokenized (trl's `chosen_ids`/`rejected_ids`),
     already cut to max_length: trl neither tokenizes nor filters them."""
@@ -249,25 +280,44 @@ def make_trainer(rm: RewardModel, rows: dict[str, list[dict]], cfg: Config, rt: 
     c = cfg.reward
     train_rows = rows["train"][: c.max_samples] if c.max_samples else rows["train"]
     args = RewardConfig(
-        output_dir=output_dir, report_to="none", save_strategy="no", seed=c.seed, data_seed=c.seed,
+        output_dir=output_dir,
+        report_to="none",
+        save_strategy="no",
+        seed=c.seed,
+        data_seed=c.seed,
         # reward.batch_size is the whole batch: under torchrun each process takes its share
         per_device_train_batch_size=c.batch_size // rt.world_size,
         per_device_eval_batch_size=c.batch_size // rt.world_size,
-        num_train_epochs=c.epochs, learning_rate=c.lr, weight_decay=c.weight_decay,
-        lr_scheduler_type="constant", max_length=None, center_rewards_coefficient=c.center_rewards_coefficient,
-        logging_steps=1, eval_strategy="steps", eval_steps=c.eval_interval,
+        num_train_epochs=c.epochs,
+        learning_rate=c.lr,
+        weight_decay=c.weight_decay,
+        lr_scheduler_type="constant",
+        max_length=None,
+        center_rewards_coefficient=c.center_rewards_coefficient,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=c.eval_interval,
         # pairs of similar lengths together: less padding (a quarter of the quickstart's tokens).
         # The sampler reads the `length` column, which trl's collator ignores: kept, since the
         # Trainer drops unused columns before it builds the sampler.
         train_sampling_strategy="group_by_length" if c.group_by_length else "random",
-        length_column_name="length", remove_unused_columns=False,
+        length_column_name="length",
+        remove_unused_columns=False,
         activation_checkpointing=c.gradient_checkpointing,  # trl's config would default it on
-        bf16=rt.precision == "bf16", fp16=rt.precision == "fp16", use_cpu=rt.device.type == "cpu",
-        dataloader_pin_memory=rt.device.type == "cuda", disable_tqdm=False,
+        bf16=rt.precision == "bf16",
+        fp16=rt.precision == "fp16",
+        use_cpu=rt.device.type == "cpu",
+        dataloader_pin_memory=rt.device.type == "cuda",
+        disable_tqdm=False,
     )
-    trainer = RewardTrainer(model=rm.model, args=args, processing_class=rm.tokenizer,
-                            train_dataset=Dataset.from_list(train_rows), eval_dataset=Dataset.from_list(rows["val"]),
-                            callbacks=list(callbacks))
+    trainer = RewardTrainer(
+        model=rm.model,
+        args=args,
+        processing_class=rm.tokenizer,
+        train_dataset=Dataset.from_list(train_rows),
+        eval_dataset=Dataset.from_list(rows["val"]),
+        callbacks=list(callbacks),
+    )
     trainer.remove_callback(ProgressCallback)  # it prints every log dict; Records shows a bar instead
     return trainer
 
@@ -282,8 +332,9 @@ def records_callback(run, total_steps: int):
     validation pair itself."""
     from gptforge.finetune.trl_records import records_callback as trl_records
 
-    return trl_records(run, total_steps, names=METRIC_NAMES, desc="reward", shown=("acc", "train_accuracy"),
-                       last_eval=False)
+    return trl_records(
+        run, total_steps, names=METRIC_NAMES, desc="reward", shown=("acc", "train_accuracy"), last_eval=False
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,9 +375,16 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
     pairs = encode_splits(records, template, rm.enc, max_length, stage="reward", param=PARAM)
     rows = {name: reward_rows(p, max_length) for name, p in pairs.items()}
     n_train, n_total = trainable_params(rm.model)
-    log.info("reward: a scalar head on %s (%s), %d of %d parameters train; template %s, max_length %d; %s",
-             c.init_from, c.method, n_train, n_total, template, max_length,
-             ", ".join(f"{len(p.rows)} {k}" for k, p in pairs.items()))
+    log.info(
+        "reward: a scalar head on %s (%s), %d of %d parameters train; template %s, max_length %d; %s",
+        c.init_from,
+        c.method,
+        n_train,
+        n_total,
+        template,
+        max_length,
+        ", ".join(f"{len(p.rows)} {k}" for k, p in pairs.items()),
+    )
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return Session(rm, pairs, rows, rt, max_length, template)
 
@@ -346,8 +404,13 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     s.rt.sync()
     s.train_seconds = time.perf_counter() - t0
     s.after = pair_metrics(*score_pairs(s.trainer.model, s.rows["val"], s.rm.pad_id, c.batch_size, s.rt))
-    log.info("reward: validation accuracy %.3f -> %.3f, margin %.4f -> %.4f", s.before["val_accuracy_before"],
-             s.after["val_accuracy"], s.before["val_margin_before"], s.after["val_margin"])
+    log.info(
+        "reward: validation accuracy %.3f -> %.3f, margin %.4f -> %.4f",
+        s.before["val_accuracy_before"],
+        s.after["val_accuracy"],
+        s.before["val_margin_before"],
+        s.after["val_margin"],
+    )
     return s
 
 
@@ -370,8 +433,14 @@ def save_reward_model(model: nn.Module, tokenizer, folder: str | os.PathLike) ->
     return Path(folder)
 
 
-def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/reward",
-           metrics_path: str | os.PathLike = "metrics/reward.json", plots_dir: str | os.PathLike = "plots") -> dict:
+def finish(
+    s: Session,
+    cfg: Config,
+    run=NullRun(),
+    out_dir: str | os.PathLike = "checkpoints/reward",
+    metrics_path: str | os.PathLike = "metrics/reward.json",
+    plots_dir: str | os.PathLike = "plots",
+) -> dict:
     """Merge LoRA, save the model, and write the curves and the metrics (process 0)."""
     import shutil
 
@@ -386,30 +455,51 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     steps = s.trainer.state.global_step
     history = s.callback.train
     names = ("val_loss", "val_accuracy", "val_margin")
-    val_history = ([{"step": 0, **{k: s.before[f"{k}_before"] for k in names}}] + s.callback.val
-                   + [{"step": steps, **{k: s.after[k] for k in names}}])
+    val_history = (
+        [{"step": 0, **{k: s.before[f"{k}_before"] for k in names}}]
+        + s.callback.val
+        + [{"step": steps, **{k: s.after[k] for k in names}}]
+    )
     write_csv(plots_dir / "reward.csv", history, ["step", "train_loss", "train_accuracy", "train_margin"])
     write_csv(plots_dir / "reward_val.csv", val_history, ["step", "val_loss", "val_accuracy", "val_margin"])
-    png = plot_curves({"train (batch)": [(r["step"], r["train_margin"]) for r in history if "train_margin" in r],
-                       "validation (all pairs)": [(r["step"], r["val_margin"]) for r in val_history]},
-                      "reward margin (r_chosen - r_rejected)", plots_dir / "reward_margins.png")
+    png = plot_curves(
+        {
+            "train (batch)": [(r["step"], r["train_margin"]) for r in history if "train_margin" in r],
+            "validation (all pairs)": [(r["step"], r["val_margin"]) for r in val_history],
+        },
+        "reward margin (r_chosen - r_rejected)",
+        plots_dir / "reward_margins.png",
+    )
 
     train_pairs = min(len(s.rows["train"]), c.max_samples or len(s.rows["train"]))
-    metrics = {**s.before, **s.after, "train_pairs": train_pairs, "val_pairs": len(s.rows["val"]),
-               "skipped_too_long": sum(p.skipped_too_long for p in s.pairs.values()),
-               "dropped_identical_after_truncation": sum(p.identical for p in s.pairs.values()),
-               "steps": steps, "train_seconds": s.train_seconds,
-               "pairs_per_sec": train_pairs * c.epochs / s.train_seconds if s.train_seconds > 0 else 0.0,
-               "trainable_params": n_train, "total_params": n_total}
+    metrics = {
+        **s.before,
+        **s.after,
+        "train_pairs": train_pairs,
+        "val_pairs": len(s.rows["val"]),
+        "skipped_too_long": sum(p.skipped_too_long for p in s.pairs.values()),
+        "dropped_identical_after_truncation": sum(p.identical for p in s.pairs.values()),
+        "steps": steps,
+        "train_seconds": s.train_seconds,
+        "pairs_per_sec": train_pairs * c.epochs / s.train_seconds if s.train_seconds > 0 else 0.0,
+        "trainable_params": n_train,
+        "total_params": n_total,
+    }
     publish_metrics(run, metrics, metrics_path)
     for path in (plots_dir / "reward.csv", plots_dir / "reward_val.csv", png):
         if path is not None:
             run.log_artifact(path)
     run.log_artifact(final, "model")  # a sequence-classification folder: not the causal-LM flavor's
     shutil.rmtree(s.workdir, ignore_errors=True)
-    log.info("reward done: %d steps over %d pairs in %.1f s; validation accuracy %.3f (before %.3f), margin %.4f",
-             steps, train_pairs, s.train_seconds, metrics["val_accuracy"], metrics["val_accuracy_before"],
-             metrics["val_margin"])
+    log.info(
+        "reward done: %d steps over %d pairs in %.1f s; validation accuracy %.3f (before %.3f), margin %.4f",
+        steps,
+        train_pairs,
+        s.train_seconds,
+        metrics["val_accuracy"],
+        metrics["val_accuracy_before"],
+        metrics["val_margin"],
+    )
     return metrics
 
 

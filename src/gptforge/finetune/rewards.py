@@ -97,22 +97,29 @@ def check_reward_model(folder: str, param: str = "rl.reward_model") -> Path:
 
     path = Path(folder).expanduser()
     if not path.is_dir():
-        raise BadInput(f"{param}: {folder} not found; run `gptforge finetune reward` first, or name a Hugging Face "
-                       "sequence-classification folder with its tokenizer")
+        raise BadInput(
+            f"{param}: {folder} not found; run `gptforge finetune reward` first, or name a Hugging Face "
+            "sequence-classification folder with its tokenizer"
+        )
     config = hf_config_dict(path / "config.json")
     if config is None:
-        raise BadInput(f"{param}: {folder} is not a Hugging Face model folder (no readable config.json with a "
-                       "model_type)")
+        raise BadInput(
+            f"{param}: {folder} is not a Hugging Face model folder (no readable config.json with a model_type)"
+        )
     archs = config.get("architectures") or []
     if archs and not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        raise BadInput(f"{param}: {folder} is a {archs[0]}, not a sequence classifier (a model with a scalar reward "
-                       "head: the train_reward stage writes one)")
+        raise BadInput(
+            f"{param}: {folder} is a {archs[0]}, not a sequence classifier (a model with a scalar reward "
+            "head: the train_reward stage writes one)"
+        )
     labels = config.get("id2label")
     if isinstance(labels, dict) and len(labels) != 1:
         raise BadInput(f"{param}: {folder} has {len(labels)} labels; a reward model has one score (num_labels 1)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise BadInput(f"{param}: {folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}); the reward model scores "
-                       "text in its own tokenizer: save it with the model (the train_reward stage does)")
+        raise BadInput(
+            f"{param}: {folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}); the reward model scores "
+            "text in its own tokenizer: save it with the model (the train_reward stage does)"
+        )
     return path
 
 
@@ -149,9 +156,16 @@ class RewardModel:
     def __call__(self, answers: Sequence[Answer]) -> list[float]:
         scores: list[float] = []
         for start in range(0, len(answers), self.batch_size):
-            texts = [self.text(a) for a in answers[start:start + self.batch_size]]
-            batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
-                                   add_special_tokens=False, truncation=True, max_length=self.max_length)
+            texts = [self.text(a) for a in answers[start : start + self.batch_size]]
+            batch = self.tokenizer(
+                texts,
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+                truncation=True,
+                max_length=self.max_length,
+            )
             with self.torch.inference_mode():
                 logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
             scores += [float(x) for x in logits[:, 0].float().cpu()]
@@ -168,16 +182,19 @@ def check(rl, judge) -> None:
     if "reward_model" in rl.rewards:
         check_reward_model(rl.reward_model)
     if "judge" in rl.rewards and not (judge.url and judge.model):
-        raise BadInput("rl.rewards: judge needs an endpoint: set instruct.judge.url and instruct.judge.model (an "
-                       "OpenAI-compatible server), or drop judge from rl.rewards")
+        raise BadInput(
+            "rl.rewards: judge needs an endpoint: set instruct.judge.url and instruct.judge.model (an "
+            "OpenAI-compatible server), or drop judge from rl.rewards"
+        )
 
 
 class Rewards:
     """The named rewards of `rl.rewards` with their weights: `components` scores answers by
     each, `weighted` sums them, `trl_functions` hands them to trl's trainers."""
 
-    def __init__(self, weights: Mapping[str, float], *, length_target: int, reward_model: RewardModel | None = None,
-                 judge=None) -> None:
+    def __init__(
+        self, weights: Mapping[str, float], *, length_target: int, reward_model: RewardModel | None = None, judge=None
+    ) -> None:
         self.weights = dict(weights)
         self.names = list(self.weights)
         self.length_target = length_target
@@ -196,8 +213,15 @@ class Rewards:
         if name == "judge":
             from gptforge.finetune.answer_quality import judge_scores
 
-            rows = [{"instruction": a.record.get("instruction", ""), "input": a.record.get("input", ""),
-                     "reference": a.record.get("output", ""), "response": a.text} for a in answers]
+            rows = [
+                {
+                    "instruction": a.record.get("instruction", ""),
+                    "input": a.record.get("input", ""),
+                    "reference": a.record.get("output", ""),
+                    "response": a.text,
+                }
+                for a in answers
+            ]
             result = judge_scores(rows, url=self.judge.url, model=self.judge.model)
             return [None if s is None else s / 100 for s in result.scores]
         raise ValueError(f"unknown reward {name!r}")
@@ -214,6 +238,7 @@ class Rewards:
         `make_answers(prompts, completions, completion_ids, **columns)` makes the Answers."""
         functions = []
         for name in self.names:
+
             def reward(prompts, completions, completion_ids, _name=name, **columns: Any) -> list[float | None]:
                 return self.score(_name, make_answers(prompts, completions, completion_ids, **columns))
 
@@ -222,8 +247,7 @@ class Rewards:
         return functions
 
 
-def weighted_sum(components: Mapping[str, Sequence[float | None]], weights: Mapping[str, float]
-                 ) -> list[float | None]:
+def weighted_sum(components: Mapping[str, Sequence[float | None]], weights: Mapping[str, float]) -> list[float | None]:
     """Per answer, sum of weight x reward over the rewards that scored it (trl's nansum); None
     when none did."""
     n = len(next(iter(components.values()))) if components else 0
@@ -253,4 +277,3 @@ def summary(rewards: Rewards, answers: Sequence[Answer], suffix: str = "") -> di
         if m is not None:
             out[f"heldout_{name}{suffix}"] = m
     return out
-

@@ -62,11 +62,11 @@ from gptforge.finetune import trl_policy
 from gptforge.finetune.common import check_max_length, check_whole_batch, runtime, save_png, trainable_params
 from gptforge.finetune.instruct import read_split
 from gptforge.finetune.preference_models import model_family
-from gptforge.finetune.rl_models import (PARAM, Models, answer, decode, greedy, load_models, load_other,
-                                         make_answers)
+from gptforge.finetune.rl_models import PARAM, Models, answer, decode, greedy, load_models, load_other, make_answers
 from gptforge.finetune.rl_prompts import FIELDS, Prompts, encode_prompts
 from gptforge.finetune.templates import chat_template_tokenizer
-from gptforge.finetune.trl_records import records_callback as trl_records, write_csv
+from gptforge.finetune.trl_records import records_callback as trl_records
+from gptforge.finetune.trl_records import write_csv
 from gptforge.io import atomic_file
 from gptforge.modeling.hf_causal import hf_source
 from gptforge.runtime.steps import DIRECT, Steps
@@ -75,12 +75,26 @@ from gptforge.training.runtime import Runtime
 
 log = logging.getLogger("gptforge")
 
-CURVES = ("train_reward", "train_reward_std", "train_kl", "train_answer_length", "train_clip_ratio",
-          "train_truncated_ratio")
+CURVES = (
+    "train_reward",
+    "train_reward_std",
+    "train_kl",
+    "train_answer_length",
+    "train_clip_ratio",
+    "train_truncated_ratio",
+)
 # trl's log names -> ours, logged as train_<ours> (the rewards' own: rewards/NAME/mean -> train_NAME)
-METRIC_NAMES = {"reward": "reward", "reward_std": "reward_std", "kl": "kl", "completions/mean_length": "answer_length",
-                "clip_ratio/region_mean": "clip_ratio", "completions/clipped_ratio": "truncated_ratio",
-                "loss": "loss", "entropy": "entropy", "frac_reward_zero_std": "frac_reward_zero_std"}
+METRIC_NAMES = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "kl": "kl",
+    "completions/mean_length": "answer_length",
+    "clip_ratio/region_mean": "clip_ratio",
+    "completions/clipped_ratio": "truncated_ratio",
+    "loss": "loss",
+    "entropy": "entropy",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,26 +128,49 @@ def make_trainer(s: Session, cfg: Config, callbacks: Sequence[Any] = ()):
     else:
         from trl import RLOOConfig as ArgsClass
     args = ArgsClass(
-        output_dir=s.workdir, report_to="none", save_strategy="no", seed=c.seed, data_seed=c.seed,
+        output_dir=s.workdir,
+        report_to="none",
+        save_strategy="no",
+        seed=c.seed,
+        data_seed=c.seed,
         # rl.batch_size answers (batch_size / num_generations prompts) per step, shared by the processes
-        per_device_train_batch_size=c.batch_size // rt.world_size, num_train_epochs=c.epochs, learning_rate=c.lr,
-        weight_decay=c.weight_decay, lr_scheduler_type="constant", logging_steps=1,
-        num_generations=c.num_generations, max_completion_length=c.max_completion_length,
-        temperature=c.temperature, beta=c.beta, reward_weights=[c.rewards[n] for n in s.rewards.names],
-        disable_dropout=True, activation_checkpointing=c.gradient_checkpointing, remove_unused_columns=False,
-        bf16=rt.precision == "bf16", fp16=rt.precision == "fp16", use_cpu=rt.device.type == "cpu",
-        dataloader_pin_memory=rt.device.type == "cuda", disable_tqdm=True)
+        per_device_train_batch_size=c.batch_size // rt.world_size,
+        num_train_epochs=c.epochs,
+        learning_rate=c.lr,
+        weight_decay=c.weight_decay,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        num_generations=c.num_generations,
+        max_completion_length=c.max_completion_length,
+        temperature=c.temperature,
+        beta=c.beta,
+        reward_weights=[c.rewards[n] for n in s.rewards.names],
+        disable_dropout=True,
+        activation_checkpointing=c.gradient_checkpointing,
+        remove_unused_columns=False,
+        bf16=rt.precision == "bf16",
+        fp16=rt.precision == "fp16",
+        use_cpu=rt.device.type == "cpu",
+        dataloader_pin_memory=rt.device.type == "cuda",
+        disable_tqdm=True,
+    )
     prompts = s.prompts["train"]
     by_text = dict(zip(prompts.texts, prompts.ids))
 
     def answers_of(prompts_, completions, completion_ids, instruction, input, output, **_):
-        return [answer({"instruction": i, "input": n, "output": o}, p, ids, models)
-                for p, ids, i, n, o in zip(prompts_, completion_ids, instruction, input, output)]
+        return [
+            answer({"instruction": i, "input": n, "output": o}, p, ids, models)
+            for p, ids, i, n, o in zip(prompts_, completion_ids, instruction, input, output)
+        ]
 
     trainer = trainer_class(c.algorithm, by_text)(
-        model=models.policy, reward_funcs=s.rewards.trl_functions(answers_of), args=args,
-        train_dataset=Dataset.from_list(prompts.rows(c.max_prompts)), processing_class=models.tokenizer,
-        callbacks=list(callbacks))
+        model=models.policy,
+        reward_funcs=s.rewards.trl_functions(answers_of),
+        args=args,
+        train_dataset=Dataset.from_list(prompts.rows(c.max_prompts)),
+        processing_class=models.tokenizer,
+        callbacks=list(callbacks),
+    )
     for cb in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cb)  # they print every log dict; Records shows a bar instead
     if trainer.ref_model is not None:  # trl only runs it under no_grad: frozen it is, and says so
@@ -178,14 +215,26 @@ def display_answers(model: nn.Module, s: Session, cfg: Config, scored: Sequence[
     max_new_tokens (the scored answers cut, when they are long enough: greedy is a prefix)."""
     c, test = cfg.rl, s.prompts["test"]
     if scored is not None and c.max_new_tokens <= c.max_completion_length:
-        return [a[:c.max_new_tokens] for a in scored[:s.n_responses]]
-    return greedy(model, test.ids[:s.n_responses], limit=c.max_new_tokens, stops=s.models.stops,
-                  pad_id=s.models.tokenizer.pad_token_id, rt=s.rt)
+        return [a[: c.max_new_tokens] for a in scored[: s.n_responses]]
+    return greedy(
+        model,
+        test.ids[: s.n_responses],
+        limit=c.max_new_tokens,
+        stops=s.models.stops,
+        pad_id=s.models.tokenizer.pad_token_id,
+        rt=s.rt,
+    )
 
 
 def heldout(model: nn.Module, s: Session, cfg: Config) -> list[list[int]]:
-    return greedy(model, s.prompts["test"].ids, limit=cfg.rl.max_completion_length, stops=s.models.stops,
-                  pad_id=s.models.tokenizer.pad_token_id, rt=s.rt)
+    return greedy(
+        model,
+        s.prompts["test"].ids,
+        limit=cfg.rl.max_completion_length,
+        stops=s.models.stops,
+        pad_id=s.models.tokenizer.pad_token_id,
+        rt=s.rt,
+    )
 
 
 def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
@@ -214,21 +263,29 @@ def _setup(cfg: Config, rt: Runtime, records: dict, template: str, workdir: str,
     models = load_models(cfg, rt, workdir)
     max_length = check_max_length(c.max_length, models.policy, f"{PARAM}.max_length")
     if c.max_completion_length >= max_length:
-        raise BadInput(f"{PARAM}.max_completion_length ({c.max_completion_length}) leaves no room for a prompt in "
-                       f"{PARAM}.max_length ({max_length})")
-    prompts = {k: encode_prompts(v, template, models.enc, max_length - c.max_completion_length)
-               for k, v in records.items()}
+        raise BadInput(
+            f"{PARAM}.max_completion_length ({c.max_completion_length}) leaves no room for a prompt in "
+            f"{PARAM}.max_length ({max_length})"
+        )
+    prompts = {
+        k: encode_prompts(v, template, models.enc, max_length - c.max_completion_length) for k, v in records.items()
+    }
     for name, p in prompts.items():
         if not p.ids:
-            raise BadInput(f"instruct data: none of the {len(p.records)} {name} prompts leaves "
-                           f"{PARAM}.max_completion_length={c.max_completion_length} tokens in {PARAM}.max_length="
-                           f"{max_length}")
+            raise BadInput(
+                f"instruct data: none of the {len(p.records)} {name} prompts leaves "
+                f"{PARAM}.max_completion_length={c.max_completion_length} tokens in {PARAM}.max_length="
+                f"{max_length}"
+            )
         if p.skipped_too_long:
-            log.warning("rl: skipped %d %s prompt(s) longer than max_length - max_completion_length = %d tokens",
-                        p.skipped_too_long, name, max_length - c.max_completion_length)
+            log.warning(
+                "rl: skipped %d %s prompt(s) longer than max_length - max_completion_length = %d tokens",
+                p.skipped_too_long,
+                name,
+                max_length - c.max_completion_length,
+            )
     reward_model = R.RewardModel(c.reward_model, rt.device) if "reward_model" in c.rewards else None
-    rewards = R.Rewards(c.rewards, length_target=c.length_target, reward_model=reward_model,
-                        judge=cfg.instruct.judge)
+    rewards = R.Rewards(c.rewards, length_target=c.length_target, reward_model=reward_model, judge=cfg.instruct.judge)
     s = Session(models, prompts, rewards, rt, template, workdir)
     if rt.master:  # under torchrun process 0 answers (before and after) and writes
         n = len(prompts["test"].ids)
@@ -239,10 +296,20 @@ def _setup(cfg: Config, rt: Runtime, records: dict, template: str, workdir: str,
     if models.gpt is not None:
         models.gpt.to("cpu")  # only its config is needed from here on
     n_train, n_total = trainable_params(models.policy)
-    log.info("rl: %s (%s, beta %g, %d answers per prompt, rewards %s), %d of %d parameters train; template %s; "
-             "%d train prompts, %d held out", c.algorithm.upper(), c.method, c.beta, c.num_generations,
-             ", ".join(f"{k} x {w:g}" for k, w in c.rewards.items()), n_train, n_total, template,
-             min(len(prompts["train"].ids), c.max_prompts or len(prompts["train"].ids)), len(prompts["test"].ids))
+    log.info(
+        "rl: %s (%s, beta %g, %d answers per prompt, rewards %s), %d of %d parameters train; template %s; "
+        "%d train prompts, %d held out",
+        c.algorithm.upper(),
+        c.method,
+        c.beta,
+        c.num_generations,
+        ", ".join(f"{k} x {w:g}" for k, w in c.rewards.items()),
+        n_train,
+        n_total,
+        template,
+        min(len(prompts["train"].ids), c.max_prompts or len(prompts["train"].ids)),
+        len(prompts["test"].ids),
+    )
     run.log_metrics({"trainable_params": n_train, "total_params": n_total})
     return s
 
@@ -255,8 +322,9 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     torch.manual_seed(c.seed)
     if s.trainer is None:  # (a test may have made it, to look at it first)
         n_prompts = min(len(s.prompts["train"].ids), c.max_prompts or len(s.prompts["train"].ids))
-        s.callback = records_callback(run, s.rewards.names,
-                                      math.ceil(n_prompts * c.num_generations / c.batch_size) * c.epochs)
+        s.callback = records_callback(
+            run, s.rewards.names, math.ceil(n_prompts * c.num_generations / c.batch_size) * c.epochs
+        )
         s.trainer = make_trainer(s, cfg, callbacks=[s.callback])
     s.rt.sync()
     t0 = time.perf_counter()
@@ -274,18 +342,26 @@ def answer_scores(rows: list[dict]) -> dict:
 
     out = {}
     for key in ("sft", "dpo", "rl"):
-        scored = [{"response": r[f"{key}_response"], "reference": r["output"]} for r in rows
-                  if r.get(f"{key}_response") is not None]
+        scored = [
+            {"response": r[f"{key}_response"], "reference": r["output"]}
+            for r in rows
+            if r.get(f"{key}_response") is not None
+        ]
         if scored:
             scores = reference_scores(scored)
             out.update({f"token_f1_{key}": scores["token_f1"], f"distinct_share_{key}": scores["distinct_share"]})
     return out
 
 
-def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = "checkpoints/rl",
-           metrics_path: str | os.PathLike = "metrics/rl.json",
-           responses_path: str | os.PathLike = "reports/rl_responses.jsonl",
-           plots_dir: str | os.PathLike = "plots") -> dict:
+def finish(
+    s: Session,
+    cfg: Config,
+    run=NullRun(),
+    out_dir: str | os.PathLike = "checkpoints/rl",
+    metrics_path: str | os.PathLike = "metrics/rl.json",
+    responses_path: str | os.PathLike = "reports/rl_responses.jsonl",
+    plots_dir: str | os.PathLike = "plots",
+) -> dict:
     """Save the adapter, merge it, score the held-out answers, answer beside the SFT and DPO
     models, and write the model, the records and the metrics."""
     c, out_dir, plots_dir = cfg.rl, Path(out_dir), Path(plots_dir)
@@ -329,12 +405,18 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
     png = plot_rl(history, plots_dir / "rl.png")
 
     steps = s.trainer.state.global_step
-    metrics = {**after, **s.before, **answer_scores(rows),
-               "train_prompts": min(len(s.prompts["train"].ids), c.max_prompts or len(s.prompts["train"].ids)),
-               "heldout_prompts": len(s.prompts["test"].ids),
-               "skipped_too_long": sum(p.skipped_too_long for p in s.prompts.values()),
-               "steps": steps, "train_seconds": s.train_seconds,
-               "trainable_params": n_train, "total_params": n_total}
+    metrics = {
+        **after,
+        **s.before,
+        **answer_scores(rows),
+        "train_prompts": min(len(s.prompts["train"].ids), c.max_prompts or len(s.prompts["train"].ids)),
+        "heldout_prompts": len(s.prompts["test"].ids),
+        "skipped_too_long": sum(p.skipped_too_long for p in s.prompts.values()),
+        "steps": steps,
+        "train_seconds": s.train_seconds,
+        "trainable_params": n_train,
+        "total_params": n_total,
+    }
     publish_metrics(run, metrics, metrics_path)
     run.log_artifact(responses_path)
     for path in (plots_dir / "rl.csv", png):
@@ -342,9 +424,14 @@ def finish(s: Session, cfg: Config, run=NullRun(), out_dir: str | os.PathLike = 
             run.log_artifact(path)
     trl_policy.log(run, trained, final)
     shutil.rmtree(s.workdir, ignore_errors=True)
-    log.info("rl done: %d steps over %d prompts in %.1f s; held-out reward %.4f -> %.4f", steps,
-             metrics["train_prompts"], s.train_seconds, metrics.get("heldout_reward_before", float("nan")),
-             metrics.get("heldout_reward", float("nan")))
+    log.info(
+        "rl done: %d steps over %d prompts in %.1f s; held-out reward %.4f -> %.4f",
+        steps,
+        metrics["train_prompts"],
+        s.train_seconds,
+        metrics.get("heldout_reward_before", float("nan")),
+        metrics.get("heldout_reward", float("nan")),
+    )
     return metrics
 
 
@@ -360,8 +447,11 @@ def plot_rl(history: Sequence[dict], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     steps = [r["step"] for r in history]
-    for ax, key, label in zip(axes, ("train_reward", "train_kl", "train_answer_length"),
-                              ("mean reward (weighted sum)", "KL to the reference", "answer length (tokens)")):
+    for ax, key, label in zip(
+        axes,
+        ("train_reward", "train_kl", "train_answer_length"),
+        ("mean reward (weighted sum)", "KL to the reference", "answer length (tokens)"),
+    ):
         ys = [r.get(key, float("nan")) for r in history]
         ax.plot(steps, ys, "o-" if len(steps) < 30 else "-", markersize=3, linewidth=0.9)
         if key == "train_reward":

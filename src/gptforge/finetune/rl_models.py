@@ -96,8 +96,7 @@ def load_other(folder: Path, cfg: Config, models: Models, rt: Runtime) -> nn.Mod
     try:
         family = model_family(str(folder), param=str(folder))
         if family != model_family(cfg.rl.init_from, param=f"{PARAM}.init_from"):
-            log.warning("rl: %s is a %s model, not of the policy's family: its answers are left out", folder,
-                        family[0])
+            log.warning("rl: %s is a %s model, not of the policy's family: its answers are left out", folder, family[0])
             return None
         if models.gpt is not None:
             from gptforge.modeling.hf_convert import to_hf
@@ -114,8 +113,16 @@ def load_other(folder: Path, cfg: Config, models: Models, rt: Runtime) -> nn.Mod
 
 
 @torch.no_grad()
-def greedy(model: nn.Module, prompt_ids: Sequence[list[int]], *, limit: int, stops: Sequence[int], pad_id: int,
-           rt: Runtime, batch_size: int = 64) -> list[list[int]]:
+def greedy(
+    model: nn.Module,
+    prompt_ids: Sequence[list[int]],
+    *,
+    limit: int,
+    stops: Sequence[int],
+    pad_id: int,
+    rt: Runtime,
+    batch_size: int = 64,
+) -> list[list[int]]:
     """Greedy answers' ids (cut after their first stop id, which they keep) to the prompts, in
     batches of left-padded prompts (transformers' GPT-2 takes its positions from the attention
     mask, so padding changes nothing), each up to `limit` new tokens and the model's positions."""
@@ -125,24 +132,32 @@ def greedy(model: nn.Module, prompt_ids: Sequence[list[int]], *, limit: int, sto
     answers: list[list[int]] = []
     try:
         for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start:start + batch_size]
+            chunk = prompt_ids[start : start + batch_size]
             width = max(len(p) for p in chunk)
             room = min(limit, positions - width)
             ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, p in enumerate(chunk):
-                ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[row, width - len(p):] = 1
+                ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[row, width - len(p) :] = 1
             if room <= 0:
                 answers += [[] for _ in chunk]
                 continue
             with rt.autocast():
-                out = model.generate(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device),
-                                     max_new_tokens=room, do_sample=False, num_beams=1, repetition_penalty=1.0,
-                                     no_repeat_ngram_size=0, eos_token_id=list(stops), pad_token_id=pad_id)
+                out = model.generate(
+                    input_ids=ids.to(rt.device),
+                    attention_mask=mask.to(rt.device),
+                    max_new_tokens=room,
+                    do_sample=False,
+                    num_beams=1,
+                    repetition_penalty=1.0,
+                    no_repeat_ngram_size=0,
+                    eos_token_id=list(stops),
+                    pad_token_id=pad_id,
+                )
             for row in out[:, width:].tolist():
                 end = next((i for i, t in enumerate(row) if t in stops), None)
-                answers.append(row if end is None else row[:end + 1])
+                answers.append(row if end is None else row[: end + 1])
     finally:
         model.train(was_training)
     return answers
@@ -150,8 +165,7 @@ def greedy(model: nn.Module, prompt_ids: Sequence[list[int]], *, limit: int, sto
 
 def make_answers(prompts: Prompts, ids: Sequence[list[int]], models: Models) -> list[R.Answer]:
     """Answers of the held-out prompts (in order) from their generated ids."""
-    return [answer(prompts.records[i], text, a, models)
-            for i, text, a in zip(prompts.kept, prompts.texts, ids)]
+    return [answer(prompts.records[i], text, a, models) for i, text, a in zip(prompts.kept, prompts.texts, ids)]
 
 
 def decode(ids: Sequence[int], models: Models) -> str:

@@ -29,16 +29,19 @@ class Prompts:
     def rows(self, n: int | None = None) -> list[dict]:
         """trl's dataset rows: the prompt's text (a key to its ids) and the record's fields,
         which trl hands to the reward functions."""
-        return [{"prompt": text, **{k: self.records[i][k] for k in FIELDS}}
-                for text, i in list(zip(self.texts, self.kept))[:n]]
+        return [
+            {"prompt": text, **{k: self.records[i][k] for k in FIELDS}}
+            for text, i in list(zip(self.texts, self.kept))[:n]
+        ]
 
 
 def prompt_text(record: Mapping[str, str], template: str, enc) -> str:
     """The prompt as text: the template's (alpaca, phi3), or the chat template's rendering."""
     if template == "chat":
         conversation = [{"role": "user", "content": user_content(record)}]
-        return chat_template_tokenizer(enc).apply_chat_template(conversation, add_generation_prompt=True,
-                                                               tokenize=False)
+        return chat_template_tokenizer(enc).apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
     return render({**record, "output": ""}, template)[0]
 
 

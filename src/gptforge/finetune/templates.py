@@ -67,8 +67,11 @@ def render(example: Mapping[str, str], template: str) -> tuple[str, str]:
     token is added by `encode` as an id."""
     instruction, inp, output = example["instruction"], example.get("input") or "", example["output"]
     if template == "alpaca":
-        prompt = (ALPACA_WITH_INPUT.format(instruction=instruction, input=inp) if inp
-                  else ALPACA_NO_INPUT.format(instruction=instruction))
+        prompt = (
+            ALPACA_WITH_INPUT.format(instruction=instruction, input=inp)
+            if inp
+            else ALPACA_NO_INPUT.format(instruction=instruction)
+        )
     elif template == "phi3":
         prompt = PHI3.format(content=user_content(example))
     else:
@@ -88,11 +91,15 @@ def chat_template_tokenizer(enc):
     (a gptforge model's tiktoken tokenizer, or a Hugging Face tokenizer without one)."""
     tokenizer = getattr(enc, "tokenizer", None)
     if tokenizer is None:
-        raise BadInput("instruct.template: chat uses the model's own chat template; gptforge's GPT models have "
-                       "none (their tokenizer is tiktoken's): use alpaca or phi3")
+        raise BadInput(
+            "instruct.template: chat uses the model's own chat template; gptforge's GPT models have "
+            "none (their tokenizer is tiktoken's): use alpaca or phi3"
+        )
     if not getattr(tokenizer, "chat_template", None):
-        raise BadInput(f"instruct.template: chat: the tokenizer of {tokenizer.name_or_path} has no chat template "
-                       "(a base model's often has none): use alpaca or phi3, or start from an instruct model")
+        raise BadInput(
+            f"instruct.template: chat: the tokenizer of {tokenizer.name_or_path} has no chat template "
+            "(a base model's often has none): use alpaca or phi3, or start from an instruct model"
+        )
     return tokenizer
 
 
@@ -103,10 +110,12 @@ def encode_chat(example: Mapping[str, str], enc) -> Example:
     conversation = user + [{"role": "assistant", "content": example["output"]}]
     prompt = _ids(tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True))
     full = _ids(tokenizer.apply_chat_template(conversation, tokenize=True))
-    if full[:len(prompt)] != prompt:
-        raise BadInput(f"instruct.template: chat: the chat template of {tokenizer.name_or_path} does not render a "
-                       "conversation as its generation prompt followed by the answer; use alpaca or phi3")
-    return prompt, full[len(prompt):]
+    if full[: len(prompt)] != prompt:
+        raise BadInput(
+            f"instruct.template: chat: the chat template of {tokenizer.name_or_path} does not render a "
+            "conversation as its generation prompt followed by the answer; use alpaca or phi3"
+        )
+    return prompt, full[len(prompt) :]
 
 
 def _ids(rendered) -> list[int]:
@@ -123,12 +132,12 @@ def encode(example: Mapping[str, str], template: str, enc) -> Example:
         return encode_chat(example, enc)
     prompt, response = render(example, template)
     # disallowed_special=(): special-token strings inside the data are text, not control ids.
-    return (enc.encode(prompt, disallowed_special=()),
-            enc.encode(response, disallowed_special=()) + [enc.eot_token])
+    return (enc.encode(prompt, disallowed_special=()), enc.encode(response, disallowed_special=()) + [enc.eot_token])
 
 
-def encode_all(records: Sequence[Mapping[str, str]], template: str, enc,
-               max_length: int) -> tuple[list[Example], list[int]]:
+def encode_all(
+    records: Sequence[Mapping[str, str]], template: str, enc, max_length: int
+) -> tuple[list[Example], list[int]]:
     """Encode every record; drop those whose prompt alone fills `max_length` tokens.
 
     Returns (examples, kept) where `kept` holds the record index of each example, so callers
@@ -145,8 +154,9 @@ def encode_all(records: Sequence[Mapping[str, str]], template: str, enc,
     return examples, kept
 
 
-def collate(batch: Sequence[Example], *, pad_id: int, max_length: int, mask_prompt: bool,
-            ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(
+    batch: Sequence[Example], *, pad_id: int, max_length: int, mask_prompt: bool, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad a batch into (inputs, targets), both (B, L) int64.
 
     For each row, seq = prompt + response (which ends in eot); inputs = seq[:-1] and
@@ -169,8 +179,8 @@ def collate(batch: Sequence[Example], *, pad_id: int, max_length: int, mask_prom
     for row, (prompt, response) in enumerate(batch):
         seq = list(prompt) + list(response)
         x, y = seq[:-1][:width], seq[1:][:width]
-        inputs[row, :len(x)] = torch.tensor(x, dtype=torch.long)
-        targets[row, :len(y)] = torch.tensor(y, dtype=torch.long)
+        inputs[row, : len(x)] = torch.tensor(x, dtype=torch.long)
+        targets[row, : len(y)] = torch.tensor(y, dtype=torch.long)
         if mask_prompt:
-            targets[row, :max(0, len(prompt) - 1)] = ignore_index
+            targets[row, : max(0, len(prompt) - 1)] = ignore_index
     return inputs, targets

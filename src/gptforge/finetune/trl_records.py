@@ -11,14 +11,26 @@ from typing import Sequence
 
 from gptforge.io import atomic_file
 
+METRIC_NAMES = {
+    "loss": "loss",
+    "rewards/chosen": "rewards_chosen",
+    "rewards/rejected": "rewards_rejected",
+    "rewards/accuracies": "reward_accuracy",
+    "rewards/margins": "reward_margin",
+    "logps/chosen": "logps_chosen",
+    "logps/rejected": "logps_rejected",
+}
 
-METRIC_NAMES = {"loss": "loss", "rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
-                "rewards/accuracies": "reward_accuracy", "rewards/margins": "reward_margin",
-                "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
 
-
-def records_callback(run, total_steps: int, *, names: dict[str, str] = METRIC_NAMES, desc: str = "preference",
-                     shown: tuple[str, str] = ("margin", "train_reward_margin"), last_eval: bool = True):
+def records_callback(
+    run,
+    total_steps: int,
+    *,
+    names: dict[str, str] = METRIC_NAMES,
+    desc: str = "preference",
+    shown: tuple[str, str] = ("margin", "train_reward_margin"),
+    last_eval: bool = True,
+):
     """A transformers TrainerCallback that sends trl's logs to the MLflow run under our names
     (`names`: trl's -> ours, as train_<ours>, and val_<ours> at evaluations), keeps them for the
     plots, and shows a progress bar (`desc`) with the loss and one more figure (`shown`: its
@@ -54,13 +66,13 @@ def records_callback(run, total_steps: int, *, names: dict[str, str] = METRIC_NA
             if prefix is None:  # the end-of-training summary (train_runtime, ...)
                 return
             key = (lambda k: f"eval_{k}") if prefix == "val_" else (lambda k: k)
-            row = {f"{prefix}{ours}": float(logs[key(theirs)]) for theirs, ours in names.items()
-                   if key(theirs) in logs}
+            row = {f"{prefix}{ours}": float(logs[key(theirs)]) for theirs, ours in names.items() if key(theirs) in logs}
             run.log_metrics(row, step=state.global_step)
             (self.val if prefix == "val_" else self.train).append({"step": state.global_step, **row})
             if self.bar is not None and prefix == "train_":
-                self.bar.set_postfix({"loss": f"{row.get('train_loss', 0):.4f}",
-                                      shown[0]: f"{row.get(shown[1], 0):.4f}"}, refresh=False)
+                self.bar.set_postfix(
+                    {"loss": f"{row.get('train_loss', 0):.4f}", shown[0]: f"{row.get(shown[1], 0):.4f}"}, refresh=False
+                )
 
     return Records()
 

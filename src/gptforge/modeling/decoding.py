@@ -23,8 +23,15 @@ from gptforge.modeling.greedy_head import GreedyHead, _argmax, to_bf16  # noqa: 
 # Decoding settings a Hugging Face model's generation_config.json may hold (Qwen2.5-Instruct: top_p
 # 0.8, repetition_penalty 1.05) and `generate_hf` sets to transformers' neutral values: there, as
 # for our GPT, temperature and top-k are the whole recipe.
-_HF_NEUTRAL = dict(num_beams=1, top_p=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
-                   no_repeat_ngram_size=0)
+_HF_NEUTRAL = dict(
+    num_beams=1,
+    top_p=1.0,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+)
 
 
 class Decoder:
@@ -45,10 +52,25 @@ class Decoder:
         self.cache = cache
         self.n_embd, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.math = cfg.attention == "math"  # triton models decode with sdpa (see generate)
-        self.layers = [(b.ln_1.weight, b.ln_1.bias, b.ln_1.eps, b.attn.c_attn.weight, b.attn.c_attn.bias,
-                        b.attn.c_proj.weight, b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.ln_2.eps,
-                        b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight, b.mlp.c_proj.bias)
-                       for b in tr.h]
+        self.layers = [
+            (
+                b.ln_1.weight,
+                b.ln_1.bias,
+                b.ln_1.eps,
+                b.attn.c_attn.weight,
+                b.attn.c_attn.bias,
+                b.attn.c_proj.weight,
+                b.attn.c_proj.bias,
+                b.ln_2.weight,
+                b.ln_2.bias,
+                b.ln_2.eps,
+                b.mlp.c_fc.weight,
+                b.mlp.c_fc.bias,
+                b.mlp.c_proj.weight,
+                b.mlp.c_proj.bias,
+            )
+            for b in tr.h
+        ]
         self.wte, self.wpe = tr.wte.weight, tr.wpe.weight
         self.ln_f = (tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
 
@@ -74,12 +96,12 @@ class Decoder:
         B, C, nh, hd = tok.size(0), self.n_embd, self.n_head, self.head_dim
         shape = (C,)
         lin, ln = F.linear, F.layer_norm
-        x = (self.wte[tok] + self.wpe[pos:pos + 1]).view(B, 1, C)
+        x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
         for i, (l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb) in enumerate(self.layers):
             qkv = lin(ln(x, shape, l1w, l1b, eps1), aw, ab).view(B, 3, nh, 1, hd)
             kv = cache.kv[i]
-            kv[:, :, :, pos:pos + 1] = qkv[:, 1:]
-            k, v = kv[:, 0, :, :pos + 1], kv[:, 1, :, :pos + 1]  # (B, nh, pos + 1, hd)
+            kv[:, :, :, pos : pos + 1] = qkv[:, 1:]
+            k, v = kv[:, 0, :, : pos + 1], kv[:, 1, :, : pos + 1]  # (B, nh, pos + 1, hd)
             q = qkv[:, 0]  # (B, nh, 1, hd)
             if self.math:
                 y = F.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd)), dim=-1) @ v
@@ -92,9 +114,17 @@ class Decoder:
 
 
 @torch.inference_mode()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, eot_id: int | None = None, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eot_id: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
     """Continue `idx` (B, T) by up to `max_new_tokens` tokens; returns (B, T + n_new).
 
     temperature 0 is greedy (argmax); otherwise logits / temperature are sampled, from the
@@ -138,14 +168,19 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
         head = model.transformer.wte.weight[: cfg.n_vocab]
         # Not under autocast: there the full head's logits are bfloat16, not float32. A new
         # int8 copy costs about what 10 tokens save: not made for fewer new tokens than that.
-        screen = (GreedyHead.for_model(model, build=max_new_tokens >= 16) if temperature == 0 and B == 1
-                  and not torch.is_autocast_enabled(idx.device.type) else None)
+        screen = (
+            GreedyHead.for_model(model, build=max_new_tokens >= 16)
+            if temperature == 0 and B == 1 and not torch.is_autocast_enabled(idx.device.type)
+            else None
+        )
         n = T0
-        x = model.hidden_states(out[:, max(0, n - block):n], cache)[:, -1, :]
+        x = model.hidden_states(out[:, max(0, n - block) : n], cache)[:, -1, :]
         step = Decoder(model, cache) if cache is not None and Decoder.supports(model) else None
         if step is None and cache is not None:
+
             def step(tok):
                 return model.hidden_states(tok.view(-1, 1), cache)[:, -1, :]
+
         for _ in range(max_new_tokens):
             best = screen.argmax(x[0]) if screen is not None else None
             if best is not None:
@@ -168,7 +203,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
             if step is not None and n <= cache.max_len:
                 x = step(out[:, n - 1])
             else:
-                x = model.hidden_states(out[:, max(0, n - block):n])[:, -1, :]
+                x = model.hidden_states(out[:, max(0, n - block) : n])[:, -1, :]
         return out[:, :n]
     finally:
         for m in swapped:
@@ -177,9 +212,19 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
 
 
 @torch.inference_mode()
-def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                top_k: int | None = None, seed: int | None = None,
-                stop: list[int] | None = None, lean: bool = True, quantize: str | None = None) -> torch.Tensor:
+def generate_hf(
+    model,
+    tokenizer,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[int] | None = None,
+    lean: bool = True,
+    quantize: str | None = None,
+) -> torch.Tensor:
     """`generate` for a transformers causal LM (`hf_causal.load_causal_lm`), through its own
     `model.generate`: continue `prompt_ids` (B, T) on the model's device by up to
     `max_new_tokens`; returns (B, T + n_new), the stop token kept as `generate` keeps eot.
@@ -204,8 +249,9 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
     from gptforge.modeling.llama_decoding import generate_llama, unsupported
 
     if prompt_ids.dim() != 2 or prompt_ids.size(1) == 0:
-        raise BadInput(f"generate needs a (batch, tokens) prompt of at least one token, got shape "
-                       f"{tuple(prompt_ids.shape)}")
+        raise BadInput(
+            f"generate needs a (batch, tokens) prompt of at least one token, got shape {tuple(prompt_ids.shape)}"
+        )
     if temperature < 0:
         raise BadInput(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:
@@ -215,8 +261,9 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
         if quantize != "int8":
             raise BadInput(f"quantize: expected int8 or none, got {quantize!r}")
         if reason is not None:
-            raise BadInput(f"quantize int8 runs in gptforge's lean Llama-family decoder, which cannot run this "
-                           f"model: {reason}")
+            raise BadInput(
+                f"quantize int8 runs in gptforge's lean Llama-family decoder, which cannot run this model: {reason}"
+            )
     if max_new_tokens <= 0:
         return prompt_ids
     eos = stop if stop is not None else stop_ids(tokenizer, model)
@@ -231,10 +278,24 @@ def generate_hf(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int,
     model.eval()
     try:
         if reason is None:
-            return generate_llama(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                  eos=eos, pad=pad, weights=quantize or "native")
-        return model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
-                              max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
-                              **sampling, **_HF_NEUTRAL)
+            return generate_llama(
+                model,
+                prompt_ids,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                eos=eos,
+                pad=pad,
+                weights=quantize or "native",
+            )
+        return model.generate(
+            input_ids=prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=pad,
+            **sampling,
+            **_HF_NEUTRAL,
+        )
     finally:
         model.train(was_training)

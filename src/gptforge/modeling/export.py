@@ -36,8 +36,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_path: s
     if tokenizer_path is not None:
         vocab_size = _check_tokenizer_folder(tokenizer_path)
         if vocab_size > n_vocab:
-            raise BadInput(f"tokenizer.path {tokenizer_path} has {vocab_size} tokens, more than the model's "
-                           f"n_vocab={n_vocab} ({checkpoint_dir / 'config.json'})")
+            raise BadInput(
+                f"tokenizer.path {tokenizer_path} has {vocab_size} tokens, more than the model's "
+                f"n_vocab={n_vocab} ({checkpoint_dir / 'config.json'})"
+            )
     hf = to_hf(model)
     # A generation never runs past the model's positions: transformers' text-generation pipeline
     # otherwise asks for 256 new tokens, more than a small model's window holds.
@@ -91,10 +93,15 @@ def _special_tokens() -> dict:
 def _write_tokenizer_from_files(src: Path, dst: Path, block_size: int) -> None:
     shutil.copyfile(src / "encoder.json", dst / "vocab.json")
     shutil.copyfile(src / "vocab.bpe", dst / "merges.txt")
-    write_json(dst / "tokenizer_config.json", {
-        "tokenizer_class": "GPT2Tokenizer", **_special_tokens(),
-        "add_prefix_space": False, "model_max_length": block_size,
-    })
+    write_json(
+        dst / "tokenizer_config.json",
+        {
+            "tokenizer_class": "GPT2Tokenizer",
+            **_special_tokens(),
+            "add_prefix_space": False,
+            "model_max_length": block_size,
+        },
+    )
     # Load what we wrote, as a user would, and save it back: this adds tokenizer.json (the fast
     # tokenizer in one file) and proves the folder loads before it is published.
     from transformers import AutoTokenizer

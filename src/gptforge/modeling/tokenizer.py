@@ -48,7 +48,9 @@ def load_tokenizer(path: str | None = None) -> tiktoken.Encoding:
                 vocab_bpe_file=str(bpe), encoder_json_file=str(enc_json)
             )
         except Exception as e:
-            raise BadInput(f"tokenizer.path {path}: not a GPT-2 encoder.json/vocab.bpe pair ({type(e).__name__}: {e})") from None
+            raise BadInput(
+                f"tokenizer.path {path}: not a GPT-2 encoder.json/vocab.bpe pair ({type(e).__name__}: {e})"
+            ) from None
     elif p.is_file():
         try:
             ranks = tiktoken.load.load_tiktoken_bpe(str(p))

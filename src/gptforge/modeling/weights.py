@@ -64,7 +64,7 @@ def load_config(folder: str | Path) -> GPTConfig:
     path = Path(folder) / CONFIG_FILE
     d = read_json(path, missing=f": not found (a model folder holds {WEIGHTS_FILE} and {CONFIG_FILE})")
     if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise BadInput(f"{path}: not a gptforge model config (expected \"format\": \"{FORMAT}\")")
+        raise BadInput(f'{path}: not a gptforge model config (expected "format": "{FORMAT}")')
     if d.get("version") != FORMAT_VERSION:
         raise BadInput(f"{path}: format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})")
     d = {k: v for k, v in d.items() if k not in ("format", "version")}
@@ -122,7 +122,8 @@ def load_checked(model: GPT, state: dict[str, torch.Tensor], origin) -> None:
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         parts = ([f"missing tensors {few(missing)}"] if missing else []) + (
-            [f"unexpected tensors {few(unexpected)}"] if unexpected else [])
+            [f"unexpected tensors {few(unexpected)}"] if unexpected else []
+        )
         raise BadInput(f"{origin}: {'; '.join(parts)} for a model with config {model.config.to_dict()}")
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items() if state[k].shape != s]
     if wrong:

@@ -72,8 +72,12 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of `dvc` and the stage commands it runs: this interpreter's scripts
     first on PATH (dvc.yaml's `gptforge ...` commands), analytics off, plus `extra`."""
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-           "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "DVC_NO_ANALYTICS": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     env.update({k: v for k, v in (extra or {}).items() if v is not None})
     return env
 
@@ -92,8 +96,11 @@ def _dvc_transfer(action: str, remote: str, env: Mapping[str, str]) -> str:
     if out.returncode == 0:
         # DVC reports files it could not find (a remote that is empty, or, for an HTTP remote,
         # unreachable) as a warning and succeeds: pass it on.
-        warnings = [line.strip()[len("WARNING: "):] for line in (out.stderr + out.stdout).splitlines()
-                    if line.strip().startswith("WARNING: ")]
+        warnings = [
+            line.strip()[len("WARNING: ") :]
+            for line in (out.stderr + out.stdout).splitlines()
+            if line.strip().startswith("WARNING: ")
+        ]
         if warnings:
             log.warning("dvc %s (remote %s): %s", action, remote, warnings[0])
             return f"done with a warning: {warnings[0]}"
@@ -101,8 +108,9 @@ def _dvc_transfer(action: str, remote: str, env: Mapping[str, str]) -> str:
         return f"done ({last[-1].strip()})" if last else "done"
     reason = _last_error(out.stderr + out.stdout) or f"exit code {out.returncode}"
     verb = "ran locally without pulling" if action == "pull" else "did not push"
-    log.warning("dvc %s %s remote %s failed: %s; %s", action, "from" if action == "pull" else "to", remote, reason,
-                verb)
+    log.warning(
+        "dvc %s %s remote %s failed: %s; %s", action, "from" if action == "pull" else "to", remote, reason, verb
+    )
     return f"failed: {reason} ({verb})"
 
 
@@ -140,8 +148,14 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
     log.info("dvc %s", " ".join(args))
     # Its own process group: Ctrl-C or SIGTERM (a worker cancelling the run, `docker stop`) is
     # forwarded to dvc and the stage it runs, so a training stage checkpoints before it stops.
-    proc = subprocess.Popen(dvc_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        dvc_command(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     events: list[tuple[float, str, str]] = []
     errors: list[str] = []
 
@@ -164,6 +178,9 @@ def dvc_repro(stages: Sequence[str], env: Mapping[str, str], force: bool = False
         returncode = proc.wait()
     if received:
         name = signal.Signals(received[0]).name
-        raise Stopped(received[0], f"pipeline stopped by {name}: dvc repro and its stage were stopped (a training "
-                                   "stage saves a checkpoint first); run it again to continue")
+        raise Stopped(
+            received[0],
+            f"pipeline stopped by {name}: dvc repro and its stage were stopped (a training "
+            "stage saves a checkpoint first); run it again to continue",
+        )
     return ReproOutcome(returncode, events, errors, time.monotonic())

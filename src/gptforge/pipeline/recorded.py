@@ -26,17 +26,29 @@ from gptforge.pipeline.summary import closing_summary
 FLOW_RUN_WAIT_SECONDS = 10.0
 
 
-def run_pipeline_recorded(stages: Sequence[str], *, params: str | None, overrides: Sequence[str], pull: bool,
-                          push: bool, force: bool) -> list[str]:
+def run_pipeline_recorded(
+    stages: Sequence[str], *, params: str | None, overrides: Sequence[str], pull: bool, push: bool, force: bool
+) -> list[str]:
     """Run the pipeline with its flow run journaled; the closing summary's lines. A failed
     stage raises StageFailed after the summary artifact is recorded."""
     from gptforge.runtime import recording
 
-    parameters = {"stages": list(stages), "params": params, "overrides": list(overrides), "pull": pull, "push": push,
-                  "force": force}
-    with recording.recorded(stage="pipeline", flow_name="pipeline",
-                            summary="dvc repro of every stage (or the named ones), each stage a subflow",
-                            parameters=parameters, prefect=True, mlflow=False) as steps:
+    parameters = {
+        "stages": list(stages),
+        "params": params,
+        "overrides": list(overrides),
+        "pull": pull,
+        "push": push,
+        "force": force,
+    }
+    with recording.recorded(
+        stage="pipeline",
+        flow_name="pipeline",
+        summary="dvc repro of every stage (or the named ones), each stage a subflow",
+        parameters=parameters,
+        prefect=True,
+        mlflow=False,
+    ) as steps:
         made: dict[str, str] = {}
 
         def flow_run_tags() -> dict[str, str]:
@@ -48,12 +60,24 @@ def run_pipeline_recorded(stages: Sequence[str], *, params: str | None, override
         # For its stages (their parent) and for this process (recording.pending leaves it out).
         os.environ[recording.PIPELINE_JOURNAL_ENV] = steps.journal.key
         try:
-            report = run_pipeline(stages, params=params, overrides=overrides, pull=pull, push=push, force=force,
-                                  steps=steps, late_tags=flow_run_tags)
+            report = run_pipeline(
+                stages,
+                params=params,
+                overrides=overrides,
+                pull=pull,
+                push=push,
+                force=force,
+                steps=steps,
+                late_tags=flow_run_tags,
+            )
         finally:
             os.environ.pop(recording.PIPELINE_JOURNAL_ENV, None)
-        steps.journal.write("artifact_md", key="pipeline-summary", markdown=report.markdown(),
-                            description="each stage's status, duration, headline metrics and MLflow run")
+        steps.journal.write(
+            "artifact_md",
+            key="pipeline-summary",
+            markdown=report.markdown(),
+            description="each stage's status, duration, headline metrics and MLflow run",
+        )
         report.raise_for_failure()
         api = os.environ.get("PREFECT_API_URL") or recording.own_prefect_url()
         return closing_summary(report, prefect_flow_run=made.get("prefect.flow_run_id"), prefect_api=api)

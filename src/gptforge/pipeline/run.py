@@ -33,12 +33,21 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from gptforge.config.load import DEFAULT_PARAMS, EXTENDS, apply_overrides, bases, read_params, read_yaml, validate
-
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_file, read_json
-from gptforge.pipeline.dvc import (ReproOutcome, best_error, check_stage_names, child_env, default_remote, dvc_pull,
-                                   dvc_push, dvc_repro, dvc_stages, stage_metrics_files)
+from gptforge.pipeline.dvc import (
+    ReproOutcome,
+    best_error,
+    check_stage_names,
+    child_env,
+    default_remote,
+    dvc_pull,
+    dvc_push,
+    dvc_repro,
+    dvc_stages,
+    stage_metrics_files,
+)
 from gptforge.runtime import locks, mlflow_values, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 
@@ -85,9 +94,13 @@ class PipelineReport:
 
     def markdown(self) -> str:
         head = "succeeded" if self.ok else f"FAILED at stage `{self.failed_stage}`" if self.failed_stage else "FAILED"
-        lines = [f"## gptforge pipeline {head}", "",
-                 f"{len(self.stages)} stages in {self.seconds:.1f} s: "
-                 + ", ".join(f"{n} {status}" for status, n in self.counts().items()), ""]
+        lines = [
+            f"## gptforge pipeline {head}",
+            "",
+            f"{len(self.stages)} stages in {self.seconds:.1f} s: "
+            + ", ".join(f"{n} {status}" for status, n in self.counts().items()),
+            "",
+        ]
         if self.error:
             lines += [f"**Error:** {self.error}", ""]
         lines += ["| stage | status | duration | headline metrics | MLflow run |", "| --- | --- | --- | --- | --- |"]
@@ -95,7 +108,9 @@ class PipelineReport:
             seconds = f"{s.seconds:.1f} s" if s.seconds is not None else ""
             metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in s.metrics.items())
             run = f"[{s.run_id[:8]}]({s.run_url})" if s.run_url else (f"`{s.run_id}`" if s.run_id else "")
-            lines.append(f"| `{s.name}` | {STATUS_ICONS.get(s.status, '')} {s.status} | {seconds} | {metrics} | {run} |")
+            lines.append(
+                f"| `{s.name}` | {STATUS_ICONS.get(s.status, '')} {s.status} | {seconds} | {metrics} | {run} |"
+            )
         lines.append("")
         if self.remote:
             lines.append(f"DVC remote `{self.remote}`: pull {self.pulled}; push {self.pushed}.")
@@ -158,8 +173,10 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
     validated config."""
     source = Path(params) if params is not None else target
     if source.is_file() and target.is_file() and source.resolve() == target.resolve() and EXTENDS in read_yaml(target):
-        raise BadInput(f"{target} is an overlay ({EXTENDS}), but DVC reads it itself and needs every key there: keep "
-                       f"the overlay in configs/ and pass it as --params, the pipeline writes the merged whole here")
+        raise BadInput(
+            f"{target} is an overlay ({EXTENDS}), but DVC reads it itself and needs every key there: keep "
+            f"the overlay in configs/ and pass it as --params, the pipeline writes the merged whole here"
+        )
     tree = read_params(source) if source.is_file() or params is not None else {}
     tree = apply_overrides(tree, list(overrides))
     cfg = validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
@@ -178,22 +195,33 @@ PRETRAIN_STAGES = ("prepare_pretrain", "pretrain")
 def start_folders(cfg: Config) -> dict[str, str]:
     """The folders the fine-tuning and evaluation stages start from, by param: dvc.yaml names
     each `*.init_from` and `rl.reward_model` as dependencies."""
-    return {"classify.init_from": cfg.classify.init_from, "instruct.init_from": cfg.instruct.init_from,
-            "preference.init_from": cfg.preference.init_from, "reward.init_from": cfg.reward.init_from,
-            "rl.init_from": cfg.rl.init_from, "rl.reward_model": cfg.rl.reward_model,
-            **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()},
-            **{f"instruct_variants.models.{k}.init_from": cfg.instruct_variant(k).init_from
-               for k in cfg.instruct_variants.models}}
+    return {
+        "classify.init_from": cfg.classify.init_from,
+        "instruct.init_from": cfg.instruct.init_from,
+        "preference.init_from": cfg.preference.init_from,
+        "reward.init_from": cfg.reward.init_from,
+        "rl.init_from": cfg.rl.init_from,
+        "rl.reward_model": cfg.rl.reward_model,
+        **{f"evaluate.models.{k}": v for k, v in cfg.evaluate.models.items()},
+        **{
+            f"instruct_variants.models.{k}.init_from": cfg.instruct_variant(k).init_from
+            for k in cfg.instruct_variants.models
+        },
+    }
 
 
 # The folders a stage of the chain makes before the stage that reads them (param -> folders).
-MADE_BEFORE = {"preference.init_from": (INSTRUCT_OUT,), "reward.init_from": (INSTRUCT_OUT,),
-               "rl.init_from": (INSTRUCT_OUT, PREFERENCE_OUT), "rl.reward_model": (REWARD_OUT,)}
+MADE_BEFORE = {
+    "preference.init_from": (INSTRUCT_OUT,),
+    "reward.init_from": (INSTRUCT_OUT,),
+    "rl.init_from": (INSTRUCT_OUT, PREFERENCE_OUT),
+    "rl.reward_model": (REWARD_OUT,),
+}
 
 
 def _inside(path: str, folder: str) -> bool:
     parts, top = Path(path).parts, Path(folder).parts
-    return parts[:len(top)] == top
+    return parts[: len(top)] == top
 
 
 def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
@@ -202,8 +230,15 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
     the SFT, checkpoints/base/NAME for a NAME in base.models) or already there. A hub name is
     refused with the way to fetch it."""
     folders = start_folders(cfg)
-    for param in ("classify.init_from", "instruct.init_from", "preference.init_from", "reward.init_from",
-                  "rl.init_from", "rl.reward_model", *(p for p in folders if p.startswith("instruct_variants."))):
+    for param in (
+        "classify.init_from",
+        "instruct.init_from",
+        "preference.init_from",
+        "reward.init_from",
+        "rl.init_from",
+        "rl.reward_model",
+        *(p for p in folders if p.startswith("instruct_variants.")),
+    ):
         value = folders[param]
         made_before = any(_inside(value, out) for out in MADE_BEFORE.get(param, ()))
         if made_before or _inside(value, PRETRAIN_OUT) or (root / value).exists():
@@ -212,10 +247,11 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
             name = Path(value).relative_to(BASE_OUT).parts[0]
             if name in cfg.base.models:
                 continue
-            raise BadInput(f"{param}: {value} is fetched by no stage: add `{name}: HUB_ID_OR_FOLDER` under "
-                           "base.models")
-        raise BadInput(f"{param}: {value!r} is not a folder, and dvc.yaml tracks it as the stage's input: for hub "
-                       f"weights add `NAME: {value}` under base.models and set {param} to {BASE_OUT}/NAME")
+            raise BadInput(f"{param}: {value} is fetched by no stage: add `{name}: HUB_ID_OR_FOLDER` under base.models")
+        raise BadInput(
+            f"{param}: {value!r} is not a folder, and dvc.yaml tracks it as the stage's input: for hub "
+            f"weights add `NAME: {value}` under base.models and set {param} to {BASE_OUT}/NAME"
+        )
 
 
 def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:
@@ -247,8 +283,9 @@ def _foreach_entries(cfg: Config, expr) -> int:
     return len(value or ())
 
 
-def check_request(stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str],
-                  root: Path = Path(".")) -> None:
+def check_request(
+    stages: Sequence[str], params: str | os.PathLike | None, overrides: Sequence[str], root: Path = Path(".")
+) -> None:
     """Everything about a pipeline request that can be checked before any work (BadInput)."""
     check_stage_names(stages, dvc_stages(root))
     resolve_params(params, overrides, root / DEFAULT_PARAMS)
@@ -298,8 +335,21 @@ def run_pipeline(
     with locks.hold("pipeline", "a gptforge pipeline", root):
         locks.check_dvc_idle(root)
         cfg = apply_params(params, overrides, root / DEFAULT_PARAMS)
-        return _run(stages, known, cfg, overrides=overrides, pull=pull, push=push, force=force, steps=steps,
-                    env=env, tags=tags, late_tags=late_tags, root=root, start=start)
+        return _run(
+            stages,
+            known,
+            cfg,
+            overrides=overrides,
+            pull=pull,
+            push=push,
+            force=force,
+            steps=steps,
+            env=env,
+            tags=tags,
+            late_tags=late_tags,
+            root=root,
+            start=start,
+        )
 
 
 def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
@@ -312,23 +362,49 @@ def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
     if journals and api and not recording.answers(api):
         # The recorder holds each journal whole while its Prefect side cannot go out: waiting
         # would only delay the summary, which then lacks the stages' MLflow links.
-        log.warning("the Prefect API at %s does not answer: %d stage journal(s) wait in %s and are delivered "
-                    "when it is back", api, len(journals), recording.RECORDS_DIR)
+        log.warning(
+            "the Prefect API at %s does not answer: %d stage journal(s) wait in %s and are delivered when it is back",
+            api,
+            len(journals),
+            recording.RECORDS_DIR,
+        )
         return
     if journals and not recording.wait_delivered(journals, timeout):
-        log.warning("the recorder has not delivered %d stage journal(s) within %.0f s; the summary may lack "
-                    "their MLflow links (they are delivered in the background)",
-                    len(recording.pending(root)), timeout)
+        log.warning(
+            "the recorder has not delivered %d stage journal(s) within %.0f s; the summary may lack "
+            "their MLflow links (they are delivered in the background)",
+            len(recording.pending(root)),
+            timeout,
+        )
 
 
-def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, overrides: Sequence[str], pull: bool,
-         push: bool, force: bool, steps: Steps, env: Mapping[str, str] | None, tags: Mapping[str, Any] | None,
-         late_tags: Callable[[], Mapping[str, Any]] | None, root: Path, start: float) -> PipelineReport:
-
-    with tracking.start_run(enabled=cfg.tracking.enabled, experiment=cfg.tracking.experiment, stage="pipeline",
-                            params={"stages": ",".join(stages) or "all", "force": force,
-                                    **{f"override.{i}": o for i, o in enumerate(overrides)}},
-                            tags=tags) as run:
+def _run(
+    stages: Sequence[str],
+    known: dict[str, dict],
+    cfg: Config,
+    *,
+    overrides: Sequence[str],
+    pull: bool,
+    push: bool,
+    force: bool,
+    steps: Steps,
+    env: Mapping[str, str] | None,
+    tags: Mapping[str, Any] | None,
+    late_tags: Callable[[], Mapping[str, Any]] | None,
+    root: Path,
+    start: float,
+) -> PipelineReport:
+    with tracking.start_run(
+        enabled=cfg.tracking.enabled,
+        experiment=cfg.tracking.experiment,
+        stage="pipeline",
+        params={
+            "stages": ",".join(stages) or "all",
+            "force": force,
+            **{f"override.{i}": o for i, o in enumerate(overrides)},
+        },
+        tags=tags,
+    ) as run:
         extra = dict(env or {})
         if run.run_id:
             extra[mlflow_values.PARENT_ENV] = run.run_id
@@ -348,8 +424,11 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
         report.stages, report.failed_stage = stage_reports(outcome, scope)
         if outcome.returncode != 0:
             reason = best_error(outcome.errors) or f"dvc repro exited with code {outcome.returncode}"
-            report.error = (f"stage {report.failed_stage} failed: {reason}" if report.failed_stage
-                            else f"dvc repro failed: {reason}")
+            report.error = (
+                f"stage {report.failed_stage} failed: {reason}"
+                if report.failed_stage
+                else f"dvc repro failed: {reason}"
+            )
         _wait_for_stage_records(root)
         if late_tags is not None:
             run.set_tags(late_tags())
@@ -362,12 +441,21 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
         report.seconds = time.monotonic() - start
 
         counts = report.counts()
-        run.log_metrics({"pipeline_seconds": report.seconds, "stages_ran": counts.get("ran", 0),
-                         "stages_up_to_date": counts.get("up to date", 0) + counts.get("restored", 0),
-                         "stages_failed": counts.get("failed", 0)})
+        run.log_metrics(
+            {
+                "pipeline_seconds": report.seconds,
+                "stages_ran": counts.get("ran", 0),
+                "stages_up_to_date": counts.get("up to date", 0) + counts.get("restored", 0),
+                "stages_failed": counts.get("failed", 0),
+            }
+        )
         run.log_text(report.markdown(), "pipeline.md")
-        run.set_tags({"gptforge.pipeline.status": "ok" if report.ok else "failed",
-                      "gptforge.pipeline.failed_stage": report.failed_stage})
+        run.set_tags(
+            {
+                "gptforge.pipeline.status": "ok" if report.ok else "failed",
+                "gptforge.pipeline.failed_stage": report.failed_stage,
+            }
+        )
         if not report.ok:
             run.mark_failed()
     for line in report.summary_lines():
@@ -376,8 +464,9 @@ def _run(stages: Sequence[str], known: dict[str, dict], cfg: Config, *, override
     return report
 
 
-def _add_metrics_and_runs(report: PipelineReport, known: dict[str, dict], root: Path,
-                          parent_run_id: str | None) -> None:
+def _add_metrics_and_runs(
+    report: PipelineReport, known: dict[str, dict], root: Path, parent_run_id: str | None
+) -> None:
     from gptforge.pipeline.stages import STAGES
 
     children = tracking.child_runs(parent_run_id) if parent_run_id else {}

@@ -2,7 +2,8 @@
 
 `run_stage` wraps one recipe call in one MLflow run. Flows (Prefect) and the CLI both come
 through here, so a stage behaves the same with or without Prefect. A pretrain asking for more
-than one process (pretrain or a fine-tuning stage) launches torchrun here instead (`gptforge.training.launch`). `run_recorded`
+than one process (pretrain or a fine-tuning stage) launches torchrun here instead
+(`gptforge.training.launch`). `run_recorded`
 is how a stage command runs: its MLflow run and Prefect flow run go to its journal, and the
 recorder makes them (`gptforge.runtime.recording`), so the process starts on its work at once.
 """
@@ -22,6 +23,8 @@ log = logging.getLogger("gptforge")
 
 if TYPE_CHECKING:  # the CLI reads this table for --help, which should not load pydantic
     from gptforge.config.schema import Config
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -43,65 +46,136 @@ class Stage:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("prepare_pretrain", "gptforge.data.pretrain:prepare_pretrain",
-              ("tokenizer", "data.download", "data.pretrain"),
-              "tokenize a text corpus into uint16 shards (data/pretrain/)"),
-        Stage("prepare_classify", "gptforge.data.classify:prepare_classify",
-              ("data.download", "data.classify"),
-              "SMS Spam Collection -> balanced train/val/test jsonl (data/classify/)"),
-        Stage("prepare_instruct", "gptforge.data.instruct:prepare_instruct",
-              ("data.download", "data.instruct"),
-              "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)"),
-        Stage("prepare_preference", "gptforge.data.preference:prepare_preference",
-              ("data.download", "data.preference"),
-              "preference pairs (prompt, chosen, rejected) -> train/val/test jsonl (data/preference/)"),
-        Stage("prepare_base", "gptforge.data.base_models:prepare_base", ("base",),
-              "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)"),
-        Stage("synthesize", "gptforge.synthesize.stage:synthesize", ("tokenizer", "synthesize"),
-              "documents -> checked question/answer pairs from an OpenAI-compatible endpoint (data/synthetic/NAME/)",
-              headline=("kept", "pairs_returned", "requests")),
-        Stage("index", "gptforge.rag.stage:index", ("synthesize.documents", "index"),
-              "index a document set's chunks for retrieval: BM25, dense, hybrid (data/index/NAME/)",
-              headline=("recall_at_5", "mrr", "chunks")),
-        Stage("evaluate_qa", "gptforge.rag.evaluate_qa:evaluate_qa",
-              ("tokenizer", "instruct.template", "index", "evaluate", "evaluate_qa"),
-              "a document set's held-out questions (or evaluate_qa.questions.NAME) answered by each model, "
-              "without and with retrieval (reports/evaluate_qa_NAME.md)"),
-        Stage("pretrain", "gptforge.training.loop:pretrain", ("tokenizer", "model", "pretrain", "distributed"),
-              "pretrain GPT-2 on the token shards (checkpoints/pretrain/)", system_metrics=True,
-              headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm")),
-        Stage("finetune_classify", "gptforge.finetune.classify:finetune_classify", ("tokenizer", "classify", "distributed"),
-              "fine-tune a spam classifier on data/classify (checkpoints/classify/)", system_metrics=True,
-              headline=("test_accuracy", "f1")),
-        Stage("finetune_instruct", "gptforge.finetune.instruct:finetune_instruct", ("tokenizer", "instruct", "distributed"),
-              "instruction fine-tuning on data/instruct (checkpoints/instruct/)", system_metrics=True,
-              headline=("val_loss", "test_loss", "response_tokens_per_sec")),
-        Stage("finetune_instruct_variant", "gptforge.finetune.instruct:finetune_instruct_variant",
-              ("tokenizer", "instruct", "instruct_variants"),
-              "one more instruction fine-tuning: instruct_variants.models.NAME over the instruct section "
-              "(checkpoints/instruct_NAME/)", system_metrics=True,
-              headline=("test_loss", "test_loss_before", "token_f1", "token_f1_before")),
-        Stage("finetune_preference", "gptforge.finetune.preference:finetune_preference",
-              ("tokenizer", "instruct.template", "preference", "distributed"),
-              "align the instruction model with preference pairs: DPO through trl (checkpoints/preference/)",
-              system_metrics=True, headline=("val_reward_accuracy", "val_reward_margin")),
-        Stage("train_reward", "gptforge.finetune.reward:train_reward",
-              ("tokenizer", "instruct.template", "reward", "distributed"),
-              "a reward model on the preference pairs: trl's RewardTrainer, a scalar head (checkpoints/reward/)",
-              system_metrics=True, headline=("val_accuracy", "val_accuracy_before", "val_margin")),
-        Stage("finetune_rl", "gptforge.finetune.rl:finetune_rl",
-              ("tokenizer", "instruct.template", "instruct.judge", "rl", "distributed"),
-              "online RL on the instruction prompts: trl's GRPO (or RLOO), rewards from params, KL to the "
-              "starting model (checkpoints/rl/)", system_metrics=True,
-              headline=("heldout_reward", "heldout_reward_before")),
-        Stage("evaluate", "gptforge.evaluate:evaluate", ("tokenizer", "evaluate"),
-              "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)"),
-        Stage("register", "gptforge.register:register", ("tokenizer", "registry"),
-              "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
-              headline=("classify.version", "classify.champion", "instruct.version"), report="reports/register.md",
-              mlflow_in_process=True),
-        Stage("benchmark", "gptforge.bench.stage:benchmark", ("model", "benchmark"),
-              "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)"),
+        Stage(
+            "prepare_pretrain",
+            "gptforge.data.pretrain:prepare_pretrain",
+            ("tokenizer", "data.download", "data.pretrain"),
+            "tokenize a text corpus into uint16 shards (data/pretrain/)",
+        ),
+        Stage(
+            "prepare_classify",
+            "gptforge.data.classify:prepare_classify",
+            ("data.download", "data.classify"),
+            "SMS Spam Collection -> balanced train/val/test jsonl (data/classify/)",
+        ),
+        Stage(
+            "prepare_instruct",
+            "gptforge.data.instruct:prepare_instruct",
+            ("data.download", "data.instruct"),
+            "Alpaca-style instructions -> train/val/test jsonl (data/instruct/)",
+        ),
+        Stage(
+            "prepare_preference",
+            "gptforge.data.preference:prepare_preference",
+            ("data.download", "data.preference"),
+            "preference pairs (prompt, chosen, rejected) -> train/val/test jsonl (data/preference/)",
+        ),
+        Stage(
+            "prepare_base",
+            "gptforge.data.base_models:prepare_base",
+            ("base",),
+            "fetch the Hugging Face models of base.models into checkpoints/base/NAME (base.only: one of them)",
+        ),
+        Stage(
+            "synthesize",
+            "gptforge.synthesize.stage:synthesize",
+            ("tokenizer", "synthesize"),
+            "documents -> checked question/answer pairs from an OpenAI-compatible endpoint (data/synthetic/NAME/)",
+            headline=("kept", "pairs_returned", "requests"),
+        ),
+        Stage(
+            "index",
+            "gptforge.rag.stage:index",
+            ("synthesize.documents", "index"),
+            "index a document set's chunks for retrieval: BM25, dense, hybrid (data/index/NAME/)",
+            headline=("recall_at_5", "mrr", "chunks"),
+        ),
+        Stage(
+            "evaluate_qa",
+            "gptforge.rag.evaluate_qa:evaluate_qa",
+            ("tokenizer", "instruct.template", "index", "evaluate", "evaluate_qa"),
+            "a document set's held-out questions (or evaluate_qa.questions.NAME) answered by each model, "
+            "without and with retrieval (reports/evaluate_qa_NAME.md)",
+        ),
+        Stage(
+            "pretrain",
+            "gptforge.training.loop:pretrain",
+            ("tokenizer", "model", "pretrain", "distributed"),
+            "pretrain GPT-2 on the token shards (checkpoints/pretrain/)",
+            system_metrics=True,
+            headline=("val_loss", "tokens_per_sec", "mfu", "hellaswag_acc_norm"),
+        ),
+        Stage(
+            "finetune_classify",
+            "gptforge.finetune.classify:finetune_classify",
+            ("tokenizer", "classify", "distributed"),
+            "fine-tune a spam classifier on data/classify (checkpoints/classify/)",
+            system_metrics=True,
+            headline=("test_accuracy", "f1"),
+        ),
+        Stage(
+            "finetune_instruct",
+            "gptforge.finetune.instruct:finetune_instruct",
+            ("tokenizer", "instruct", "distributed"),
+            "instruction fine-tuning on data/instruct (checkpoints/instruct/)",
+            system_metrics=True,
+            headline=("val_loss", "test_loss", "response_tokens_per_sec"),
+        ),
+        Stage(
+            "finetune_instruct_variant",
+            "gptforge.finetune.instruct:finetune_instruct_variant",
+            ("tokenizer", "instruct", "instruct_variants"),
+            "one more instruction fine-tuning: instruct_variants.models.NAME over the instruct section "
+            "(checkpoints/instruct_NAME/)",
+            system_metrics=True,
+            headline=("test_loss", "test_loss_before", "token_f1", "token_f1_before"),
+        ),
+        Stage(
+            "finetune_preference",
+            "gptforge.finetune.preference:finetune_preference",
+            ("tokenizer", "instruct.template", "preference", "distributed"),
+            "align the instruction model with preference pairs: DPO through trl (checkpoints/preference/)",
+            system_metrics=True,
+            headline=("val_reward_accuracy", "val_reward_margin"),
+        ),
+        Stage(
+            "train_reward",
+            "gptforge.finetune.reward:train_reward",
+            ("tokenizer", "instruct.template", "reward", "distributed"),
+            "a reward model on the preference pairs: trl's RewardTrainer, a scalar head (checkpoints/reward/)",
+            system_metrics=True,
+            headline=("val_accuracy", "val_accuracy_before", "val_margin"),
+        ),
+        Stage(
+            "finetune_rl",
+            "gptforge.finetune.rl:finetune_rl",
+            ("tokenizer", "instruct.template", "instruct.judge", "rl", "distributed"),
+            "online RL on the instruction prompts: trl's GRPO (or RLOO), rewards from params, KL to the "
+            "starting model (checkpoints/rl/)",
+            system_metrics=True,
+            headline=("heldout_reward", "heldout_reward_before"),
+        ),
+        Stage(
+            "evaluate",
+            "gptforge.evaluate:evaluate",
+            ("tokenizer", "evaluate"),
+            "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)",
+        ),
+        Stage(
+            "register",
+            "gptforge.register:register",
+            ("tokenizer", "registry"),
+            "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
+            headline=("classify.version", "classify.champion", "instruct.version"),
+            report="reports/register.md",
+            mlflow_in_process=True,
+        ),
+        Stage(
+            "benchmark",
+            "gptforge.bench.stage:benchmark",
+            ("model", "benchmark"),
+            "time the training step for a grid of settings, attention and cross-entropy (reports/benchmark.md)",
+        ),
     )
 }
 
@@ -147,25 +221,37 @@ def run_recorded(name: str, cfg: Config, *, params: str | None, overrides: list[
     from gptforge.runtime import recording
 
     stage = STAGES[name]
-    mlflow = (cfg.tracking.enabled and not stage.mlflow_in_process
-              and importlib.util.find_spec("mlflow") is not None)
+    mlflow = cfg.tracking.enabled and not stage.mlflow_in_process and importlib.util.find_spec("mlflow") is not None
     if stage.mlflow_in_process and cfg.tracking.enabled:
         wait_for_earlier_records()
-    with recording.recorded(stage=name, flow_name=flow_name(name), summary=stage.summary,
-                            parameters={"params": params, "overrides": list(overrides)}, prefect=prefect,
-                            mlflow=mlflow, experiment=cfg.tracking.experiment) as steps:
+    with recording.recorded(
+        stage=name,
+        flow_name=flow_name(name),
+        summary=stage.summary,
+        parameters={"params": params, "overrides": list(overrides)},
+        prefect=prefect,
+        mlflow=mlflow,
+        experiment=cfg.tracking.experiment,
+    ) as steps:
         tags = None
         if steps is not None and stage.mlflow_in_process and cfg.tracking.enabled:
             tags = recording.flow_run_of(steps.journal, timeout=60.0)  # its run is made here: tag it here
         metrics = run_stage(name, cfg, steps=steps or DIRECT, tags=tags)
         if steps is not None:
             key = flow_name(name)
-            steps.journal.write("artifact_md", key=f"{key}-metrics", markdown=metrics_markdown(name, metrics),
-                                description=f"{name} metrics")
+            steps.journal.write(
+                "artifact_md",
+                key=f"{key}-metrics",
+                markdown=metrics_markdown(name, metrics),
+                description=f"{name} metrics",
+            )
             if stage.report is not None and Path(stage.report).is_file():
-                steps.journal.write("artifact_md", key=f"{key}-report",
-                                    markdown=Path(stage.report).read_text(encoding="utf-8"),
-                                    description=f"{name}: {stage.report}")
+                steps.journal.write(
+                    "artifact_md",
+                    key=f"{key}-report",
+                    markdown=Path(stage.report).read_text(encoding="utf-8"),
+                    description=f"{name}: {stage.report}",
+                )
         return metrics
 
 
@@ -181,8 +267,10 @@ def wait_for_earlier_records(timeout: float = 600.0) -> None:
     if not recording.wait_delivered(journals, timeout):
         from gptforge.errors import StageFailed
 
-        raise StageFailed(f"the recorder has not delivered {len(recording.pending())} earlier stage journal(s) "
-                          f"within {timeout:.0f} s (see .gptforge/recorder/recorder.log)")
+        raise StageFailed(
+            f"the recorder has not delivered {len(recording.pending())} earlier stage journal(s) "
+            f"within {timeout:.0f} s (see .gptforge/recorder/recorder.log)"
+        )
 
 
 def flow_name(stage: str) -> str:
@@ -191,8 +279,9 @@ def flow_name(stage: str) -> str:
 
 
 def metrics_markdown(stage: str, metrics: Mapping[str, Any]) -> str:
-    rows = "\n".join(f"| `{k}` | {v:,.4g} |" if isinstance(v, float) else f"| `{k}` | {v:,} |"
-                     for k, v in metrics.items())
+    rows = "\n".join(
+        f"| `{k}` | {v:,.4g} |" if isinstance(v, float) else f"| `{k}` | {v:,} |" for k, v in metrics.items()
+    )
     return f"### {stage}\n\n| metric | value |\n| --- | --- |\n{rows}\n"
 
 
@@ -239,8 +328,10 @@ def check_inputs(name: str, cfg: Config) -> None:
         world = int(os.environ.get("WORLD_SIZE", cfg.world_size(section)))
         batch = getattr(cfg, section).batch_size
         if batch % world:
-            raise BadInput(f"{section}.batch_size ({batch}) is the whole batch, shared by the {world} processes "
-                           f"({section}.nproc_per_node x distributed.nnodes): make it a multiple of their number")
+            raise BadInput(
+                f"{section}.batch_size ({batch}) is the whole batch, shared by the {world} processes "
+                f"({section}.nproc_per_node x distributed.nnodes): make it a multiple of their number"
+            )
     if name == "pretrain":
         from gptforge.training.loop import grad_accum_steps
 

@@ -40,26 +40,41 @@ HEADLINES = (
 # An instruct variant's lines (stage finetune_instruct_variant@NAME): label, key, format; the
 # figure before training is the key with `_before`.
 VARIANT_STAGE = "finetune_instruct_variant"
-VARIANT_HEADLINES = (("SFT test loss", "test_loss", "{:.3f}"), ("SFT token F1", "token_f1", "{:.3f}"),
-                     ("SFT ROUGE-L", "rouge_l", "{:.3f}"), ("SFT exact match", "exact_match", "{:.3f}"),
-                     ("SFT distinct tokens", "distinct_share", "{:.3f}"))
-REPORTS = ("reports/evaluate.md", "reports/benchmark.md", "reports/register.md", "reports/instruct_responses.jsonl",
-           "reports/preference_responses.jsonl", "reports/rl_responses.jsonl", "plots/")
+VARIANT_HEADLINES = (
+    ("SFT test loss", "test_loss", "{:.3f}"),
+    ("SFT token F1", "token_f1", "{:.3f}"),
+    ("SFT ROUGE-L", "rouge_l", "{:.3f}"),
+    ("SFT exact match", "exact_match", "{:.3f}"),
+    ("SFT distinct tokens", "distinct_share", "{:.3f}"),
+)
+REPORTS = (
+    "reports/evaluate.md",
+    "reports/benchmark.md",
+    "reports/register.md",
+    "reports/instruct_responses.jsonl",
+    "reports/preference_responses.jsonl",
+    "reports/rl_responses.jsonl",
+    "plots/",
+)
 
 
-def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None,
-                    prefect_api: str | None = None) -> list[str]:
+def closing_summary(
+    report: PipelineReport, root: Path = Path("."), prefect_flow_run: str | None = None, prefect_api: str | None = None
+) -> list[str]:
     """What a user wants after a run: headline numbers, where the reports are, how to open the
     MLflow and Prefect UIs on it (`prefect_api`, else PREFECT_API_URL). Numbers come from the
     metrics files, so a run that re-ran nothing shows the last results."""
+
     def metric(path: str, key: str):
         with contextlib.suppress(Exception):
             value = read_json(root / path, missing="").get(key)
             return value if isinstance(value, (int, float)) else None
         return None
 
-    lines = ["", "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran")
-                              else "") + ":"]
+    lines = [
+        "",
+        "Results" + (" (nothing was stale: the last run's numbers)" if not report.counts().get("ran") else "") + ":",
+    ]
 
     def add(label: str, path: str, key: str, fmt: str, before_key: str | None) -> None:
         value = metric(path, key)
@@ -83,10 +98,12 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
                 lines.append(f"  {model + ' ' + rest.replace('.', ' '):<28} {value:.4f}")
     with contextlib.suppress(Exception):
         registered = read_json(root / "metrics/register.json", missing="")
-        versions = [f"{m} v{int(registered[f'{m}.version'])}" + (" champion" if registered.get(f"{m}.champion") else
-                                                                 " challenger")
-                    for m in ("pretrain", "classify", "instruct", "preference", "reward", "rl")
-                    if f"{m}.version" in registered]
+        versions = [
+            f"{m} v{int(registered[f'{m}.version'])}"
+            + (" champion" if registered.get(f"{m}.champion") else " challenger")
+            for m in ("pretrain", "classify", "instruct", "preference", "reward", "rl")
+            if f"{m}.version" in registered
+        ]
         if versions:
             lines.append(f"  {'registered models':<28} {', '.join(versions)}")
     found = [r for r in (*REPORTS, *(paths["responses_path"] for paths in variants.values())) if (root / r).exists()]
@@ -96,15 +113,19 @@ def closing_summary(report: PipelineReport, root: Path = Path("."), prefect_flow
     if uri.startswith(("http://", "https://")):
         lines.append(f"MLflow: {report.run_url or uri}")
     else:
-        lines.append(f"MLflow: mlflow ui --backend-store-uri {uri}   then http://127.0.0.1:5000"
-                     + (f"  (pipeline run {report.run_id})" if report.run_id else ""))
+        lines.append(
+            f"MLflow: mlflow ui --backend-store-uri {uri}   then http://127.0.0.1:5000"
+            + (f"  (pipeline run {report.run_id})" if report.run_id else "")
+        )
     api = prefect_api or os.environ.get("PREFECT_API_URL")
     if api:
         ui = api.rstrip("/").removesuffix("/api")
         lines.append(f"Prefect: {ui}/runs" + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
     else:
-        lines.append("Prefect: prefect server start   then http://127.0.0.1:4200/runs"
-                     + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else ""))
+        lines.append(
+            "Prefect: prefect server start   then http://127.0.0.1:4200/runs"
+            + (f"/flow-run/{prefect_flow_run}" if prefect_flow_run else "")
+        )
     if (root / "checkpoints/instruct/final").is_dir() or (root / "checkpoints/classify/final").is_dir():
         lines.append("Serve: .venv/bin/gptforge serve   then http://127.0.0.1:8000 (chat page; OpenAI API at /v1)")
     return lines

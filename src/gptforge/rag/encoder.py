@@ -52,8 +52,13 @@ class Encoder:
         out = []
         starts = range(0, len(texts), batch_size)
         for start in tqdm(starts, desc="embedding chunks", unit="batch", disable=not progress, leave=False):
-            batch = self.tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True,
-                                   max_length=_positions(self.model, self.tokenizer), return_tensors="pt")
+            batch = self.tokenizer(
+                list(texts[start : start + batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=_positions(self.model, self.tokenizer),
+                return_tensors="pt",
+            )
             with torch.no_grad():
                 hidden = self.model(**batch).last_hidden_state.float()
             mask = batch["attention_mask"].unsqueeze(-1).float()

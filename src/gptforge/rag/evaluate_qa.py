@@ -86,10 +86,17 @@ class Answerer:
     gpt: bool
 
 
-def evaluate_qa(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(),
-                synthetic_root: str | os.PathLike = "data/synthetic", index_root: str | os.PathLike = "data/index",
-                instruct_dir: str | os.PathLike = "data/instruct", reports_dir: str | os.PathLike = "reports",
-                metrics_dir: str | os.PathLike = "metrics") -> dict:
+def evaluate_qa(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    synthetic_root: str | os.PathLike = "data/synthetic",
+    index_root: str | os.PathLike = "data/index",
+    instruct_dir: str | os.PathLike = "data/instruct",
+    reports_dir: str | os.PathLike = "reports",
+    metrics_dir: str | os.PathLike = "metrics",
+) -> dict:
     """Stage evaluate_qa for `synthesize.documents[synthesize.only]` (every entry when `only` is
     null): see the module docstring. Returns the metrics it logged."""
     from gptforge.evaluate import existing_models
@@ -98,11 +105,15 @@ def evaluate_qa(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(),
     names = selected_documents(cfg.synthesize)
     unknown = [n for n in cfg.evaluate_qa.questions if n not in cfg.synthesize.documents]
     if unknown:
-        raise BadInput(f"evaluate_qa.questions.{unknown[0]} names no entry of synthesize.documents (entries: "
-                       f"{', '.join(cfg.synthesize.documents) or 'none'})")
+        raise BadInput(
+            f"evaluate_qa.questions.{unknown[0]} names no entry of synthesize.documents (entries: "
+            f"{', '.join(cfg.synthesize.documents) or 'none'})"
+        )
     # every bad input before any model loads
-    sets = [steps(read_set, cfg, name, synthetic_root=synthetic_root, index_root=index_root,
-                  instruct_dir=instruct_dir) for name in names]
+    sets = [
+        steps(read_set, cfg, name, synthetic_root=synthetic_root, index_root=index_root, instruct_dir=instruct_dir)
+        for name in names
+    ]
     models = existing_models(cfg.evaluate.models)
     rt = _runtime(cfg)
     rows: dict[str, list[dict]] = {s.name: [] for s in sets}
@@ -123,8 +134,11 @@ def evaluate_qa(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(),
 
 def _outputs(name: str, reports_dir, metrics_dir) -> tuple[Path, Path, Path]:
     """(rows jsonl, report md, metrics json) of set `name`."""
-    return (Path(reports_dir) / f"evaluate_qa_{name}.jsonl", Path(reports_dir) / f"evaluate_qa_{name}.md",
-            Path(metrics_dir) / f"evaluate_qa_{name}.json")
+    return (
+        Path(reports_dir) / f"evaluate_qa_{name}.jsonl",
+        Path(reports_dir) / f"evaluate_qa_{name}.md",
+        Path(metrics_dir) / f"evaluate_qa_{name}.json",
+    )
 
 
 def _runtime(cfg):
@@ -149,34 +163,54 @@ def read_set(cfg, name: str, *, synthetic_root, index_root, instruct_dir) -> QAS
     own = cfg.evaluate_qa.questions.get(name)
     for path in (chunks_file,) if own else (chunks_file, qa_file):
         if not path.is_file() and path is qa_file and cfg.synthesize.endpoint.url is None:
-            raise BadInput(f"{PARAM} {name}: {folder} holds chunks only, no questions (synthesize.endpoint.url is "
-                           f"null): set evaluate_qa.questions.{name} to your question file (docs/rag.md)")
+            raise BadInput(
+                f"{PARAM} {name}: {folder} holds chunks only, no questions (synthesize.endpoint.url is "
+                f"null): set evaluate_qa.questions.{name} to your question file (docs/rag.md)"
+            )
         if not path.is_file():
-            raise BadInput(f"{PARAM} {name}: {path} not found: run `gptforge synthesize -S synthesize.only={name}` "
-                           "first (stage synthesize@NAME)")
+            raise BadInput(
+                f"{PARAM} {name}: {path} not found: run `gptforge synthesize -S synthesize.only={name}` "
+                "first (stage synthesize@NAME)"
+            )
     if own:
         origin = Path(own)
         records = read_user_questions(origin, param=f"evaluate_qa.questions.{name}")
         if not _under(origin, QUESTIONS_DIR):
-            log.warning("evaluate_qa.questions.%s: %s is outside %s/, which dvc.yaml's evaluate_qa stage depends on: "
-                        "`dvc repro` will not see it change", name, origin, QUESTIONS_DIR)
+            log.warning(
+                "evaluate_qa.questions.%s: %s is outside %s/, which dvc.yaml's evaluate_qa stage depends on: "
+                "`dvc repro` will not see it change",
+                name,
+                origin,
+                QUESTIONS_DIR,
+            )
     elif cfg.data.instruct.source == f"synthetic://{name}":
         origin = Path(instruct_dir) / "test.jsonl"
         if not origin.is_file():
-            raise BadInput(f"{PARAM} {name}: {origin} not found (data.instruct.source is synthetic://{name}, so the "
-                           "questions are its held-out split): run `gptforge prepare instruct` first")
+            raise BadInput(
+                f"{PARAM} {name}: {origin} not found (data.instruct.source is synthetic://{name}, so the "
+                "questions are its held-out split): run `gptforge prepare instruct` first"
+            )
         records = read_questions(origin, param=f"{PARAM} {name}")
     else:
         origin = qa_file
         records = read_questions(origin, param=f"{PARAM} {name}")
     if cfg.evaluate_qa.limit is not None:
-        records = records[:cfg.evaluate_qa.limit]
-    index = Index.load(index_path(name, index_root), name=name, chunks_sha256=file_sha256(chunks_file),
-                       param=f"{PARAM} {name}")
+        records = records[: cfg.evaluate_qa.limit]
+    index = Index.load(
+        index_path(name, index_root), name=name, chunks_sha256=file_sha256(chunks_file), param=f"{PARAM} {name}"
+    )
     if own:
         rank_sources(records, index, cfg.index.top_k, param=f"evaluate_qa.questions.{name}", path=origin)
-    log.info("evaluate_qa %s: %d questions from %s; index %s (%s, %d chunks), top_k %d", name, len(records), origin,
-             index.folder, index.method, len(index.chunks), cfg.index.top_k)
+    log.info(
+        "evaluate_qa %s: %d questions from %s; index %s (%s, %d chunks), top_k %d",
+        name,
+        len(records),
+        origin,
+        index.folder,
+        index.method,
+        len(index.chunks),
+        cfg.index.top_k,
+    )
     return QASet(name, records, str(origin), index)
 
 
@@ -216,8 +250,9 @@ def read_user_questions(path: Path, *, param: str) -> list[dict]:
         kept = {"instruction": rec["question"], "input": "", "output": rec["answer"], "line": number}
         if rec.get("source") is not None:
             if not (isinstance(rec["source"], str) and rec["source"].strip()):
-                raise BadInput(f"{param}: {path}:{number}: \"source\" must be a file name of the document set, "
-                               f"got {rec['source']!r}")
+                raise BadInput(
+                    f'{param}: {path}:{number}: "source" must be a file name of the document set, got {rec["source"]!r}'
+                )
             kept["source"] = rec["source"]
         records.append(kept)
     if not records:
@@ -237,8 +272,10 @@ def rank_sources(records: Sequence[dict], index, top_k: int, *, param: str, path
             continue
         if rec["source"] not in files:
             shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-            raise BadInput(f"{param}: {path}:{rec['line']}: source {rec['source']!r} is no file of the document set "
-                           f"(its files, relative to its folder: {shown})")
+            raise BadInput(
+                f"{param}: {path}:{rec['line']}: source {rec['source']!r} is no file of the document set "
+                f"(its files, relative to its folder: {shown})"
+            )
         ranks = [hit.rank for hit in index.search(user_content(rec), top_k) if hit.chunk.source == rec["source"]]
         rec["source_rank"] = ranks[0] if ranks else None
 
@@ -248,9 +285,13 @@ def read_questions(path: Path, *, param: str) -> list[dict]:
     when given); BadInput naming the file and line when a record is not one, or there is none."""
     records = []
     for number, rec in _json_lines(path, param=param):
-        if not (isinstance(rec, dict) and isinstance(rec.get("instruction"), str) and isinstance(rec.get("output"), str)
-                and isinstance(rec.get("input") or "", str)):
-            raise BadInput(f"{param}: {path}:{number} is not an object with string \"instruction\" and \"output\"")
+        if not (
+            isinstance(rec, dict)
+            and isinstance(rec.get("instruction"), str)
+            and isinstance(rec.get("output"), str)
+            and isinstance(rec.get("input") or "", str)
+        ):
+            raise BadInput(f'{param}: {path}:{number} is not an object with string "instruction" and "output"')
         kept = {"instruction": rec["instruction"], "input": rec.get("input") or "", "output": rec["output"]}
         if isinstance(rec.get("chunk"), str):
             kept["chunk"] = rec["chunk"]
@@ -282,8 +323,10 @@ def load_answerer(cfg, name: str, folder: Path, rt) -> Answerer:
         enc, gpt = load_tokenizer(cfg.tokenizer.path), True
         model, source = load_pretrained(str(folder), param=param)
         if model.config.n_vocab != enc.n_vocab:
-            raise BadInput(f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
-                           f"(tokenizer.path) {enc.n_vocab}")
+            raise BadInput(
+                f"{param}: {source} has a vocabulary of {model.config.n_vocab} tokens, the tokenizer "
+                f"(tokenizer.path) {enc.n_vocab}"
+            )
     model = model.to(rt.device).eval()
     template = cfg.instruct.template
     if template == "chat" and not getattr(getattr(enc, "tokenizer", None), "chat_template", None):
@@ -339,19 +382,31 @@ def answer_set(a: Answerer, s: QASet, cfg, rt) -> list[dict]:
         rows.append(row)
     start = time.perf_counter()
     answers = _generate(a, [ids for _, ids in plain + rag], max_new, rt)
-    for (i, _), text in zip(plain, answers[:len(plain)]):
+    for (i, _), text in zip(plain, answers[: len(plain)]):
         rows[i]["answer"] = text
-    for (i, _), text in zip(rag, answers[len(plain):]):
+    for (i, _), text in zip(rag, answers[len(plain) :]):
         rows[i]["answer_rag"] = text
     for row in rows:
         row.setdefault("answer", "")
         row.setdefault("answer_rag", "")
     too_long = sum(1 for r in rows if r.get("too_long"))
     if too_long:
-        log.warning("evaluate_qa %s: %s: %d question(s) whose prompt fills its %d positions: answered empty",
-                    s.name, a.name, too_long, a.positions)
-    log.info("evaluate_qa %s: %s answered %d questions twice in %.1f s (template %s, %d positions)", s.name,
-             a.name, len(rows), time.perf_counter() - start, a.template, a.positions)
+        log.warning(
+            "evaluate_qa %s: %s: %d question(s) whose prompt fills its %d positions: answered empty",
+            s.name,
+            a.name,
+            too_long,
+            a.positions,
+        )
+    log.info(
+        "evaluate_qa %s: %s answered %d questions twice in %.1f s (template %s, %d positions)",
+        s.name,
+        a.name,
+        len(rows),
+        time.perf_counter() - start,
+        a.template,
+        a.positions,
+    )
     return rows
 
 
@@ -365,8 +420,7 @@ def _generate(a: Answerer, prompts: list[list[int]], max_new_tokens: int, rt) ->
     examples = [(ids, []) for ids in prompts]
     if a.gpt:
         return respond(a.model, examples, enc=a.enc, max_new_tokens=max_new_tokens, rt=rt)[0]
-    return greedy_answers(a.model, examples, enc=a.enc, max_new_tokens=max_new_tokens, positions=a.positions,
-                          rt=rt)[0]
+    return greedy_answers(a.model, examples, enc=a.enc, max_new_tokens=max_new_tokens, positions=a.positions, rt=rt)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,8 +432,10 @@ def score(rows: Sequence[dict], key: str, cfg) -> dict[str, float]:
     references: exact_match, token_f1, rouge_l, n; judge_score and judge_unscored with a judge."""
     from gptforge.finetune.answer_quality import judge_scores, reference_scores
 
-    scored = [{"instruction": r["question"], "input": r.get("input", ""), "reference": r["reference"],
-               "response": r[key]} for r in rows]
+    scored = [
+        {"instruction": r["question"], "input": r.get("input", ""), "reference": r["reference"], "response": r[key]}
+        for r in rows
+    ]
     got = reference_scores(scored)
     metrics = {k: got[k] for k in METRICS if k in got}
     metrics["n"] = got["n_scored"]
@@ -406,10 +462,16 @@ def write_set(cfg, s: QASet, rows: Sequence[dict], notes: dict[str, dict], *, re
         for mode, got in table[model].items():
             metrics.update({f"{model}.{mode}.{k}": v for k, v in got.items()})
         metrics[f"{model}.too_long"] = sum(1 for r in mine if r.get("too_long"))
-        log.info("evaluate_qa %s: %s: token F1 %.3f without retrieval, %.3f with; ROUGE-L %.3f, %.3f (n %d)", s.name,
-                 model, table[model]["qa"].get("token_f1", 0.0), table[model]["qa_rag"].get("token_f1", 0.0),
-                 table[model]["qa"].get("rouge_l", 0.0), table[model]["qa_rag"].get("rouge_l", 0.0),
-                 table[model]["qa"]["n"])
+        log.info(
+            "evaluate_qa %s: %s: token F1 %.3f without retrieval, %.3f with; ROUGE-L %.3f, %.3f (n %d)",
+            s.name,
+            model,
+            table[model]["qa"].get("token_f1", 0.0),
+            table[model]["qa_rag"].get("token_f1", 0.0),
+            table[model]["qa"].get("rouge_l", 0.0),
+            table[model]["qa_rag"].get("rouge_l", 0.0),
+            table[model]["qa"]["n"],
+        )
     metrics.update(source_hits(s.records))
     with atomic_file(report_path, "w", encoding="utf-8") as f:
         f.write(report(cfg, s, table, notes, rows))
@@ -430,33 +492,50 @@ def report(cfg, s: QASet, table: dict[str, dict[str, dict]], notes: dict[str, di
     """The markdown report: what was asked, then one row per model and mode."""
     judged = any("judge_score" in got or "judge_unscored" in got for modes in table.values() for got in modes.values())
     columns = [*METRICS, *(["judge_score"] if judged else []), "n"]
-    lines = [f"# evaluate_qa: {s.name}", "",
-             f"{len(s.records)} questions from `{s.origin}`; each model answers every question greedily (at most "
-             f"{cfg.evaluate_qa.max_new_tokens} new tokens) without retrieval (`qa`) and with the "
-             f"{cfg.index.top_k} best chunks of `{s.index.folder}` ({s.index.method}) in front of it, cut to fit "
-             "its context (`qa_rag`). Scores against the references: exact match and token F1 (SQuAD-normalized), "
-             "ROUGE-L F-measure" + (", the judge (0-100)" if judged else "") + ".", "",
-             "| model | mode | " + " | ".join(columns) + " |",
-             "| --- | --- | " + " | ".join("---:" for _ in columns) + " |"]
+    lines = [
+        f"# evaluate_qa: {s.name}",
+        "",
+        f"{len(s.records)} questions from `{s.origin}`; each model answers every question greedily (at most "
+        f"{cfg.evaluate_qa.max_new_tokens} new tokens) without retrieval (`qa`) and with the "
+        f"{cfg.index.top_k} best chunks of `{s.index.folder}` ({s.index.method}) in front of it, cut to fit "
+        "its context (`qa_rag`). Scores against the references: exact match and token F1 (SQuAD-normalized), "
+        "ROUGE-L F-measure" + (", the judge (0-100)" if judged else "") + ".",
+        "",
+        "| model | mode | " + " | ".join(columns) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in columns) + " |",
+    ]
     for model, modes in table.items():
         for mode in MODES:
             got = modes[mode]
             cells = [str(int(got["n"])) if c == "n" else (f"{got[c]:.3f}" if c in got else "-") for c in columns]
             lines.append(f"| {model} | {mode} | " + " | ".join(cells) + " |")
-    lines += ["", "Prompts: " + "; ".join(f"{m} ({n['folder']}): template {n['template']}, {n['positions']} positions"
-                                          for m, n in notes.items()) + "."]
+    lines += [
+        "",
+        "Prompts: "
+        + "; ".join(
+            f"{m} ({n['folder']}): template {n['template']}, {n['positions']} positions" for m, n in notes.items()
+        )
+        + ".",
+    ]
     too_long = {m: sum(1 for r in rows if r["model"] == m and r.get("too_long")) for m in notes}
     if any(too_long.values()):
-        lines.append("Questions whose prompt fills the model's positions (answered empty): "
-                     + ", ".join(f"{m} {n}" for m, n in too_long.items() if n) + ".")
+        lines.append(
+            "Questions whose prompt fills the model's positions (answered empty): "
+            + ", ".join(f"{m} {n}" for m, n in too_long.items() if n)
+            + "."
+        )
     hits = source_hits(s.records)
     if hits:
-        lines.append(f"Retrieval: the question's source file among the {cfg.index.top_k} chunks retrieved for "
-                     f"{round(hits['retrieval.source_hit'] * hits['retrieval.source_n'])} of "
-                     f"{hits['retrieval.source_n']} questions that name one (source_hit "
-                     f"{hits['retrieval.source_hit']:.3f}).")
+        lines.append(
+            f"Retrieval: the question's source file among the {cfg.index.top_k} chunks retrieved for "
+            f"{round(hits['retrieval.source_hit'] * hits['retrieval.source_n'])} of "
+            f"{hits['retrieval.source_n']} questions that name one (source_hit "
+            f"{hits['retrieval.source_hit']:.3f})."
+        )
     cut = sum(1 for r in rows for src in r["sources"] if src["included"] != "whole")
     if cut:
-        lines.append(f"Retrieved chunks cut or dropped to fit: {cut} of "
-                     f"{sum(len(r['sources']) for r in rows)} (in the rows' `sources`).")
+        lines.append(
+            f"Retrieved chunks cut or dropped to fit: {cut} of "
+            f"{sum(len(r['sources']) for r in rows)} (in the rows' `sources`)."
+        )
     return "\n".join(lines) + "\n"

@@ -55,8 +55,16 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def build(chunks: Sequence[Chunk], folder: str | os.PathLike, *, name: str, chunks_sha256: str,
-          embedding_model: str | None = None, k1: float = 1.5, b: float = 0.75) -> "Index":
+def build(
+    chunks: Sequence[Chunk],
+    folder: str | os.PathLike,
+    *,
+    name: str,
+    chunks_sha256: str,
+    embedding_model: str | None = None,
+    k1: float = 1.5,
+    b: float = 0.75,
+) -> "Index":
     """Index `chunks` into `folder` (whole or absent) and return it loaded."""
     import bm25s
 
@@ -77,8 +85,17 @@ def build(chunks: Sequence[Chunk], folder: str | os.PathLike, *, name: str, chun
             encoder = Encoder.load(embedding_model)
             np.save(Path(tmp) / "embeddings.npy", encoder.encode([c.text for c in chunks], progress=True))
             methods.append("dense")
-        manifest = {"format": FORMAT, "name": name, "chunks_sha256": chunks_sha256, "chunks": len(chunks),
-                    "methods": methods, "terms": T.VERSION, "k1": k1, "b": b, "embedding_model": embedding_model}
+        manifest = {
+            "format": FORMAT,
+            "name": name,
+            "chunks_sha256": chunks_sha256,
+            "chunks": len(chunks),
+            "methods": methods,
+            "terms": T.VERSION,
+            "k1": k1,
+            "b": b,
+            "embedding_model": embedding_model,
+        }
         (Path(tmp) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return Index.load(folder)
 
@@ -97,8 +114,14 @@ class Index:
         return "hybrid" if self._embeddings is not None else "bm25"
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, *, name: str | None = None, chunks_sha256: str | None = None,
-             param: str = "index") -> "Index":
+    def load(
+        cls,
+        folder: str | os.PathLike,
+        *,
+        name: str | None = None,
+        chunks_sha256: str | None = None,
+        param: str = "index",
+    ) -> "Index":
         """Read an index folder; BadInput (one line) when it is missing, of another format or term
         version, built from another document set (`name`) or other chunks (`chunks_sha256`), or
         its encoder is not there."""
@@ -107,21 +130,27 @@ class Index:
         folder = Path(folder)
         path = folder / MANIFEST
         if not path.is_file():
-            raise BadInput(f"{param}: {folder} is not a gptforge index (no {MANIFEST}): build it with "
-                           "`gptforge index` (stage index@NAME)")
+            raise BadInput(
+                f"{param}: {folder} is not a gptforge index (no {MANIFEST}): build it with "
+                "`gptforge index` (stage index@NAME)"
+            )
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise BadInput(f"{param}: {path} is not JSON ({e})") from None
         if manifest.get("format") != FORMAT or manifest.get("terms") != T.VERSION:
-            raise BadInput(f"{param}: {folder} was built by another version of gptforge (index format "
-                           f"{manifest.get('format')}, terms {manifest.get('terms')}; this one reads {FORMAT}, "
-                           f"{T.VERSION}): rebuild it with `gptforge index`")
+            raise BadInput(
+                f"{param}: {folder} was built by another version of gptforge (index format "
+                f"{manifest.get('format')}, terms {manifest.get('terms')}; this one reads {FORMAT}, "
+                f"{T.VERSION}): rebuild it with `gptforge index`"
+            )
         if name is not None and manifest.get("name") != name:
             raise BadInput(f"{param}: {folder} indexes the document set {manifest.get('name')!r}, not {name!r}")
         if chunks_sha256 is not None and manifest.get("chunks_sha256") != chunks_sha256:
-            raise BadInput(f"{param}: {folder} was built from other chunks than the document set {name!r} has now: "
-                           "rebuild it with `gptforge index`")
+            raise BadInput(
+                f"{param}: {folder} was built from other chunks than the document set {name!r} has now: "
+                "rebuild it with `gptforge index`"
+            )
         chunks = read_chunks(folder / "chunks.jsonl")
         bm25 = bm25s.BM25.load(str(folder / "bm25"))
         embeddings = encoder = None
@@ -133,8 +162,10 @@ class Index:
             embeddings = np.load(folder / "embeddings.npy")
             encoder = Encoder.load(manifest["embedding_model"], param=f"{param} (its embedding_model)")
         if len(chunks) != manifest.get("chunks") or (embeddings is not None and len(embeddings) != len(chunks)):
-            raise BadInput(f"{param}: {folder} is incomplete ({len(chunks)} chunks, manifest says "
-                           f"{manifest.get('chunks')}): rebuild it with `gptforge index`")
+            raise BadInput(
+                f"{param}: {folder} is incomplete ({len(chunks)} chunks, manifest says "
+                f"{manifest.get('chunks')}): rebuild it with `gptforge index`"
+            )
         return cls(folder, manifest, chunks, bm25, embeddings, encoder)
 
     def search(self, query: str, k: int = 5) -> list[Hit]:

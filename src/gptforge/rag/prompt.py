@@ -71,8 +71,15 @@ def augment(question: str, hits: Sequence, fits: Callable[[str], bool]) -> Sourc
     sources = []
     for hit, state in zip(hits, status):
         c = hit.chunk
-        source = {"rank": hit.rank, "id": c.id, "file": c.source, "headings": list(c.headings),
-                  "span": [c.start, c.end], "score": round(float(hit.score), 6), "included": state}
+        source = {
+            "rank": hit.rank,
+            "id": c.id,
+            "file": c.source,
+            "headings": list(c.headings),
+            "span": [c.start, c.end],
+            "score": round(float(hit.score), 6),
+            "included": state,
+        }
         if state == "cut":
             source["chars_included"] = kept
         sources.append(source)
@@ -87,7 +94,7 @@ def _longest_prefix(text: str, fits: Callable[[str], bool]) -> int:
     lo, hi = 0, len(ends)  # how many of `ends` fit: the largest n with fits(text[:ends[n - 1]])
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(text[:ends[mid - 1]]):
+        if fits(text[: ends[mid - 1]]):
             lo = mid
         else:
             hi = mid - 1

@@ -26,5 +26,10 @@ def retrieval_quality(index, pairs: Iterable[Mapping], prefix: str = "") -> dict
     if n == 0:
         return {f"{prefix}questions": 0}
     found = lambda k: sum(1 for r in ranks if r is not None and r <= k) / n  # noqa: E731
-    return {f"{prefix}recall_at_1": found(1), f"{prefix}recall_at_5": found(5), f"{prefix}recall_at_10": found(10),
-            f"{prefix}mrr": sum(1.0 / r for r in ranks if r is not None) / n, f"{prefix}questions": n}
+    return {
+        f"{prefix}recall_at_1": found(1),
+        f"{prefix}recall_at_5": found(5),
+        f"{prefix}recall_at_10": found(10),
+        f"{prefix}mrr": sum(1.0 / r for r in ranks if r is not None) / n,
+        f"{prefix}questions": n,
+    }

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from gptforge.errors import BadInput
-from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.io import write_json
+from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
 
 log = logging.getLogger("gptforge")
@@ -34,17 +34,31 @@ def index_path(name: str, root: str | os.PathLike = OUT_ROOT) -> Path:
     return Path(root) / name
 
 
-def index(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), synthetic_root: str | os.PathLike = "data/synthetic",
-          out_root: str | os.PathLike = OUT_ROOT, instruct_dir: str | os.PathLike = "data/instruct",
-          metrics_dir: str | os.PathLike = "metrics") -> dict:
+def index(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    synthetic_root: str | os.PathLike = "data/synthetic",
+    out_root: str | os.PathLike = OUT_ROOT,
+    instruct_dir: str | os.PathLike = "data/instruct",
+    metrics_dir: str | os.PathLike = "metrics",
+) -> dict:
     """Index `synthesize.documents[synthesize.only]` (every entry when `only` is null)."""
     from gptforge.synthesize.stage import selected_documents
 
     names = selected_documents(cfg.synthesize)
     metrics: dict[str, float] = {}
     for name in names:
-        got = steps(index_one, cfg, name, synthetic_root=synthetic_root, out_root=out_root,
-                    instruct_dir=instruct_dir, metrics_dir=metrics_dir)
+        got = steps(
+            index_one,
+            cfg,
+            name,
+            synthetic_root=synthetic_root,
+            out_root=out_root,
+            instruct_dir=instruct_dir,
+            metrics_dir=metrics_dir,
+        )
         metrics.update({f"{name}.{k}": v for k, v in got.items()} if len(names) > 1 else got)
         run.log_artifact(Path(metrics_dir) / f"index_{name}.json")
     run.log_metrics(metrics)
@@ -59,26 +73,47 @@ def index_one(cfg, name: str, *, synthetic_root, out_root, instruct_dir, metrics
     folder = Path(synthetic_root) / name
     chunks_file = folder / "chunks.jsonl"
     if not chunks_file.is_file():
-        raise BadInput(f"index {name}: {chunks_file} not found: run `gptforge synthesize -S synthesize.only={name}` "
-                       "first (stage synthesize@NAME)")
+        raise BadInput(
+            f"index {name}: {chunks_file} not found: run `gptforge synthesize -S synthesize.only={name}` "
+            "first (stage synthesize@NAME)"
+        )
     chunks = read_chunks(chunks_file)
     c = cfg.index
     t0 = time.perf_counter()
-    idx = build(chunks, index_path(name, out_root), name=name, chunks_sha256=file_sha256(chunks_file),
-                embedding_model=c.embedding_model, k1=c.k1, b=c.b)
+    idx = build(
+        chunks,
+        index_path(name, out_root),
+        name=name,
+        chunks_sha256=file_sha256(chunks_file),
+        embedding_model=c.embedding_model,
+        k1=c.k1,
+        b=c.b,
+    )
     seconds = time.perf_counter() - t0
     metrics: dict[str, float] = {"chunks": len(chunks), "build_seconds": seconds}
     pairs = _records(folder / "qa.jsonl")
     if not (folder / "qa.jsonl").is_file():
-        log.info("index %s: %s holds chunks only (no synthesized questions): retrieval quality not measured here",
-                 name, folder)
+        log.info(
+            "index %s: %s holds chunks only (no synthesized questions): retrieval quality not measured here",
+            name,
+            folder,
+        )
     metrics.update(retrieval_quality(idx, pairs))
     if cfg.data.instruct.source == f"synthetic://{name}":
         metrics.update(retrieval_quality(idx, _records(Path(instruct_dir) / "test.jsonl"), prefix="heldout_"))
     write_json(Path(metrics_dir) / f"index_{name}.json", metrics)
-    log.info("index %s: %d chunks (%s) in %.2f s; recall@1 %.3f, @5 %.3f, @10 %.3f, MRR %.3f over %d questions",
-             name, len(chunks), idx.method, seconds, metrics.get("recall_at_1", 0.0), metrics.get("recall_at_5", 0.0),
-             metrics.get("recall_at_10", 0.0), metrics.get("mrr", 0.0), metrics.get("questions", 0))
+    log.info(
+        "index %s: %d chunks (%s) in %.2f s; recall@1 %.3f, @5 %.3f, @10 %.3f, MRR %.3f over %d questions",
+        name,
+        len(chunks),
+        idx.method,
+        seconds,
+        metrics.get("recall_at_1", 0.0),
+        metrics.get("recall_at_5", 0.0),
+        metrics.get("recall_at_10", 0.0),
+        metrics.get("mrr", 0.0),
+        metrics.get("questions", 0),
+    )
     return metrics
 
 

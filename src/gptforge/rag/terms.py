@@ -19,7 +19,8 @@ _CJK_RUN = re.compile(rf"[{_CJK}]+")
 # The English stop words bm25s ships (its STOPWORDS_EN), inlined so a query costs no import.
 STOPWORDS = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their then there these "
-    "they this to was will with".split())
+    "they this to was will with".split()
+)
 
 VERSION = "words-cjk-bigrams-1"  # recorded in the index: a change here means rebuilding
 
@@ -28,7 +29,7 @@ def terms(text: str) -> list[str]:
     out: list[str] = []
     for token in _TOKEN.findall(text.lower()):
         if _CJK_RUN.fullmatch(token):
-            out += [token] if len(token) == 1 else [token[i:i + 2] for i in range(len(token) - 1)]
+            out += [token] if len(token) == 1 else [token[i : i + 2] for i in range(len(token) - 1)]
         elif token not in STOPWORDS:
             out.append(token)
     return out

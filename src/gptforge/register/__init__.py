@@ -77,8 +77,13 @@ def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
             values = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        found.update({f"{file}.{k}": float(v) for k, v in values.items()
-                      if k.startswith(prefix) and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        found.update(
+            {
+                f"{file}.{k}": float(v)
+                for k, v in values.items()
+                if k.startswith(prefix) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+        )
     return found
 
 
@@ -93,8 +98,13 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
         info = log_classifier(folder, tokenizer_path=None if backbone_is_hf else cfg.tokenizer.path, name=model)
         return info.model_uri
     if model == "reward":  # a sequence classifier: its one logit is the reward
-        uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE, task="text-classification",
-                               model_config={"function_to_apply": "none"})
+        uri = run.log_hf_model(
+            folder,
+            model,
+            input_example=PROMPT_EXAMPLE,
+            task="text-classification",
+            model_config={"function_to_apply": "none"},
+        )
     elif hf_source(str(folder)) is not None:
         uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE)
     else:  # a gptforge checkpoint: the transformers flavor takes its Hugging Face export
@@ -126,10 +136,14 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
     else:
         uri = log_model(model, folder, cfg, run)
         commit = run_context.git_commit()
-        tags = lineage.version_tags(stage=stage, weights_hash=weights, commit=commit,
-                                    lock=lineage.dvc_lock_hashes(stage),
-                                    run=lineage.training_run(client, cfg.tracking.experiment, stage),
-                                    metrics=metrics_of(model, metrics_dir))
+        tags = lineage.version_tags(
+            stage=stage,
+            weights_hash=weights,
+            commit=commit,
+            lock=lineage.dvc_lock_hashes(stage),
+            run=lineage.training_run(client, cfg.tracking.experiment, stage),
+            metrics=metrics_of(model, metrics_dir),
+        )
         import mlflow
 
         mv = mlflow.register_model(uri, name, tags=tags)
@@ -137,8 +151,9 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
         version, new = mv.version, True
         log.info("register %s: %s version %s (from %s)", model, name, version, folder)
     result = gate.check(model, cfg.registry.promote.get(model, {}), metrics_dir)
-    client.set_model_version_tag(name, version, "gptforge.gate",
-                                 "passed" if result.passed else "failed: " + "; ".join(result.reasons))
+    client.set_model_version_tag(
+        name, version, "gptforge.gate", "passed" if result.passed else "failed: " + "; ".join(result.reasons)
+    )
     alias = CHAMPION if result.passed else CHALLENGER
     client.set_registered_model_alias(name, alias, version)
     log.info("register %s: version %s is %s (%s)", model, version, alias, "; ".join(result.reasons))
@@ -152,11 +167,17 @@ def _versions(client, name: str) -> list:
 
 
 def write_report(path: str | Path, results: list[Registered], skipped: dict[str, str]) -> None:
-    lines = ["# Registered models", "", "| model | registered name | version | new | alias | gate |",
-             "| --- | --- | ---: | --- | --- | --- |"]
+    lines = [
+        "# Registered models",
+        "",
+        "| model | registered name | version | new | alias | gate |",
+        "| --- | --- | ---: | --- | --- | --- |",
+    ]
     for r in results:
-        lines.append(f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
-                     f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} |")
+        lines.append(
+            f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
+            f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} |"
+        )
     for model, why in skipped.items():
         lines.append(f"| {model} | | | not registered | | {why} |")
     if not results and not skipped:
@@ -165,8 +186,15 @@ def write_report(path: str | Path, results: list[Registered], skipped: dict[str,
         f.write("\n".join(lines) + "\n")
 
 
-def register(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_path="metrics/register.json",
-             report_path="reports/register.md", metrics_dir="metrics") -> dict:
+def register(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    metrics_path="metrics/register.json",
+    report_path="reports/register.md",
+    metrics_dir="metrics",
+) -> dict:
     """Stage `register`: see the module docstring. Returns the flat metrics it wrote."""
     unknown = sorted(set(cfg.registry.names) - set(MODELS))
     if unknown:
@@ -182,8 +210,9 @@ def register(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
     results: list[Registered] = []
     skipped: dict[str, str] = {}  # model -> why it could not be registered
     if not isinstance(run, tracking.MlflowRun):
-        log.warning("register: tracking is disabled (tracking.enabled: false): the registry is MLflow's, "
-                    "nothing registered")
+        log.warning(
+            "register: tracking is disabled (tracking.enabled: false): the registry is MLflow's, nothing registered"
+        )
     else:
         from mlflow.tracking import MlflowClient
 
@@ -199,8 +228,9 @@ def register(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), metrics_pa
                 skipped[model] = str(e)
     metrics: dict[str, float] = {}
     for r in results:
-        metrics.update({f"{r.model}.version": int(r.version), f"{r.model}.new": int(r.new),
-                        f"{r.model}.champion": int(r.passed)})
+        metrics.update(
+            {f"{r.model}.version": int(r.version), f"{r.model}.new": int(r.new), f"{r.model}.champion": int(r.passed)}
+        )
     write_report(report_path, results, skipped)
     tracking.publish_metrics(run, metrics, metrics_path)
     run.log_artifact(report_path)

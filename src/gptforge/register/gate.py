@@ -40,8 +40,10 @@ def parse_condition(text: str, param: str = "registry.promote") -> tuple[str, fl
     for anything else."""
     match = _CONDITION.fullmatch(text) if isinstance(text, str) else None
     if match is None:
-        raise BadInput(f"{param}: {text!r} is not a condition; expected an operator (>=, >, <=, <, ==) "
-                       "and a number, e.g. \">= 0.95\"")
+        raise BadInput(
+            f"{param}: {text!r} is not a condition; expected an operator (>=, >, <=, <, ==) "
+            'and a number, e.g. ">= 0.95"'
+        )
     return match.group(1), float(match.group(2))
 
 
@@ -54,8 +56,9 @@ def read_metric(key: str, metrics_dir: str | os.PathLike = "metrics") -> float:
         if path.is_file():
             break
     else:
-        raise MissingMetric(f"no metrics file for {key} (looked for {Path(metrics_dir) / parts[0]}.json "
-                            "and longer prefixes)")
+        raise MissingMetric(
+            f"no metrics file for {key} (looked for {Path(metrics_dir) / parts[0]}.json and longer prefixes)"
+        )
     name = ".".join(parts[cut:])
     try:
         metrics = json.loads(path.read_text(encoding="utf-8"))
@@ -85,7 +88,7 @@ def check(model: str, conditions: Mapping[str, str] | None, metrics_dir: str | o
             continue
         result.values[key] = value
         ok = OPERATORS[op](value, threshold)
-        written = conditions[key].strip()[len(op):].strip()  # the threshold as the user wrote it
+        written = conditions[key].strip()[len(op) :].strip()  # the threshold as the user wrote it
         result.reasons.append(f"{key} {value:.4f} {op} {written}: {'ok' if ok else 'not met'}")
         result.passed = result.passed and ok
     return result

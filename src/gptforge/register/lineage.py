@@ -74,16 +74,24 @@ def training_run(client, experiment_name: str, stage: str) -> tuple[str, dict[st
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
         return None
-    runs = client.search_runs([experiment.experiment_id],
-                              f"tags.`dvc.stage` = '{stage}' and attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        f"tags.`dvc.stage` = '{stage}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     return (runs[0].info.run_id, dict(runs[0].data.tags)) if runs else None
 
 
-def version_tags(*, stage: str, weights_hash: str | None = None, commit: str | None = None,
-                 lock: Mapping[str, Mapping[str, str]] | None = None,
-                 run: tuple[str, Mapping[str, str]] | None = None,
-                 metrics: Mapping[str, float] | None = None) -> dict[str, str]:
+def version_tags(
+    *,
+    stage: str,
+    weights_hash: str | None = None,
+    commit: str | None = None,
+    lock: Mapping[str, Mapping[str, str]] | None = None,
+    run: tuple[str, Mapping[str, str]] | None = None,
+    metrics: Mapping[str, float] | None = None,
+) -> dict[str, str]:
     """The tags of a model version, all strings, absent values left out: `weights_hash` (from
     folder_hash), `lock` (from dvc_lock_hashes), `run` (from training_run; its `git.commit` and
     `prefect.flow_run_id` tags), `commit` (wins over the run's) and `metrics` (metric key ->
@@ -106,7 +114,11 @@ def version_tags(*, stage: str, weights_hash: str | None = None, commit: str | N
 def description(stage: str, commit: str | None) -> str:
     """How to reproduce a version: the DVC stage at its git commit."""
     if not commit:
-        return (f"Made by DVC stage `{stage}` at an unknown git commit. Reproduce: `dvc repro {stage}` "
-                "(the data and weights hashes are in the tags).")
-    return (f"Made by DVC stage `{stage}` at git commit `{commit}`. Reproduce: `git checkout {commit} && "
-            f"dvc repro {stage}` (the data and weights hashes are in the tags).")
+        return (
+            f"Made by DVC stage `{stage}` at an unknown git commit. Reproduce: `dvc repro {stage}` "
+            "(the data and weights hashes are in the tags)."
+        )
+    return (
+        f"Made by DVC stage `{stage}` at git commit `{commit}`. Reproduce: `git checkout {commit} && "
+        f"dvc repro {stage}` (the data and weights hashes are in the tags)."
+    )

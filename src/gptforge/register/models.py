@@ -33,11 +33,14 @@ def _client(uri: str):
     """An MlflowClient for `uri`, or None for a SQLite store whose file does not exist (reading
     must not create an empty database)."""
     if uri.startswith("sqlite:///"):
-        db = uri[len("sqlite:///"):].split("?", 1)[0]
+        db = uri[len("sqlite:///") :].split("?", 1)[0]
         if db and db != ":memory:" and not Path(db).is_file():
             return None
-    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")):
+    for name, value in (
+        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
+        ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"),
+    ):
         os.environ.setdefault(name, value)
     mlflow = tracking._import_mlflow()
     return mlflow.tracking.MlflowClient(tracking_uri=uri)  # the registry: MLFLOW_REGISTRY_URI, else this
@@ -57,10 +60,14 @@ def _registry_errors(uri: str) -> Iterator[None]:
         while cause is not None:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__
-        if any(isinstance(c, (requests.ConnectionError, requests.Timeout)) for c in chain) \
-                or "timeout exception" in e.message:
-            raise SourceUnreachable(f"the MLflow tracking server {uri} cannot be reached: start it, or set "
-                                    f"MLFLOW_TRACKING_URI to one that runs ({type(chain[-1]).__name__})") from e
+        if (
+            any(isinstance(c, (requests.ConnectionError, requests.Timeout)) for c in chain)
+            or "timeout exception" in e.message
+        ):
+            raise SourceUnreachable(
+                f"the MLflow tracking server {uri} cannot be reached: start it, or set "
+                f"MLFLOW_TRACKING_URI to one that runs ({type(chain[-1]).__name__})"
+            ) from e
         if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise BadInput(e.message) from e
         raise
@@ -80,8 +87,9 @@ def _model(client, name: str, uri: str):
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
     known = sorted(m.name for m in _paged(client.search_registered_models, max_results=100))
-    raise BadInput(f"no registered model {name!r} in {uri}; registered: {', '.join(known) or 'none'} "
-                   f"({HOW_TO_REGISTER})")
+    raise BadInput(
+        f"no registered model {name!r} in {uri}; registered: {', '.join(known) or 'none'} ({HOW_TO_REGISTER})"
+    )
 
 
 def _metrics(tags: dict[str, str], model_key: str | None, gate_keys) -> str:
@@ -90,10 +98,10 @@ def _metrics(tags: dict[str, str], model_key: str | None, gate_keys) -> str:
     for tag, value in tags.items():
         if not tag.startswith("metric."):
             continue
-        rest = tag[len("metric."):]
+        rest = tag[len("metric.") :]
         key = rest.split(".", 1)[1] if "." in rest else rest  # without the metrics file
         if model_key and key.startswith(f"{model_key}."):
-            key = key[len(model_key) + 1:]  # evaluate.json's `<model>.` prefix
+            key = key[len(model_key) + 1 :]  # evaluate.json's `<model>.` prefix
         short[rest] = (key, value)
     wanted = [rest for rest in gate_keys if rest in short]
     wanted += [rest for k in KEY_METRICS for rest, (key, _) in short.items() if key == k and rest not in wanted]
@@ -130,8 +138,10 @@ def list_models(cfg, name: str | None = None) -> list[tuple[str, ...]]:
             models = [_model(client, _resolve(cfg, name), uri)]
         else:
             order = list(keys)
-            models = sorted(_paged(client.search_registered_models, max_results=100),
-                            key=lambda m: (order.index(m.name) if m.name in order else len(order), m.name))
+            models = sorted(
+                _paged(client.search_registered_models, max_results=100),
+                key=lambda m: (order.index(m.name) if m.name in order else len(order), m.name),
+            )
         rows = []
         for model in models:
             by_version: dict[str, list[str]] = {}
@@ -142,9 +152,16 @@ def list_models(cfg, name: str | None = None) -> list[tuple[str, ...]]:
             versions = client.search_model_versions(f"name = '{model.name}'")
             for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
                 created = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.creation_timestamp / 1000))
-                rows.append((model.name, str(v.version), ",".join(by_version.get(str(v.version), [])) or "-",
-                             created, v.tags.get("gptforge.gate", "-"),
-                             _metrics(v.tags, key, gate_keys) or "-"))
+                rows.append(
+                    (
+                        model.name,
+                        str(v.version),
+                        ",".join(by_version.get(str(v.version), [])) or "-",
+                        created,
+                        v.tags.get("gptforge.gate", "-"),
+                        _metrics(v.tags, key, gate_keys) or "-",
+                    )
+                )
     return rows
 
 
@@ -174,8 +191,10 @@ def promote(cfg, name: str, version: str, alias: str = "champion") -> str:
         model = _model(client, name, uri)
         versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
         if int(version) not in versions:
-            raise BadInput(f"{name} has no version {version}; its versions: "
-                           f"{', '.join(map(str, versions)) or 'none'} (gptforge models list --name {name})")
+            raise BadInput(
+                f"{name} has no version {version}; its versions: "
+                f"{', '.join(map(str, versions)) or 'none'} (gptforge models list --name {name})"
+            )
         before = (model.aliases or {}).get(alias)
         client.set_registered_model_alias(name, alias, version)
     if before is None:

@@ -63,8 +63,9 @@ class SpamClassifierModel(PythonModel):
         texts = input_texts(model_input)
         probs = class_probabilities(self.classifier, texts, self.enc)
         labels = [self.classifier.labels[i] for i in probs.argmax(-1).tolist()]
-        return pd.DataFrame({"label": pd.Series(labels, dtype=object),
-                             "spam_probability": probs[:, POSITIVE].double().numpy()})
+        return pd.DataFrame(
+            {"label": pd.Series(labels, dtype=object), "spam_probability": probs[:, POSITIVE].double().numpy()}
+        )
 
 
 def log_classifier(folder: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None, name: str = "model"):
@@ -87,6 +88,11 @@ def log_classifier(folder: str | os.PathLike, *, tokenizer_path: str | os.PathLi
     # column named `text` (what the DataFrame gives) makes MLflow refuse lists and Series.
     signature = infer_signature(INPUT_EXAMPLE["text"], loaded.predict(None, example))
     packages = ("mlflow", "torch", "tiktoken", "safetensors") + (("transformers",) if hf else ())
-    return mlflow.pyfunc.log_model(name=name, python_model=SpamClassifierModel(), artifacts=artifacts,
-                                   signature=signature, input_example=example,
-                                   pip_requirements=pinned_requirements(*packages))
+    return mlflow.pyfunc.log_model(
+        name=name,
+        python_model=SpamClassifierModel(),
+        artifacts=artifacts,
+        signature=signature,
+        input_example=example,
+        pip_requirements=pinned_requirements(*packages),
+    )

@@ -46,7 +46,10 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    ok = (mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
-          and mallopt(_M_TOP_PAD, 1 << 28) == 1)
+    ok = (
+        mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+        and mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
+        and mallopt(_M_TOP_PAD, 1 << 28) == 1
+    )
     _done = ok
     return ok

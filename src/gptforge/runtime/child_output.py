@@ -87,7 +87,7 @@ class ChildOutput:
         if m and (start < 0 or m.start() < start):  # a worker's gptforge log line: its level, not its prefix
             start, level, message = m.start(), logging.getLevelName(m.group(1)), m.group(2)
         elif start >= 0:
-            level, message = logging.ERROR, line[start + len(_ERROR_PREFIX):]
+            level, message = logging.ERROR, line[start + len(_ERROR_PREFIX) :]
             self.last_error = message
         else:
             start = 0

@@ -97,14 +97,16 @@ class Journal:
         self.closed = False
 
     def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, "time": time.time(), **fields}, default=str, allow_nan=False,
-                          ensure_ascii=False) + "\n"
+        line = (
+            json.dumps({"kind": kind, "time": time.time(), **fields}, default=str, allow_nan=False, ensure_ascii=False)
+            + "\n"
+        )
         data = line.encode("utf-8")
         with self._lock:
             if self.closed:
                 return
             while data:
-                data = data[os.write(self._fd, data):]
+                data = data[os.write(self._fd, data) :]
 
     def keep_file(self, path: str | os.PathLike) -> str:
         """A copy of `path` (file or folder) in the journal's files folder, as it is now;
@@ -141,8 +143,9 @@ class Journal:
                 os.close(self._fd)
 
 
-def read_records(path: str | os.PathLike, offset: int = 0,
-                 on_bad_line: Callable[[bytes], None] | None = None) -> tuple[list[dict], int]:
+def read_records(
+    path: str | os.PathLike, offset: int = 0, on_bad_line: Callable[[bytes], None] | None = None
+) -> tuple[list[dict], int]:
     """The complete records of a journal from byte `offset` on, and the offset after the last
     complete one (a cut last line is left for later, or for never). A line that is not JSON (a
     damaged file) raises ValueError, or goes to `on_bad_line` and is passed over."""

@@ -57,11 +57,22 @@ def hold(name: str, what: str, root: Path = Path(".")) -> Iterator[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Busy(f"{what} is already running in {root.resolve()}{_holder(path)}; "
-                       "wait for it to finish (or stop it) and run again") from None
+            raise Busy(
+                f"{what} is already running in {root.resolve()}{_holder(path)}; "
+                "wait for it to finish (or stop it) and run again"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                                 "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:])}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.time(),
+                    "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:]),
+                }
+            ).encode(),
+        )
         _HELD.add(path)
         try:
             yield path
@@ -95,12 +106,15 @@ def check_dvc_idle(root: Path = Path(".")) -> None:
         table = json.loads(rwlock.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         table = {}
-    holders = list((table.get("write") or {}).values()) + [i for infos in (table.get("read") or {}).values()
-                                                           for i in infos]
+    holders = list((table.get("write") or {}).values()) + [
+        i for infos in (table.get("read") or {}).values() for i in infos
+    ]
     for info in holders:
         if isinstance(info, dict) and isinstance(info.get("pid"), int) and _alive(info["pid"]):
-            raise Busy(f"a DVC command is running in {root.resolve()} (pid {info['pid']}: {info.get('cmd', '?')}); "
-                       "wait for it to finish and run again")
+            raise Busy(
+                f"a DVC command is running in {root.resolve()} (pid {info['pid']}: {info.get('cmd', '?')}); "
+                "wait for it to finish and run again"
+            )
     path = root / DVC_LOCK
     if not path.exists():
         return
@@ -110,8 +124,11 @@ def check_dvc_idle(root: Path = Path(".")) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = path.read_text(errors="replace").strip()
-            raise Busy(f"a DVC command is running in {root.resolve()}" + (f" (pid {pid})" if pid else "")
-                       + "; wait for it to finish and run again") from None
+            raise Busy(
+                f"a DVC command is running in {root.resolve()}"
+                + (f" (pid {pid})" if pid else "")
+                + "; wait for it to finish and run again"
+            ) from None
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_ENV = "GPTFORGE_PARENT_RUN_ID"

@@ -144,8 +144,11 @@ class Outbox:
             if r.kind in self._batched:
                 del self._queue[i]
                 if not sum(self.overflowed.values()):
-                    log.warning("%d values wait for %s: dropping the oldest metrics from now on (counted)",
-                                self.capacity, self.label)
+                    log.warning(
+                        "%d values wait for %s: dropping the oldest metrics from now on (counted)",
+                        self.capacity,
+                        self.label,
+                    )
                 self.overflowed[r.kind] += r.size
                 self._values -= r.size
                 return True
@@ -160,8 +163,7 @@ class Outbox:
             group = [first]
             if first.kind in self._batched:
                 total = first.size
-                while (self._queue and self._queue[0].kind == first.kind
-                       and total + self._queue[0].size <= self.batch):
+                while self._queue and self._queue[0].kind == first.kind and total + self._queue[0].size <= self.batch:
                     total += self._queue[0].size
                     group.append(self._queue.popleft())
             self._inflight = group
@@ -195,8 +197,9 @@ class Outbox:
                         # is coming, and a warning after it would not be the last word.
                         if self.failing_since is None and not self._closed:
                             self.failing_since = started
-                            log.warning("%s is unreachable (%s); keeping what the run logs and retrying",
-                                        self.label, reason)
+                            log.warning(
+                                "%s is unreachable (%s); keeping what the run logs and retrying", self.label, reason
+                            )
                         self.last_error = reason
                     self._wait(self._poke, delay)
                     self._poke.clear()
@@ -215,9 +218,12 @@ class Outbox:
                 continue
             with self._cond:
                 if self.failing_since is not None:
-                    log.warning("%s is reachable again after %.0f s; sending the %d records kept meanwhile",
-                                self.label, self._clock() - self.failing_since,
-                                len(self._queue) + len(self._inflight))
+                    log.warning(
+                        "%s is reachable again after %.0f s; sending the %d records kept meanwhile",
+                        self.label,
+                        self._clock() - self.failing_since,
+                        len(self._queue) + len(self._inflight),
+                    )
                     self.failing_since = None
                 self.sent[kind] += sum(r.size for r in group)
                 self._done(group)

@@ -82,5 +82,12 @@ def _ask_host(path: Path, root: Path) -> bool:
 
 def _spawn(root: Path, args: list[str]) -> None:
     with open(root / RECORDER_DIR / "recorder.out", "ab") as out:
-        subprocess.Popen([sys.executable, "-m", *args], cwd=root, stdin=subprocess.DEVNULL,
-                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=root,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )

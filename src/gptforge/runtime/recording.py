@@ -84,8 +84,13 @@ class JournalRun:
         if not path.exists():
             return
         is_dir = path.is_dir()
-        self.journal.write("artifact", run=self.key, path=self.journal.keep_file(path), is_dir=is_dir,
-                           artifact_path=artifact_path or (path.name if is_dir else None))
+        self.journal.write(
+            "artifact",
+            run=self.key,
+            path=self.journal.keep_file(path),
+            is_dir=is_dir,
+            artifact_path=artifact_path or (path.name if is_dir else None),
+        )
 
     def log_text(self, text: str, name: str) -> None:
         self.journal.write("text", run=self.key, name=name, text=text)
@@ -96,8 +101,9 @@ class JournalRun:
 
     def log_hf_model(self, folder: str | os.PathLike, name: str = "model", **flavor_kwargs: Any) -> str | None:
         """Logged by the recorder from `folder` (MLflow's transformers flavor); no URI here."""
-        self.journal.write("hf_model", run=self.key, folder=str(Path(folder).resolve()), name=name,
-                           flavor_kwargs=flavor_kwargs)
+        self.journal.write(
+            "hf_model", run=self.key, folder=str(Path(folder).resolve()), name=name, flavor_kwargs=flavor_kwargs
+        )
         return None
 
     def mark_failed(self) -> None:
@@ -111,14 +117,20 @@ _run_keys = itertools.count(1)
 
 
 @contextlib.contextmanager
-def journal_run(journal: Journal, *, name: str, params: Mapping[str, Any] | None, tags: Mapping[str, Any],
-                system_metrics: bool) -> Iterator[JournalRun]:
+def journal_run(
+    journal: Journal, *, name: str, params: Mapping[str, Any] | None, tags: Mapping[str, Any], system_metrics: bool
+) -> Iterator[JournalRun]:
     """One MLflow run as records: the stage's own ("main"), or nested under the innermost open one."""
     from gptforge.runtime.signals import stop_cause
 
     key = "main" if not _runs else f"run-{next(_run_keys)}"
-    journal.write("run_start", run=key, name=name, parent=_runs[-1].key if _runs else None,
-                  tags={k: str(v) for k, v in tags.items() if v is not None})
+    journal.write(
+        "run_start",
+        run=key,
+        name=name,
+        parent=_runs[-1].key if _runs else None,
+        tags={k: str(v) for k, v in tags.items() if v is not None},
+    )
     run = JournalRun(journal, key)
     _runs.append(run)
     monitor = None
@@ -171,8 +183,9 @@ class JournalSteps(Steps):
 
     def retrying(self, fn: Callable, error: Exception, attempt: int, retries: int, delay: float) -> None:
         super().retrying(fn, error, attempt, retries, delay)
-        self.journal.write("step_retry", step=_step.get(), attempt=attempt, delay=delay,
-                           message=f"{type(error).__name__}: {error}")
+        self.journal.write(
+            "step_retry", step=_step.get(), attempt=attempt, delay=delay, message=f"{type(error).__name__}: {error}"
+        )
 
 
 class _ToJournal(logging.Handler):
@@ -184,8 +197,9 @@ class _ToJournal(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.journal.write("log", step=_step.get(), level=record.levelno, logger=record.name,
-                               message=record.getMessage())
+            self.journal.write(
+                "log", step=_step.get(), level=record.levelno, logger=record.name, message=record.getMessage()
+            )
         except Exception:  # noqa: BLE001 - a log line never fails the stage
             self.handleError(record)
 
@@ -199,15 +213,28 @@ def mlflow_target(experiment: str) -> dict[str, Any]:
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):].split("?", 1)[0]).resolve())
-    return {"enabled": True, "uri": uri, "experiment": experiment, "artifact_location": artifact_location(uri),
-            "parent_run_id": os.environ.get(PARENT_ENV) or None}
+        uri = "sqlite:///" + str(Path(uri[len("sqlite:///") :].split("?", 1)[0]).resolve())
+    return {
+        "enabled": True,
+        "uri": uri,
+        "experiment": experiment,
+        "artifact_location": artifact_location(uri),
+        "parent_run_id": os.environ.get(PARENT_ENV) or None,
+    }
 
 
 @contextlib.contextmanager
-def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[str, Any], prefect: bool,
-             mlflow: bool, experiment: str | None = None,
-             folder: str | os.PathLike = RECORDS_DIR) -> Iterator[JournalSteps | None]:
+def recorded(
+    *,
+    stage: str,
+    flow_name: str,
+    summary: str,
+    parameters: Mapping[str, Any],
+    prefect: bool,
+    mlflow: bool,
+    experiment: str | None = None,
+    folder: str | os.PathLike = RECORDS_DIR,
+) -> Iterator[JournalSteps | None]:
     """Around one stage run: its journal open, the recorder running, its log lines recorded.
     Yields the steps to run the recipe with (task runs) when Prefect records it, else None.
     `experiment` is the MLflow experiment of a run with `mlflow`."""
@@ -216,12 +243,23 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
     from gptforge.runtime.signals import stop_cause, stop_signal
 
     journal = Journal(folder, new_key(stage))
-    journal.write("open", stage=stage, flow_name=flow_name, summary=summary, parameters=dict(parameters),
-                  pid=os.getpid(), pid_start=process_start(os.getpid()), cwd=os.getcwd(),
-                  prefect={"enabled": prefect, "api_url": os.environ.get("PREFECT_API_URL") or None,
-                           "parent_flow_run_id": os.environ.get(PIPELINE_FLOW_ENV) or None,
-                           "parent_journal": os.environ.get(PIPELINE_JOURNAL_ENV) or None},
-                  mlflow=mlflow_target(experiment) if mlflow else {"enabled": False})
+    journal.write(
+        "open",
+        stage=stage,
+        flow_name=flow_name,
+        summary=summary,
+        parameters=dict(parameters),
+        pid=os.getpid(),
+        pid_start=process_start(os.getpid()),
+        cwd=os.getcwd(),
+        prefect={
+            "enabled": prefect,
+            "api_url": os.environ.get("PREFECT_API_URL") or None,
+            "parent_flow_run_id": os.environ.get(PIPELINE_FLOW_ENV) or None,
+            "parent_journal": os.environ.get(PIPELINE_JOURNAL_ENV) or None,
+        },
+        mlflow=mlflow_target(experiment) if mlflow else {"enabled": False},
+    )
     ensure_recorder(Path(folder).parent.parent)
     handler = _ToJournal(journal) if prefect else None
     if handler is not None:
@@ -254,8 +292,9 @@ def recorded(*, stage: str, flow_name: str, summary: str, parameters: Mapping[st
         if not stopped:
             wait = float(os.environ.get(WAIT_ENV) or 0)
             if wait > 0 and not wait_delivered([journal.path], wait):
-                log.warning("the recorder has not delivered %s within %g s; it goes on in the background",
-                            journal.path, wait)
+                log.warning(
+                    "the recorder has not delivered %s within %g s; it goes on in the background", journal.path, wait
+                )
 
 
 def own_prefect_url(root: str | os.PathLike = ".") -> str | None:

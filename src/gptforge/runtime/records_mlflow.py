@@ -136,8 +136,9 @@ class MlflowSink:
         tags = {str(k): str(v) for k, v in (rec.get("tags") or {}).items() if v is not None}
         parent = conf.get("parent_run_id") if rec.get("parent") is None else state["runs"].get(rec["parent"])
         if rec.get("parent") is not None and parent is None:
-            log.warning("journal %s: MLflow run %r made at the top: its parent %r was not recorded", d.key, run,
-                        rec["parent"])
+            log.warning(
+                "journal %s: MLflow run %r made at the top: its parent %r was not recorded", d.key, run, rec["parent"]
+            )
         if parent:
             tags["mlflow.parentRunId"] = parent
         if run == "main" and state.get("flow_run_id"):
@@ -191,13 +192,15 @@ class MlflowSink:
                     if isinstance(value, bool) or not isinstance(value, (int, float)):
                         continue
                     metrics.append(Metric(metric_name(str(name)), float(value), stamp, step))
-        chunks = [("params", [Param(k, v) for k, v in params.items()], MAX_PARAMS_TAGS_PER_BATCH),
-                  ("params", again, 1),
-                  ("tags", [RunTag(k, v) for k, v in tags.items()], MAX_PARAMS_TAGS_PER_BATCH),
-                  ("metrics", metrics, MAX_METRICS_PER_BATCH)]
+        chunks = [
+            ("params", [Param(k, v) for k, v in params.items()], MAX_PARAMS_TAGS_PER_BATCH),
+            ("params", again, 1),
+            ("tags", [RunTag(k, v) for k, v in tags.items()], MAX_PARAMS_TAGS_PER_BATCH),
+            ("metrics", metrics, MAX_METRICS_PER_BATCH),
+        ]
         for kind, entities, size in chunks:
             for i in range(0, len(entities), size):
-                self._send_batch(client, run_id, kind, entities[i:i + size])
+                self._send_batch(client, run_id, kind, entities[i : i + size])
 
     def _send_batch(self, client, run_id: str, kind: str, entities: list) -> None:
         """One log_batch; refused for good: each value alone, and those refused named in a
@@ -233,7 +236,8 @@ class MlflowSink:
         mlflow.set_tracking_uri(uri)
         active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
         try:
-            MlflowRun(mlflow, active, uri=uri).log_hf_model(rec["folder"], rec.get("name") or "model",
-                                                            **(rec.get("flavor_kwargs") or {}))
+            MlflowRun(mlflow, active, uri=uri).log_hf_model(
+                rec["folder"], rec.get("name") or "model", **(rec.get("flavor_kwargs") or {})
+            )
         finally:
             _leave_active_run(mlflow, run_id)

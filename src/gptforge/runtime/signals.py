@@ -65,8 +65,10 @@ def stop_requested() -> Iterator[StopRequest]:
             raise KeyboardInterrupt  # asked twice: stop now
         request.signum = signum
         arm_stop_deadline(signum)
-        log.warning("%s received: stopping after this step, with a checkpoint (send it again to stop at once)",
-                    signal.Signals(signum).name)
+        log.warning(
+            "%s received: stopping after this step, with a checkpoint (send it again to stop at once)",
+            signal.Signals(signum).name,
+        )
 
     for sig in SIGNALS:
         signal.signal(sig, handler)
@@ -103,8 +105,9 @@ def forwarded_to(proc: subprocess.Popen, grace: float = GROUP_GRACE_SECONDS) -> 
     if threading.current_thread() is threading.main_thread():  # signal handlers live there only
         for sig in SIGNALS:
             previous[sig] = signal.signal(sig, forward)
-    watchdog = threading.Thread(target=_kill_after_deadline, args=(proc, deadline), daemon=True,
-                                name="gptforge-stop-deadline")
+    watchdog = threading.Thread(
+        target=_kill_after_deadline, args=(proc, deadline), daemon=True, name="gptforge-stop-deadline"
+    )
     watchdog.start()
     try:
         yield received
@@ -186,7 +189,7 @@ def _proc_stat(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def _start_time(pid: int) -> str | None:
@@ -270,12 +273,12 @@ def _redelivering(previous):
     (seen when SIGTERM met a garbage collection during the benchmark). The same signal is sent
     again, a moment later, to be raised where the program is; other unraisables go on to the
     hook that was in place."""
+
     def hook(unraisable) -> None:
         signum = stop_signal(unraisable.exc_value) if unraisable.exc_value is not None else None
         if signum is None:
             return previous(unraisable)
-        log.debug("a stop (%s) was raised where Python drops exceptions; sending it again",
-                  signal.Signals(signum).name)
+        log.debug("a stop (%s) was raised where Python drops exceptions; sending it again", signal.Signals(signum).name)
         again = threading.Timer(0.01, os.kill, args=(os.getpid(), signum))
         again.daemon = True
         again.start()
@@ -298,15 +301,19 @@ def arm_stop_deadline(signum: int, seconds: float | None = None) -> None:
         return
     _stop_deadline.set()
     seconds = STOP_GRACE_SECONDS if seconds is None else seconds
-    exit_within(seconds, 128 + signum,
-                f"\ngptforge: stopped by {signal.Signals(signum).name}: still busy {seconds:g} s after it (a checkpoint "
-                "being written, or records for a server that does not answer): exiting now, unsaved work and unsent "
-                "records are dropped")
+    exit_within(
+        seconds,
+        128 + signum,
+        f"\ngptforge: stopped by {signal.Signals(signum).name}: still busy {seconds:g} s after it (a checkpoint "
+        "being written, or records for a server that does not answer): exiting now, unsaved work and unsent "
+        "records are dropped",
+    )
 
 
 def exit_within(seconds: float, code: int, message: str) -> None:
     """End the process with `code` at most `seconds` from now, whatever is still running, saying
     `message` first; a process that ends sooner never hears of it (a daemon timer)."""
+
     def expire() -> None:
         with contextlib.suppress(Exception):
             sys.stderr.write(message + "\n")

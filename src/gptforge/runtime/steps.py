@@ -32,8 +32,7 @@ class Retry:
 def retryable(exc: BaseException) -> bool:
     """Bad input does not get better by trying again, nor does an error that says so
     (`retryable = False`, e.g. an HTTP 404); everything else may (network, disk)."""
-    return (isinstance(exc, Exception) and not isinstance(exc, BadInput)
-            and getattr(exc, "retryable", True))
+    return isinstance(exc, Exception) and not isinstance(exc, BadInput) and getattr(exc, "retryable", True)
 
 
 class Steps:
@@ -51,8 +50,15 @@ class Steps:
 
     def retrying(self, fn: Callable, error: Exception, attempt: int, retries: int, delay: float) -> None:
         """Said before retry `attempt` of `retries`, `delay` seconds from now."""
-        log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", fn.__name__, type(error).__name__, error,
-                    attempt, retries, delay)
+        log.warning(
+            "%s failed (%s: %s); retry %d/%d in %.1fs",
+            fn.__name__,
+            type(error).__name__,
+            error,
+            attempt,
+            retries,
+            delay,
+        )
 
 
 DIRECT = Steps()

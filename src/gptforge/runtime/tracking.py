@@ -46,8 +46,11 @@ DROPPED_TAG = "gptforge.tracking.dropped_records"
 # MLflow's own HTTP retries (7, with exponential backoff: minutes) would hold every request to a
 # server that is down; the outbox retries instead, so each request gives up after a few seconds.
 # Set with setdefault: a value the user exported wins.
-HTTP_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+HTTP_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
 _RETRY_STATUS = (408, 429)
 OUTBOX_THREAD = "gptforge-mlflow"
 
@@ -102,8 +105,13 @@ class MlflowRun(NullRun):
         if buffered:
             from gptforge.runtime.outbox import Outbox
 
-            self._outbox = Outbox(self._send, retryable=retryable, describe=describe_failure,
-                                  label=f"MLflow server at {uri}", name=f"{OUTBOX_THREAD}-{self.run_id[:8]}")
+            self._outbox = Outbox(
+                self._send,
+                retryable=retryable,
+                describe=describe_failure,
+                label=f"MLflow server at {uri}",
+                name=f"{OUTBOX_THREAD}-{self.run_id[:8]}",
+            )
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if clean := clean_params(params):
@@ -185,14 +193,17 @@ class MlflowRun(NullRun):
         left = outbox.close(max(0.0, deadline - time.monotonic()))
         if left:
             if outbox.failing_since is not None:
-                why = (f"was unreachable for the last {time.monotonic() - outbox.failing_since:.0f} s (waited "
-                       f"{timeout:.0f} s; last error: {outbox.last_error})")
+                why = (
+                    f"was unreachable for the last {time.monotonic() - outbox.failing_since:.0f} s (waited "
+                    f"{timeout:.0f} s; last error: {outbox.last_error})"
+                )
             else:  # its request since the server went is still in MLflow's own retries: no failure seen yet
                 why = f"did not answer (waited {timeout:.0f} s; a request was still in flight)"
             items = " and ".join(x for x in (_counts(left), f"its status {status}" if "end" in left else "") if x)
             dropped = f"; earlier, {_dropped_note(outbox)}" if outbox.dropped else ""
-            log.warning("MLflow: run %s could not record %s: the server at %s %s%s", self.run_id, items, self.uri,
-                        why, dropped)
+            log.warning(
+                "MLflow: run %s could not record %s: the server at %s %s%s", self.run_id, items, self.uri, why, dropped
+            )
         elif outbox.dropped:
             log.warning("MLflow: run %s is recorded but %s (tag %s)", self.run_id, _dropped_note(outbox), DROPPED_TAG)
 
@@ -237,12 +248,22 @@ class MlflowRun(NullRun):
                 model = AutoModelForSequenceClassification.from_pretrained(str(folder))
                 tokenizer = AutoTokenizer.from_pretrained(str(folder))
             readme = folder / "README.md"
-            card = (huggingface_hub.ModelCard.load(readme) if readme.is_file() else
-                    huggingface_hub.ModelCard(f"# {folder.name}\n\nA Hugging Face causal LM logged by gptforge "
-                                              f"{gptforge.__version__} from {folder}.\n"))
+            card = (
+                huggingface_hub.ModelCard.load(readme)
+                if readme.is_file()
+                else huggingface_hub.ModelCard(
+                    f"# {folder.name}\n\nA Hugging Face causal LM logged by gptforge "
+                    f"{gptforge.__version__} from {folder}.\n"
+                )
+            )
             info = self._mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
-                pip_requirements=pinned_requirements("transformers", "torch", "accelerate"), model_card=card, **flavor_kwargs)
+                transformers_model={"model": model, "tokenizer": tokenizer},
+                name=name,
+                task=task,
+                pip_requirements=pinned_requirements("transformers", "torch", "accelerate"),
+                model_card=card,
+                **flavor_kwargs,
+            )
         except Exception as e:  # noqa: BLE001 - any failure of the flavor: warn, never fail the stage
             reason = " ".join(f"{type(e).__name__}: {e}".split())
             log.warning("MLflow: %s not logged as a transformers model (%.300s)", folder, reason)
@@ -262,8 +283,14 @@ def retryable(e: BaseException) -> bool:
         seen.add(id(e))
         chain.append(e)
         e = e.__cause__ or e.__context__
-    network = (requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError,
-               requests.exceptions.ChunkedEncodingError, ConnectionError, TimeoutError)
+    network = (
+        requests.ConnectionError,
+        requests.Timeout,
+        requests.exceptions.RetryError,
+        requests.exceptions.ChunkedEncodingError,
+        ConnectionError,
+        TimeoutError,
+    )
     if any(isinstance(x, network) for x in chain):
         return True
     for x in chain:
@@ -389,8 +416,9 @@ def start_run(
 
     journal = runs_journal()
     if journal is not None:  # a recorded stage: its runs are records, the recorder makes them
-        with journal_run(journal, name=stage, params=params, tags=run_tags(stage, tags),
-                         system_metrics=system_metrics) as run:
+        with journal_run(
+            journal, name=stage, params=params, tags=run_tags(stage, tags), system_metrics=system_metrics
+        ) as run:
             yield run
         return
     try:
@@ -415,8 +443,10 @@ def start_run(
         if server and retryable(e):  # down at the start: say so in one line, not a retry traceback
             from gptforge.errors import StageFailed
 
-            raise StageFailed(f"MLflow tracking server at {uri} is unreachable; start it, or set "
-                              f"tracking.enabled=false ({describe_failure(e)})") from e
+            raise StageFailed(
+                f"MLflow tracking server at {uri} is unreachable; start it, or set "
+                f"tracking.enabled=false ({describe_failure(e)})"
+            ) from e
         raise
 
     all_tags = run_tags(stage, tags)
@@ -425,8 +455,7 @@ def start_run(
     # (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) still turns them on for every stage.
     from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
 
-    active = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None,
-                              log_system_metrics=False)
+    active = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, log_system_metrics=False)
     run = MlflowRun(mlflow, active, uri=uri, buffered=server)
     if system_metrics or MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get():
         run._monitor = start_system_metrics(run)
@@ -470,13 +499,22 @@ def child_runs(parent_run_id: str) -> dict[str, tuple[str, str | None]]:
         mlflow = _import_mlflow()
         client = mlflow.tracking.MlflowClient(tracking_uri())
         experiments = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(experiments, f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                  order_by=["attributes.start_time ASC"], max_results=1000)
+        runs = client.search_runs(
+            experiments,
+            f"tags.mlflow.parentRunId = '{parent_run_id}'",
+            order_by=["attributes.start_time ASC"],
+            max_results=1000,
+        )
     except Exception as e:  # tracking off, mlflow missing, or its store unreachable
         log.debug("no child runs of %s: %s", parent_run_id, e)
         return {}
-    return {(r.data.tags.get("dvc.stage") or r.data.tags.get("gptforge.stage", r.info.run_name)):
-            (r.info.run_id, run_url(r.info.run_id, r.info.experiment_id)) for r in runs}
+    return {
+        (r.data.tags.get("dvc.stage") or r.data.tags.get("gptforge.stage", r.info.run_name)): (
+            r.info.run_id,
+            run_url(r.info.run_id, r.info.experiment_id),
+        )
+        for r in runs
+    }
 
 
 def publish_metrics(run: NullRun, metrics: Mapping[str, float], path: str | os.PathLike) -> None:

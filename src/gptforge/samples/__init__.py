@@ -34,7 +34,7 @@ def resolve(value: str) -> str:
     are returned unchanged. Raises ValueError for a name that is not embedded."""
     if not is_sample(value):
         return value
-    name = value[len(SCHEME):]
+    name = value[len(SCHEME) :]
     parts = PurePosixPath(name).parts
     path = FOLDER.joinpath(*parts) if parts else FOLDER
     if not parts or ".." in parts or name.startswith("/") or not path.exists():

@@ -41,8 +41,9 @@ def listen(host: str, port: int):
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise BadInput(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
-                       "pick another port") from None
+        raise BadInput(
+            f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); pick another port"
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -44,19 +44,27 @@ DRAIN_LIMIT = 64 << 20  # 64 MiB: the most of a body the app did not read that i
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status)
 
 
 # -- request bodies (OpenAI's fields; unknown ones are accepted and ignored, as OpenAI's SDKs
 #    send some of their own) ------------------------------------------------------------------
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -89,7 +97,9 @@ class _Generation(_Body):
 
 
 class CompletionBody(_Generation):
-    prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=1)], Annotated[list[int], Field(min_length=1)]]
+    prompt: Union[
+        str, Annotated[list[str], Field(min_length=1, max_length=1)], Annotated[list[int], Field(min_length=1)]
+    ]
 
 
 class ChatBody(_Generation):
@@ -104,6 +114,7 @@ class ClassifyBody(_Body):
 
 
 # -- the app -------------------------------------------------------------------------------
+
 
 def create_app(models: list, *, api_key: str | None = None, body_limit: int = DEFAULT_BODY_LIMIT) -> FastAPI:
     """The server for `models` (`ServedLM` / `ServedClassifier`, loaded by `serve.loading`)."""
@@ -168,10 +179,20 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "gptforge",
-             "kind": "classify" if isinstance(m, ServedClassifier) else "generate", "context_length": m.context}
-            for m in by_name.values()]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": m.created,
+                    "owned_by": "gptforge",
+                    "kind": "classify" if isinstance(m, ServedClassifier) else "generate",
+                    "context_length": m.context,
+                }
+                for m in by_name.values()
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -207,15 +228,23 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
         classifiers = {n: m for n, m in by_name.items() if isinstance(m, ServedClassifier)}
         if body.model is None:
             if len(classifiers) != 1:
-                raise APIError(400, f"model: name one of the classifiers ({', '.join(classifiers) or 'none served'})",
-                               param="model")
+                raise APIError(
+                    400,
+                    f"model: name one of the classifiers ({', '.join(classifiers) or 'none served'})",
+                    param="model",
+                )
             served = next(iter(classifiers.values()))
         elif body.model not in by_name:
-            raise APIError(404, f"model {body.model!r} is not served (GET /v1/models lists them)", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"model {body.model!r} is not served (GET /v1/models lists them)",
+                param="model",
+                code="model_not_found",
+            )
         elif body.model not in classifiers:
-            raise APIError(400, f"model {body.model!r} is a language model; /v1/classify takes a classifier",
-                           param="model")
+            raise APIError(
+                400, f"model {body.model!r} is a language model; /v1/classify takes a classifier", param="model"
+            )
         else:
             served = classifiers[body.model]
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
@@ -240,8 +269,11 @@ def create_app(models: list, *, api_key: str | None = None, body_limit: int = DE
 # The chat page loads nothing but its own files and talks only to this server; model output is
 # inserted as text (static/chat.js), and these headers are the second line of defence.
 _PAGE_HEADERS = [
-    (b"content-security-policy", b"default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                                 b"img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"),
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        b"img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    ),
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
 ]
@@ -254,28 +286,48 @@ def _lm(lms: dict, by_name: dict, name: str) -> ServedLM:
         return lms[name]
     if name in by_name:
         raise APIError(400, f"model {name!r} is a classifier: use /v1/classify", param="model")
-    raise APIError(404, f"model {name!r} is not served (GET /v1/models lists them)", param="model",
-                   code="model_not_found")
+    raise APIError(
+        404, f"model {name!r} is not served (GET /v1/models lists them)", param="model", code="model_not_found"
+    )
 
 
 def _vocab(lm: ServedLM) -> int:
     return lm.tokenizer.n_vocab if lm.kind == "gptforge" else len(lm.tokenizer)
 
 
-async def _generate(request: Request, lm: ServedLM, body: _Generation, ids: list[int], *, chat: bool,
-                    default_max: int | None, metrics: ServeMetrics, extra: dict | None = None):
+async def _generate(
+    request: Request,
+    lm: ServedLM,
+    body: _Generation,
+    ids: list[int],
+    *,
+    chat: bool,
+    default_max: int | None,
+    metrics: ServeMetrics,
+    extra: dict | None = None,
+):
     if not ids:
         raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
     if len(ids) >= lm.context:
-        raise APIError(400, f"the prompt is {len(ids)} tokens; model {lm.name} has a context of {lm.context} "
-                       "(prompt and answer together)", param="messages" if chat else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {len(ids)} tokens; model {lm.name} has a context of {lm.context} "
+            "(prompt and answer together)",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
     _check_max_tokens(lm, body)
     room = lm.context - len(ids)
     max_tokens = min(body.max_tokens or default_max or room, room)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                        stop=[s for s in stops if s], seed=body.seed)
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=[s for s in stops if s],
+        seed=body.seed,
+    )
     try:
         job = lm.engine.submit(ids, sampling, lm.stop_ids)
     except QueueFull as e:
@@ -283,31 +335,57 @@ async def _generate(request: Request, lm: ServedLM, body: _Generation, ids: list
     metrics.prompt_tokens.labels(lm.name).inc(len(ids))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(job.generated),  # noqa: E731
-                     "total_tokens": len(ids) + len(job.generated)}
+
+    def usage() -> dict:
+        return {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(job.generated),
+            "total_tokens": len(ids) + len(job.generated),
+        }
+
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_stream(job, lm.name, rid, created, chat, include_usage, usage, extra),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _stream(job, lm.name, rid, created, chat, include_usage, usage, extra),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     text = await _collect(request, job)
     if job.finish_reason == "error":
         raise APIError(500, "the model failed while generating this answer", type="server_error")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": job.finish_reason,
-               "logprobs": None} if chat else
-              {"index": 0, "text": text, "finish_reason": job.finish_reason, "logprobs": None})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": lm.name, "choices": [choice], "usage": usage(), **(extra or {})}
+    choice = (
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": job.finish_reason,
+            "logprobs": None,
+        }
+        if chat
+        else {"index": 0, "text": text, "finish_reason": job.finish_reason, "logprobs": None}
+    )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": lm.name,
+        "choices": [choice],
+        "usage": usage(),
+        **(extra or {}),
+    }
 
 
 def _check_max_tokens(lm: ServedLM, body: _Generation) -> None:
     if body.max_tokens is not None and body.max_tokens > lm.context:
-        raise APIError(400, f"max_tokens: {body.max_tokens} is more than the context of model {lm.name} "
-                       f"({lm.context})", param="max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens: {body.max_tokens} is more than the context of model {lm.name} ({lm.context})",
+            param="max_tokens",
+        )
 
 
 async def _collect(request: Request, job) -> str:
     """The whole answer; a client that disconnects first cancels the request."""
+
     async def gone():
         while True:
             message = await request.receive()
@@ -334,8 +412,9 @@ async def _collect(request: Request, job) -> str:
             job.cancel()
 
 
-async def _stream(job, model: str, rid: str, created: int, chat: bool, include_usage: bool, usage,
-                  extra: dict | None = None):
+async def _stream(
+    job, model: str, rid: str, created: int, chat: bool, include_usage: bool, usage, extra: dict | None = None
+):
     """Server-sent events of one answer, in OpenAI's chunk format, `extra` (the sources) on the
     first chunk only; closing the connection (Starlette cancels this generator) cancels the request."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -343,25 +422,48 @@ async def _stream(job, model: str, rid: str, created: int, chat: bool, include_u
 
     def chunk(choices: list) -> str:
         more = first.pop() if first else {}
-        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                      "choices": choices, **more}, separators=(",", ":")) + "\n\n"
+        return (
+            "data: "
+            + json.dumps(
+                {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **more},
+                separators=(",", ":"),
+            )
+            + "\n\n"
+        )
 
     def render(event: Event) -> tuple[str, bool]:
         """The SSE text of one event, and whether it was the last."""
         if event.finish_reason is None:
             if not event.text:
                 return "", False
-            piece = ({"index": 0, "delta": {"content": event.text}, "finish_reason": None} if chat else
-                     {"index": 0, "text": event.text, "finish_reason": None, "logprobs": None})
+            piece = (
+                {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": event.text, "finish_reason": None, "logprobs": None}
+            )
             return chunk([piece]), False
         if event.finish_reason == "error":
-            return "data: " + json.dumps({"error": {"message": "the model failed while generating this answer",
-                                                    "type": "server_error", "param": None, "code": None}}) + "\n\n", True
+            return "data: " + json.dumps(
+                {
+                    "error": {
+                        "message": "the model failed while generating this answer",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            ) + "\n\n", True
         end = {"index": 0, "finish_reason": event.finish_reason}
         text = chunk([{**end, "delta": {}} if chat else {**end, "text": "", "logprobs": None}])
         if include_usage:
-            text += ("data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                            "choices": [], "usage": usage()}, separators=(",", ":")) + "\n\n")
+            text += (
+                "data: "
+                + json.dumps(
+                    {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage()},
+                    separators=(",", ":"),
+                )
+                + "\n\n"
+            )
         return text, True
 
     try:
@@ -459,10 +561,14 @@ class _Guard:
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        if path.startswith("/v1/") and self.api_key is not None and not hmac.compare_digest(
-                headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
-            response = error_response(401, "a valid API key is required: send `Authorization: Bearer KEY`",
-                                      code="invalid_api_key")
+        if (
+            path.startswith("/v1/")
+            and self.api_key is not None
+            and not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
+        ):
+            response = error_response(
+                401, "a valid API key is required: send `Authorization: Bearer KEY`", code="invalid_api_key"
+            )
             await response(scope, counted_receive, counted_send)
         elif declared is not None and declared > self.limit:
             await _too_large_response(self.limit)(scope, counted_receive, counted_send)

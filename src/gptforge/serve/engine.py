@@ -48,8 +48,13 @@ _ids = itertools.count()
 class Request:
     """One generation: its prompt, settings and what it has produced so far."""
 
-    def __init__(self, prompt_ids: list[int], sampling: Sampling, stop_ids: set[int],
-                 on_cancel: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        stop_ids: set[int],
+        on_cancel: Callable[[int], None] | None = None,
+    ):
         self.id = next(_ids)
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -84,9 +89,15 @@ class Engine:
     token and end (metrics); `on_lost(message)` of the engine's end other than by `stop`.
     """
 
-    def __init__(self, core, decode: Callable[[list[int]], str], *, max_queue: int = 64,
-                 observe: Callable[[Request, Event], None] | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        core,
+        decode: Callable[[list[int]], str],
+        *,
+        max_queue: int = 64,
+        observe: Callable[[Request, Event], None] | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ):
         self.core = core
         self.decode_text = decode
         self.max_batch, self.context = core.max_batch, core.context
@@ -174,8 +185,10 @@ class Engine:
             request.text += self._new_text(request, request.generated[:-1], final=True)
             self._flush(request, final=True)
             return self._end(request, "stop")
-        full = (len(request.generated) >= request.sampling.max_tokens
-                or len(request.prompt_ids) + len(request.generated) >= self.context)
+        full = (
+            len(request.generated) >= request.sampling.max_tokens
+            or len(request.prompt_ids) + len(request.generated) >= self.context
+        )
         request.text += self._new_text(request, request.generated, final=full)
         stop_at = _first_stop(request.text, request.sampling.stop, len(request.sent))
         if stop_at is not None:
@@ -193,11 +206,11 @@ class Engine:
         keeps word-start spaces that SentencePiece tokenizers drop from a lone first token). While
         the window ends inside a UTF-8 character (decoded as U+FFFD) nothing is added, unless
         `final`."""
-        before = self.decode_text(ids[request.prefix_offset:request.read_offset])
-        after = self.decode_text(ids[request.prefix_offset:])
+        before = self.decode_text(ids[request.prefix_offset : request.read_offset])
+        after = self.decode_text(ids[request.prefix_offset :])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             request.prefix_offset, request.read_offset = request.read_offset, len(ids)
-            return after[len(before):]
+            return after[len(before) :]
         return ""
 
     def _flush(self, request: Request, final: bool) -> None:
@@ -206,7 +219,7 @@ class Engine:
         text = request.text
         if not final:
             text = text[: len(text) - _held_back(text, request.sampling.stop)]
-        event = Event(text[len(request.sent):])
+        event = Event(text[len(request.sent) :])
         request.sent = text if len(text) > len(request.sent) else request.sent
         request.events.put_nowait(event)
         self.observe(request, event)

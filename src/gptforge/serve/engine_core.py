@@ -45,8 +45,14 @@ class Stats:
 
 def stats_of(scheduler: Scheduler) -> Stats:
     cache = scheduler.prefix_cache
-    return Stats(scheduler.busy_rows, scheduler.steps, scheduler.prefilled_tokens,
-                 cache.query_tokens if cache else 0, cache.hit_tokens if cache else 0, cache.nbytes if cache else 0)
+    return Stats(
+        scheduler.busy_rows,
+        scheduler.steps,
+        scheduler.prefilled_tokens,
+        cache.query_tokens if cache else 0,
+        cache.hit_tokens if cache else 0,
+        cache.nbytes if cache else 0,
+    )
 
 
 def serve_loop(scheduler: Scheduler, receive: Callable[[bool], list], send: Callable[[tuple], None]) -> None:
@@ -85,8 +91,9 @@ class ThreadCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None],
-              on_lost: Callable[[str], None]) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None], on_lost: Callable[[str], None]
+    ) -> None:
         def receive(block: bool) -> list:
             messages = []
             if block:

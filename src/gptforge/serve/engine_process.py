@@ -124,8 +124,9 @@ class ProcessCore:
         self._on_lost: Callable[[str], None] | None = None
         self._closed = False
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None],
-              on_lost: Callable[[str], None]) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None], on_lost: Callable[[str], None]
+    ) -> None:
         self._loop, self._on_lost = loop, on_lost
         fd = self.conn.fileno()
 
@@ -147,8 +148,13 @@ class ProcessCore:
             code = self.proc.wait(timeout=5)  # its socket closed: it has exited or is exiting
         except subprocess.TimeoutExpired:
             code = None
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exit code {code}" if code is not None else "its socket closed")
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exit code {code}"
+            if code is not None
+            else "its socket closed"
+        )
         self._on_lost(f"the engine process of {self.spec.name} stopped ({how})")
 
     def send(self, message: tuple) -> None:
@@ -194,8 +200,9 @@ def start_engine_process(spec: EngineSpec) -> Callable[[], ProcessCore]:
     tokenizer); the returned function waits for it to be ready and gives its `ProcessCore`,
     or raises BadInput with the engine's one-line error."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, "-m", "gptforge.serve.engine_process", str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptforge.serve.engine_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+    )
     theirs.close()
     conn = Connection(os.dup(mine.fileno()))
     mine.close()

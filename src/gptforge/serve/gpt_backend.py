@@ -38,8 +38,10 @@ class GPTBackend:
 
     def __init__(self, model: GPT, max_batch: int):
         if not Decoder.supports(model):
-            raise BadInput("the served model has adapter or hooked layers; serve a merged checkpoint "
-                           "(checkpoints/instruct/final is one)")
+            raise BadInput(
+                "the served model has adapter or hooked layers; serve a merged checkpoint "
+                "(checkpoints/instruct/final is one)"
+            )
         model.eval()
         cfg = model.config
         self.model, self.config = model, cfg
@@ -66,23 +68,26 @@ class GPTBackend:
         for block in prefix or ():
             size = block.size(3)
             for layer, kv in enumerate(self.cache.kv):
-                kv[row, :, :, n:n + size].copy_(block[layer])
+                kv[row, :, :, n : n + size].copy_(block[layer])
             n += size
         self.positions.append(n)
 
     def read_blocks(self, row: int, start: int, end: int, block_size: int) -> list[torch.Tensor]:
         """Copies of `row`'s keys/values of blocks [start, end), each (n_layer, 2, n_head,
         block_size, head_dim)."""
-        return [torch.stack([kv[row, :, :, b * block_size:(b + 1) * block_size] for kv in self.cache.kv])
-                for b in range(start, end)]
+        return [
+            torch.stack([kv[row, :, :, b * block_size : (b + 1) * block_size] for kv in self.cache.kv])
+            for b in range(start, end)
+        ]
 
     @torch.inference_mode()
     def forward(self, segments: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Append each segment's tokens to its row; (segments, n_vocab) logits after each."""
         for row, tokens in segments:
             if self.positions[row] + len(tokens) > self.context:
-                raise BadInput(f"row {row}: {self.positions[row] + len(tokens)} positions, "
-                               f"the model holds {self.context}")
+                raise BadInput(
+                    f"row {row}: {self.positions[row] + len(tokens)} positions, the model holds {self.context}"
+                )
         if len(segments) == self.rows and all(len(t) == 1 and r == i for i, (r, t) in enumerate(segments)):
             return self.logits(self._hidden([t[0] for _, t in segments]))
         return self.logits(self._mixed(segments))
@@ -187,13 +192,13 @@ class GPTBackend:
             kv[rows_i, :, :, pos_i] = qkv[:, 1:]
             y = torch.empty(T, nh, hd, device=dev, dtype=x.dtype)
             if singles:
-                kvs = kv[:len(s_rows), :, :, :s_span] if s_slice else kv[s_index, :, :, :s_span]
+                kvs = kv[: len(s_rows), :, :, :s_span] if s_slice else kv[s_index, :, :, :s_span]
                 q = qkv[s_at, 0].unsqueeze(2)  # (S, nh, 1, hd)
                 y[s_at] = _attend(step, q, kvs[:, 0], kvs[:, 1], s_mask).squeeze(2)
             for at, n, row, end, mask in chunks:
-                q = qkv[at:at + n, 0].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
-                k, v = kv[row:row + 1, 0, :, :end], kv[row:row + 1, 1, :, :end]
-                y[at:at + n] = _attend(step, q, k, v, mask).squeeze(0).transpose(0, 1)
+                q = qkv[at : at + n, 0].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
+                k, v = kv[row : row + 1, 0, :, :end], kv[row : row + 1, 1, :, :end]
+                y[at : at + n] = _attend(step, q, k, v, mask).squeeze(0).transpose(0, 1)
             x = x + lin(y.view(T, C), pw, pb)
             x = x + lin(F.gelu(lin(ln(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
         return ln(x[ends], shape, *step.ln_f)

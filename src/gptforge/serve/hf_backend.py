@@ -88,8 +88,10 @@ class HFBackend:
         self.config = model.config
         self.device = next(model.parameters()).device
         self._cache_class = DynamicCache
-        self._n_layers = (len(_layers(DynamicCache(config=self.config)))  # refuses sliding windows now
-                          or self.config.get_text_config(decoder=True).num_hidden_layers)
+        self._n_layers = (
+            len(_layers(DynamicCache(config=self.config)))  # refuses sliding windows now
+            or self.config.get_text_config(decoder=True).num_hidden_layers
+        )
         params = inspect.signature(model.forward).parameters
         # transformers 5 names the cache argument `cache` (`past_key_values` is a deprecated alias).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -187,10 +189,14 @@ class HFBackend:
             span = slice(first, last + 1) if last - first + 1 == hi - lo else columns
         else:
             source, b, span = r.cache, 0, slice(lo, hi)
-        spans = [(layer.keys[b:b + 1, :, span], layer.values[b:b + 1, :, span]) for layer in _layers(source)]
-        return [KVBlock([k[:, :, j:j + block_size].clone() for k, _ in spans],
-                        [v[:, :, j:j + block_size].clone() for _, v in spans])
-                for j in range(0, hi - lo, block_size)]
+        spans = [(layer.keys[b : b + 1, :, span], layer.values[b : b + 1, :, span]) for layer in _layers(source)]
+        return [
+            KVBlock(
+                [k[:, :, j : j + block_size].clone() for k, _ in spans],
+                [v[:, :, j : j + block_size].clone() for _, v in spans],
+            )
+            for j in range(0, hi - lo, block_size)
+        ]
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -233,8 +239,14 @@ class HFBackend:
     def _run(self, ids, cache, attention_mask=None, position_ids=None, keep=None) -> torch.Tensor:
         """The model over `ids` (B, T) into `cache`: (B, vocab) float32 logits of the last
         position, or (B, len(keep), vocab) those of the columns `keep` (a 1D tensor)."""
-        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=1 if keep is None else keep, **{self._cache_arg: cache})
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1 if keep is None else keep,
+            **{self._cache_arg: cache},
+        )
         return (out.logits[:, -1] if keep is None else out.logits).float()
 
     def _prefill(self, group: list, out: list) -> None:
@@ -262,7 +274,7 @@ class HFBackend:
             n = len(tokens)
             own = self._new_cache()
             for mine, theirs in zip(_layers(own), layers):
-                _set(mine, theirs.keys[i:i + 1, :, :n], theirs.values[i:i + 1, :, :n])
+                _set(mine, theirs.keys[i : i + 1, :, :n], theirs.values[i : i + 1, :, :n])
             row.cache, row.length = own, n
             out[k] = logits[i, last.index(n - 1)]
 
@@ -282,9 +294,9 @@ class HFBackend:
         width = max([old_width] + [row.length for row in rows])
         total = old + len(rows)
         mask = torch.zeros(total, width, dtype=torch.long, device=self.device)
-        mask[:old, width - old_width:] = self.mask
+        mask[:old, width - old_width :] = self.mask
         for j, row in enumerate(rows):
-            mask[old + j, width - row.length:] = 1
+            mask[old + j, width - row.length :] = 1
         target = self.cache if self.cache is not None else self._new_cache()
         theirs = [_layers(row.cache) for row in rows]
         for i, layer in enumerate(_layers(target)):
@@ -293,11 +305,11 @@ class HFBackend:
             keys = sample.new_zeros(shape)
             values = theirs[0][i].values.new_zeros(shape)
             if old:
-                keys[:old, :, width - old_width:] = layer.keys
-                values[:old, :, width - old_width:] = layer.values
+                keys[:old, :, width - old_width :] = layer.keys
+                values[:old, :, width - old_width :] = layer.values
             for j, row in enumerate(rows):
-                keys[old + j, :, width - row.length:] = theirs[j][i].keys[0]
-                values[old + j, :, width - row.length:] = theirs[j][i].values[0]
+                keys[old + j, :, width - row.length :] = theirs[j][i].keys[0]
+                values[old + j, :, width - row.length :] = theirs[j][i].values[0]
             _set(layer, keys, values)
         self.cache, self.mask = target, mask
         for j, row in enumerate(rows):
@@ -393,6 +405,8 @@ def _layers(cache) -> list:
     refused, since rows could not be merged position for position."""
     layers = getattr(cache, "layers", None)
     if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
-        raise BadInput("serving this model needs full-attention cache layers (transformers DynamicLayer); "
-                       "sliding-window models are served one request at a time by `gptforge generate`")
+        raise BadInput(
+            "serving this model needs full-attention cache layers (transformers DynamicLayer); "
+            "sliding-window models are served one request at a time by `gptforge generate`"
+        )
     return layers

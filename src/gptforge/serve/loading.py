@@ -100,14 +100,25 @@ class ServedClassifier:
         out = []
         for i, row in enumerate(probs.tolist()):
             best = max(range(len(row)), key=row.__getitem__)
-            out.append({"index": i, "label": labels[best], "probability": row[best],
-                        "probabilities": dict(zip(labels, row))})
+            out.append(
+                {"index": i, "label": labels[best], "probability": row[best], "probabilities": dict(zip(labels, row))}
+            )
         return out
 
 
-def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.device, observe=None,
-                prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0,
-                engine_process: bool = True, dtype: str = "auto") -> ServedLM | ServedClassifier:
+def load_served(
+    source,
+    cfg,
+    *,
+    max_batch: int,
+    max_queue: int,
+    device: torch.device,
+    observe=None,
+    prefill_chunk: int | None = None,
+    prefix_cache_mb: float = 256.0,
+    engine_process: bool = True,
+    dtype: str = "auto",
+) -> ServedLM | ServedClassifier:
     """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
     engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
     of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype)."""
@@ -124,11 +135,22 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
 
         classifier = load_classifier(source.path, map_location=device)
         tokenizer = classifier.tokenizer
-        enc = tokenizer if tokenizer is not None else load_tokenizer(
-            str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
+        enc = (
+            tokenizer
+            if tokenizer is not None
+            else load_tokenizer(str(source.tokenizer) if source.tokenizer else cfg.tokenizer.path)
+        )
         return ServedClassifier(source.name, classifier, enc, device, created)
-    spec = EngineSpec("gptforge" if source.kind == "gptforge" else "hf", str(source.path), str(device), max_batch,
-                      prefill_chunk or DEFAULT_PREFILL_CHUNK, prefix_cache_mb, source.name, dtype)
+    spec = EngineSpec(
+        "gptforge" if source.kind == "gptforge" else "hf",
+        str(source.path),
+        str(device),
+        max_batch,
+        prefill_chunk or DEFAULT_PREFILL_CHUNK,
+        prefix_cache_mb,
+        source.name,
+        dtype,
+    )
     ready = _start_engine(spec, engine_process)
     try:
         if source.kind == "gptforge":
@@ -152,8 +174,10 @@ def load_served(source, cfg, *, max_batch: int, max_queue: int, device: torch.de
     if source.kind == "gptforge":
         if info["n_vocab"] != tok.n_vocab:
             core.kill()
-            raise BadInput(f"{source.spec}: a vocabulary of {info['n_vocab']}, the tokenizer "
-                           f"{tok.n_vocab}: set tokenizer.path to the tokenizer it was trained with")
+            raise BadInput(
+                f"{source.spec}: a vocabulary of {info['n_vocab']}, the tokenizer "
+                f"{tok.n_vocab}: set tokenizer.path to the tokenizer it was trained with"
+            )
         served = ServedLM(source.name, "gptforge", None, core.context, tok, {tok.eot_token}, template, created)
     else:
         from gptforge.modeling.hf_causal import stop_ids
@@ -177,6 +201,7 @@ def _start_engine(spec, engine_process: bool):
     def ready():
         scheduler, info = build_scheduler(spec)
         return ThreadCore(scheduler, info)
+
     return ready
 
 

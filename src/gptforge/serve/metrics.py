@@ -22,8 +22,7 @@ became of them: `whole`, `cut`, `dropped`).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
 
@@ -35,32 +34,58 @@ class ServeMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("gptforge_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        self.errors = Counter("gptforge_request_errors", "requests answered with an error object",
-                              ["endpoint", "type"], registry=r)
+        self.errors = Counter(
+            "gptforge_request_errors", "requests answered with an error object", ["endpoint", "type"], registry=r
+        )
         self.prompt_tokens = Counter("gptforge_prompt_tokens", "prompt tokens prefilled", ["model"], registry=r)
         self.generated_tokens = Counter("gptforge_generated_tokens", "tokens generated", ["model"], registry=r)
-        self.ttft = Histogram("gptforge_time_to_first_token_seconds", "submission to first token", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("gptforge_inter_token_latency_seconds", "time between a request's tokens", ["model"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "gptforge_time_to_first_token_seconds",
+            "submission to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gptforge_inter_token_latency_seconds",
+            "time between a request's tokens",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("gptforge_running_requests", "requests in the decode batch", ["model"], registry=r)
         self.waiting = Gauge("gptforge_waiting_requests", "requests without a token yet", ["model"], registry=r)
         self.prefilled = Counter("gptforge_prefill_tokens", "prompt tokens computed", ["model"], registry=r)
-        self.prefix_queries = Counter("gptforge_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
-                                      "cache", ["model"], registry=r)
-        self.prefix_hits = Counter("gptforge_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache",
-                                   ["model"], registry=r)
-        self.prefix_hit_rate = Gauge("gptforge_prefix_cache_hit_rate", "hit tokens / query tokens so far", ["model"],
-                                     registry=r)
+        self.prefix_queries = Counter(
+            "gptforge_prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", ["model"], registry=r
+        )
+        self.prefix_hits = Counter(
+            "gptforge_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", ["model"], registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "gptforge_prefix_cache_hit_rate", "hit tokens / query tokens so far", ["model"], registry=r
+        )
         self.prefix_bytes = Gauge("gptforge_prefix_cache_bytes", "bytes the prefix cache holds", ["model"], registry=r)
-        self.rag_requests = Counter("gptforge_rag_requests", "chat requests augmented with retrieved chunks",
-                                    ["model"], registry=r)
-        self.rag_retrieval = Histogram("gptforge_rag_retrieval_seconds", "index search per augmented request",
-                                       ["model"], buckets=_RETRIEVAL_BUCKETS, registry=r)
-        self.rag_fit = Histogram("gptforge_rag_fit_seconds", "fitting the chunks into the context", ["model"],
-                                 buckets=_RETRIEVAL_BUCKETS, registry=r)
-        self.rag_chunks = Counter("gptforge_rag_chunks", "retrieved chunks by what became of them",
-                                  ["model", "included"], registry=r)
+        self.rag_requests = Counter(
+            "gptforge_rag_requests", "chat requests augmented with retrieved chunks", ["model"], registry=r
+        )
+        self.rag_retrieval = Histogram(
+            "gptforge_rag_retrieval_seconds",
+            "index search per augmented request",
+            ["model"],
+            buckets=_RETRIEVAL_BUCKETS,
+            registry=r,
+        )
+        self.rag_fit = Histogram(
+            "gptforge_rag_fit_seconds",
+            "fitting the chunks into the context",
+            ["model"],
+            buckets=_RETRIEVAL_BUCKETS,
+            registry=r,
+        )
+        self.rag_chunks = Counter(
+            "gptforge_rag_chunks", "retrieved chunks by what became of them", ["model", "included"], registry=r
+        )
         self._seen: dict[str, tuple[int, int, int]] = {}  # the engine's running totals at the last render
 
     def observer(self, model: str):
@@ -76,6 +101,7 @@ class ServeMetrics:
                 ttft.observe(times[0] - request.submitted)
             else:
                 itl.observe(times[-1] - times[-2])
+
         return observe
 
     def observe_rag(self, model: str, search_s: float, fit_s: float, sources: list[dict]) -> None:
@@ -97,7 +123,8 @@ class ServeMetrics:
                 if a > b:
                     counter.labels(name).inc(a - b)
             self._seen[name] = now
-            self.prefix_hit_rate.labels(name).set(st.prefix_hit_tokens / st.prefix_query_tokens
-                                                  if st.prefix_query_tokens else 0.0)
+            self.prefix_hit_rate.labels(name).set(
+                st.prefix_hit_tokens / st.prefix_query_tokens if st.prefix_query_tokens else 0.0
+            )
             self.prefix_bytes.labels(name).set(st.prefix_cache_bytes)
         return generate_latest(self.registry)

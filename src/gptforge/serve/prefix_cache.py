@@ -55,7 +55,7 @@ class PrefixCache:
         parent, found = 0, []
         bs = self.block_size
         for b in range(blocks):
-            key = (parent, tuple(ids[b * bs:(b + 1) * bs]))
+            key = (parent, tuple(ids[b * bs : (b + 1) * bs]))
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -94,7 +94,7 @@ class PrefixCache:
                 if nbytes > self.capacity:
                     break
                 self._numbers += 1
-                key = (parent, tuple(ids[b * bs:(b + 1) * bs]))
+                key = (parent, tuple(ids[b * bs : (b + 1) * bs]))
                 self._blocks[key] = _Block(self._numbers, kv, nbytes)
                 self.nbytes += nbytes
                 keys.append(key)

@@ -87,11 +87,10 @@ class Retrieval:
         room = answer_room(lm.context, max_tokens)
 
         def with_question(text: str) -> list[dict]:
-            return [*messages[:last], {**messages[last], "content": text}, *messages[last + 1:]]
+            return [*messages[:last], {**messages[last], "content": text}, *messages[last + 1 :]]
 
         def fits(text: str) -> bool:
             return len(lm.chat_ids(with_question(text))) + room <= lm.context
 
         sourced = augment(question, hits, fits)
-        return Augmented(with_question(sourced.text), sourced.sources, searched - start,
-                         time.perf_counter() - searched)
+        return Augmented(with_question(sourced.text), sourced.sources, searched - start, time.perf_counter() - searched)

@@ -136,8 +136,14 @@ class Scheduler:
         if not segments:
             return []
 
-        if (len(segments) == 1 and len(segments[0][1]) == 1 and drawing and drawing[0].sampling.temperature == 0
-                and len(self.rows) == 1 and hasattr(self.backend, "decode_greedy")):
+        if (
+            len(segments) == 1
+            and len(segments[0][1]) == 1
+            and drawing
+            and drawing[0].sampling.temperature == 0
+            and len(self.rows) == 1
+            and hasattr(self.backend, "decode_greedy")
+        ):
             tokens = [self.backend.decode_greedy(segments[0][1][0])]  # one greedy row: no logits needed
         else:
             logits = self.backend.forward(segments)
@@ -148,8 +154,11 @@ class Scheduler:
         out = []
         for job, token in zip(drawing, tokens):
             job.fed.append(token)
-            job.ended = (token in job.stop_ids or len(job.fed) >= job.sampling.max_tokens
-                         or len(job.prompt_ids) + len(job.fed) >= self.context)
+            job.ended = (
+                token in job.stop_ids
+                or len(job.fed) >= job.sampling.max_tokens
+                or len(job.prompt_ids) + len(job.fed) >= self.context
+            )
             out.append((job, token))
         if self.prefix_cache is not None:
             self._cache_prompts(drawing)
@@ -166,7 +175,7 @@ class Scheduler:
         """The next chunk of `job`'s prompt (at most `budget` tokens) as a segment; the tokens used.
         The chunk that completes the prompt makes the row draw its first token."""
         start = job.computed
-        chunk = job.prompt_ids[start:start + budget]
+        chunk = job.prompt_ids[start : start + budget]
         segments.append((row, chunk))
         job.computed += len(chunk)
         self.prefilled_tokens += len(chunk)
@@ -180,8 +189,9 @@ class Scheduler:
         for job in jobs:
             if len(job.fed) == 1:  # its first token: the prompt was completed by this step
                 row = self.rows.index(job)
-                cache.store(job.prompt_ids, job.computed,
-                            lambda a, b: self.backend.read_blocks(row, a, b, cache.block_size))
+                cache.store(
+                    job.prompt_ids, job.computed, lambda a, b: self.backend.read_blocks(row, a, b, cache.block_size)
+                )
 
 
 def pick_tokens(logits: torch.Tensor, jobs: list) -> list[int]:
@@ -209,7 +219,10 @@ def pick_tokens(logits: torch.Tensor, jobs: list) -> list[int]:
     candidates = None  # the token id of each column, where the columns are not the vocabulary
     if min(ks) < vocab:  # (a row without top_k beside one with it: max(ks) is the vocabulary, a full sort)
         scores, candidates = torch.topk(scores, max(ks), dim=-1)  # sorted, most likely first
-        beyond = torch.arange(scores.size(1), device=scores.device)[None, :] >= torch.tensor(ks, device=scores.device)[:, None]
+        beyond = (
+            torch.arange(scores.size(1), device=scores.device)[None, :]
+            >= torch.tensor(ks, device=scores.device)[:, None]
+        )
         scores = scores.masked_fill(beyond, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     top_p = torch.tensor([[j.sampling.top_p] for j in rows], device=probs.device)

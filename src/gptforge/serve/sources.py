@@ -90,8 +90,10 @@ def split_model(model: str) -> tuple[str | None, str]:
         return None, model
     name, spec = model.split("=", 1)
     if not _NAME.match(name) or not spec:
-        raise BadInput(f"MODEL {model!r}: expected NAME=SPEC or SPEC, with a NAME without spaces "
-                       "(e.g. instruct=checkpoints/instruct/final)")
+        raise BadInput(
+            f"MODEL {model!r}: expected NAME=SPEC or SPEC, with a NAME without spaces "
+            "(e.g. instruct=checkpoints/instruct/final)"
+        )
     return name, spec
 
 
@@ -117,16 +119,20 @@ def resolve_all(specs: Sequence[str], cfg) -> list[ModelSource]:
         present = default_specs(cfg)
         if not present:
             folders = " nor ".join(split_model(s)[1] for s in DEFAULT_SPECS)
-            raise BadInput(f"no MODEL given and neither {folders} exists: run the pipeline (make run) or name "
-                           "models (gptforge serve models:/gptforge-instruct@champion, or a model folder)")
+            raise BadInput(
+                f"no MODEL given and neither {folders} exists: run the pipeline (make run) or name "
+                "models (gptforge serve models:/gptforge-instruct@champion, or a model folder)"
+            )
         specs = present
     sources: list[ModelSource] = []
     for spec in specs:
         source = resolve(spec, cfg)
         same = next((s for s in sources if s.name == source.name), None)
         if same is not None:
-            raise BadInput(f"two models are named {source.name!r} ({same.spec} and {source.spec}): "
-                           f"name one of them with NAME=SPEC (e.g. other={source.spec})")
+            raise BadInput(
+                f"two models are named {source.name!r} ({same.spec} and {source.spec}): "
+                f"name one of them with NAME=SPEC (e.g. other={source.spec})"
+            )
         sources.append(source)
     return sources
 
@@ -143,17 +149,23 @@ def _tokenizer_path(cfg) -> Path | None:
 def _from_folder(name: str, path: Path, spec: str, cfg) -> ModelSource:
     """The kind of model in `path`: classifier, Hugging Face causal LM or gptforge checkpoint."""
     if not path.exists():
-        hub = ("; a Hugging Face hub id is not fetched: download the model where the hub is reachable and name "
-               "its folder" if hf_source(spec) is not None else "")
-        raise BadInput(f"{spec}: no such folder (a MODEL is a registry URI models:/NAME@ALIAS or models:/NAME/VERSION, "
-                       f"a gptforge checkpoint, a Hugging Face causal-LM folder or a classifier folder){hub}")
+        hub = (
+            "; a Hugging Face hub id is not fetched: download the model where the hub is reachable and name its folder"
+            if hf_source(spec) is not None
+            else ""
+        )
+        raise BadInput(
+            f"{spec}: no such folder (a MODEL is a registry URI models:/NAME@ALIAS or models:/NAME/VERSION, "
+            f"a gptforge checkpoint, a Hugging Face causal-LM folder or a classifier folder){hub}"
+        )
     if not path.is_dir():
         raise BadInput(f"{spec}: not a folder (a model folder holds config.json and the weights)")
     head = [(path / f).is_file() for f in (HEAD_CONFIG, HEAD_FILE)]
     if any(head) and not all(head):
         missing = HEAD_FILE if head[0] else HEAD_CONFIG
-        raise BadInput(f"{path / missing}: not found (a classifier folder holds {HEAD_FILE} and {HEAD_CONFIG} "
-                       "beside the model)")
+        raise BadInput(
+            f"{path / missing}: not found (a classifier folder holds {HEAD_FILE} and {HEAD_CONFIG} beside the model)"
+        )
     if all(head):
         hf_backbone = hf_config_dict(path / CONFIG_FILE) is not None
         return ModelSource(name, "classifier", path, None if hf_backbone else _tokenizer_path(cfg), spec)
@@ -163,18 +175,22 @@ def _from_folder(name: str, path: Path, spec: str, cfg) -> ModelSource:
     if config is not None:
         archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
         if archs and not any(a.endswith(_CAUSAL_ARCHITECTURES) for a in archs):
-            raise BadInput(f"{spec}: a {', '.join(archs)} model, not a causal language model (*ForCausalLM) "
-                           "or a classifier folder")
+            raise BadInput(
+                f"{spec}: a {', '.join(archs)} model, not a causal language model (*ForCausalLM) or a classifier folder"
+            )
         return ModelSource(name, "hf", path, path, spec)
     if (path / CONFIG_FILE).is_file():
         load_config(path)  # BadInput naming the file when it is not a gptforge model config
         if not (path / WEIGHTS_FILE).is_file():
-            raise BadInput(f"{path / WEIGHTS_FILE}: not found (a gptforge checkpoint holds {WEIGHTS_FILE} "
-                           f"and {CONFIG_FILE})")
+            raise BadInput(
+                f"{path / WEIGHTS_FILE}: not found (a gptforge checkpoint holds {WEIGHTS_FILE} and {CONFIG_FILE})"
+            )
         return ModelSource(name, "gptforge", path, _tokenizer_path(cfg), spec)
     hint = f"; did you mean {path / 'final'}?" if (path / "final").is_dir() else ""
-    raise BadInput(f"{spec}: not a model folder: no {CONFIG_FILE} (a gptforge checkpoint holds {WEIGHTS_FILE} + "
-                   f"{CONFIG_FILE}, a Hugging Face model its config.json, a classifier also {HEAD_CONFIG}){hint}")
+    raise BadInput(
+        f"{spec}: not a model folder: no {CONFIG_FILE} (a gptforge checkpoint holds {WEIGHTS_FILE} + "
+        f"{CONFIG_FILE}, a Hugging Face model its config.json, a classifier also {HEAD_CONFIG}){hint}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +200,10 @@ def _from_folder(name: str, path: Path, spec: str, cfg) -> ModelSource:
 def _from_registry(spec: str, name: str | None, cfg) -> ModelSource:
     match = _REGISTRY_URI.match(spec)
     if match is None:
-        raise BadInput(f"{spec}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
-                       "(e.g. models:/gptforge-instruct@champion, models:/gptforge-classify/3)")
+        raise BadInput(
+            f"{spec}: expected models:/NAME@ALIAS or models:/NAME/VERSION "
+            "(e.g. models:/gptforge-instruct@champion, models:/gptforge-classify/3)"
+        )
     registered = cfg.registry.names.get(match["name"], match["name"])  # models:/instruct@champion
     from gptforge.register import models as registry
     from gptforge.runtime import mlflow_values
@@ -193,8 +211,10 @@ def _from_registry(spec: str, name: str | None, cfg) -> ModelSource:
     uri = mlflow_values.tracking_uri()
     client = registry._client(uri)  # MLflow's retries bounded as `gptforge models` bounds them
     if client is None:
-        raise BadInput(f"{spec}: no model registry at {uri} (the file does not exist): set MLFLOW_TRACKING_URI to "
-                       f"the tracking server, or {registry.HOW_TO_REGISTER}")
+        raise BadInput(
+            f"{spec}: no model registry at {uri} (the file does not exist): set MLFLOW_TRACKING_URI to "
+            f"the tracking server, or {registry.HOW_TO_REGISTER}"
+        )
     try:
         with registry._registry_errors(uri):
             model = registry._model(client, registered, uri)
@@ -213,8 +233,9 @@ def _version(client, model, registered: str, alias: str | None, version: str | N
         aliases = model.aliases or {}
         if alias not in aliases:
             held = ", ".join(f"@{a} (version {v})" for a, v in sorted(aliases.items())) or "none"
-            raise BadInput(f"{registered} has no alias @{alias}; its aliases: {held} "
-                           f"(gptforge models list --name {registered})")
+            raise BadInput(
+                f"{registered} has no alias @{alias}; its aliases: {held} (gptforge models list --name {registered})"
+            )
         return str(aliases[alias])
     try:
         return str(client.get_model_version(registered, str(int(version))).version)
@@ -222,8 +243,10 @@ def _version(client, model, registered: str, alias: str | None, version: str | N
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
     versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{registered}'"))
-    raise BadInput(f"{registered} has no version {int(version)}; its versions: "
-                   f"{', '.join(map(str, versions)) or 'none'} (gptforge models list --name {registered})")
+    raise BadInput(
+        f"{registered} has no version {int(version)}; its versions: "
+        f"{', '.join(map(str, versions)) or 'none'} (gptforge models list --name {registered})"
+    )
 
 
 def _download(client, registered: str, version: str, uri: str) -> Path:
@@ -235,8 +258,13 @@ def _download(client, registered: str, version: str, uri: str) -> Path:
 
     mv = client.get_model_version(registered, version)
     # Which registry (hashed: a tracking URI can hold credentials) and which logged model.
-    marker = {"registry": hashlib.sha256(uri.encode("utf-8")).hexdigest()[:16], "name": registered,
-              "version": str(version), "source": mv.source, "run_id": mv.run_id}
+    marker = {
+        "registry": hashlib.sha256(uri.encode("utf-8")).hexdigest()[:16],
+        "name": registered,
+        "version": str(version),
+        "source": mv.source,
+        "run_id": mv.run_id,
+    }
     target = cache_dir() / re.sub(r"[^A-Za-z0-9._-]", "_", registered) / str(version)
     try:
         if json.loads((target / MARKER).read_text(encoding="utf-8")) == marker:
@@ -247,14 +275,16 @@ def _download(client, registered: str, version: str, uri: str) -> Path:
     log.info("serve: downloading models:/%s/%s from %s into %s", registered, version, uri, target)
     try:
         with atomic_dir(target) as tmp:
-            mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registered}/{version}", dst_path=str(tmp),
-                                                tracking_uri=uri)
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{registered}/{version}", dst_path=str(tmp), tracking_uri=uri
+            )
             _complete_hf_folder(tmp)
             write_json(tmp / MARKER, marker)
     except (OSError, requests.RequestException) as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        raise SourceUnreachable(f"cannot download models:/{registered}/{version} from {uri} into {target} "
-                                f"({reason})") from None
+        raise SourceUnreachable(
+            f"cannot download models:/{registered}/{version} from {uri} into {target} ({reason})"
+        ) from None
     return target
 
 
@@ -307,6 +337,8 @@ def _mlflow_model(name: str, folder: Path, spec: str) -> ModelSource:
             raise BadInput(f"{spec}: its classifier artifact {classifier} has no {HEAD_CONFIG}")
         tokenizer = folder / artifacts["tokenizer"]["path"] if "tokenizer" in artifacts else None
         return ModelSource(name, "classifier", classifier, tokenizer, spec)
-    raise BadInput(f"{spec}: an MLflow model of flavor {', '.join(sorted(flavors)) or 'none'}; gptforge serve serves "
-                   "the transformers flavor (language models) and gptforge's spam classifier pyfunc, as "
-                   "`gptforge register` logs them")
+    raise BadInput(
+        f"{spec}: an MLflow model of flavor {', '.join(sorted(flavors)) or 'none'}; gptforge serve serves "
+        "the transformers flavor (language models) and gptforge's spam classifier pyfunc, as "
+        "`gptforge register` logs them"
+    )

@@ -54,22 +54,28 @@ def vllm_python() -> str:
     if other and os.access(other, os.X_OK):
         return other
     where = f" ({PYTHON_ENV}={other} is not an executable)" if other else ""
-    raise BadInput(f"--engine vllm: vllm is not installed here{where}; it is GPU software, installed in the GPU worker "
-                   "image (docker/Dockerfile, /opt/vllm); `--engine gptforge` (the default) serves on this machine")
+    raise BadInput(
+        f"--engine vllm: vllm is not installed here{where}; it is GPU software, installed in the GPU worker "
+        "image (docker/Dockerfile, /opt/vllm); `--engine gptforge` (the default) serves on this machine"
+    )
 
 
 def pick_model(sources: Sequence[ModelSource]) -> ModelSource:
     """The one language model vLLM can serve; BadInput for a classifier or a second model."""
     classifiers = [s for s in sources if s.kind not in LANGUAGE_MODELS]
     if classifiers:
-        raise BadInput(f"--engine vllm: {classifiers[0].name} is a classifier; vLLM's OpenAI server serves one "
-                       "language model per process and no classifier: name only the language model (gptforge serve "
-                       "--engine vllm models:/gptforge-instruct@champion) and serve the classifier with --engine "
-                       "gptforge")
+        raise BadInput(
+            f"--engine vllm: {classifiers[0].name} is a classifier; vLLM's OpenAI server serves one "
+            "language model per process and no classifier: name only the language model (gptforge serve "
+            "--engine vllm models:/gptforge-instruct@champion) and serve the classifier with --engine "
+            "gptforge"
+        )
     if len(sources) != 1:
         names = ", ".join(s.name for s in sources) or "none"
-        raise BadInput(f"--engine vllm: vLLM's OpenAI server serves one model per process, got {len(sources)} "
-                       f"({names}): start one server per model, each on its own --port")
+        raise BadInput(
+            f"--engine vllm: vLLM's OpenAI server serves one model per process, got {len(sources)} "
+            f"({names}): start one server per model, each on its own --port"
+        )
     return sources[0]
 
 
@@ -84,13 +90,32 @@ def context_length(folder: Path) -> int | None:
     return None
 
 
-def vllm_command(python: str, model_dir: str | os.PathLike, *, name: str, host: str, port: int,
-                 max_model_len: int | None = None, tokenizer: str | os.PathLike | None = None,
-                 chat_template: str | os.PathLike | None = None) -> list[str]:
+def vllm_command(
+    python: str,
+    model_dir: str | os.PathLike,
+    *,
+    name: str,
+    host: str,
+    port: int,
+    max_model_len: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    chat_template: str | os.PathLike | None = None,
+) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for the Hugging Face folder `model_dir`,
     served as `name`; the tokenizer only when it is not the model folder's own."""
-    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--served-model-name", name,
-           "--host", host, "--port", str(port)]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if tokenizer is not None and Path(tokenizer) != Path(model_dir):
@@ -143,8 +168,12 @@ def exported(source: ModelSource, cfg) -> Path:
     checkpoint = source.path.resolve()
     out = cache_dir() / "export" / hashlib.sha256(str(checkpoint).encode("utf-8")).hexdigest()[:16]
     tokenizer = str(source.tokenizer) if source.tokenizer is not None else None
-    marker = {"checkpoint": str(checkpoint), "weights": folder_hash(checkpoint), "tokenizer": tokenizer,
-              "template": cfg.instruct.template}
+    marker = {
+        "checkpoint": str(checkpoint),
+        "weights": folder_hash(checkpoint),
+        "tokenizer": tokenizer,
+        "template": cfg.instruct.template,
+    }
     try:
         if json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8")) == marker:
             return out
@@ -172,14 +201,25 @@ def run_vllm(sources: list[ModelSource], *, host: str, port: int, api_key: str |
         tokenizer = folder
         if (folder / CHAT_TEMPLATE_FILE).is_file():
             template = folder / CHAT_TEMPLATE_FILE
-    cmd = vllm_command(python, folder, name=source.name, host=host, port=port, max_model_len=context_length(folder),
-                       tokenizer=tokenizer, chat_template=template)
+    cmd = vllm_command(
+        python,
+        folder,
+        name=source.name,
+        host=host,
+        port=port,
+        max_model_len=context_length(folder),
+        tokenizer=tokenizer,
+        chat_template=template,
+    )
     env = dict(os.environ)
     if api_key:
         env["VLLM_API_KEY"] = api_key
         if host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("serve: vLLM checks the API key on /v1, /v2 and /inference only; its /invocations route "
-                        "serves the model without it: do not rely on the key on %s", host)
+            log.warning(
+                "serve: vLLM checks the API key on /v1, /v2 and /inference only; its /invocations route "
+                "serves the model without it: do not rely on the key on %s",
+                host,
+            )
     log.info("serve: %s (%s) through vLLM on http://%s:%d/v1", source.name, folder, host, port)
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -82,8 +82,14 @@ def write_chunks(chunks: Sequence[Chunk], path: str | os.PathLike) -> None:
     written atomically."""
     with atomic_file(path, "w", encoding="utf-8") as f:
         for c in chunks:
-            record = {"id": c.id, "source": c.source, "headings": list(c.headings),
-                      "span": [c.start, c.end], "tokens": c.tokens, "text": c.text}
+            record = {
+                "id": c.id,
+                "source": c.source,
+                "headings": list(c.headings),
+                "span": [c.start, c.end],
+                "tokens": c.tokens,
+                "text": c.text,
+            }
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -98,14 +104,18 @@ def read_chunks(path: str | os.PathLike) -> list[Chunk]:
                 try:
                     r = json.loads(line)
                     start, end = r["span"]
-                    chunk = Chunk(id=str(r["id"]), source=str(r["source"]),
-                                  headings=tuple(str(h) for h in r["headings"]), start=int(start),
-                                  end=int(end), text=str(r["text"]), tokens=int(r["tokens"]))
+                    chunk = Chunk(
+                        id=str(r["id"]),
+                        source=str(r["source"]),
+                        headings=tuple(str(h) for h in r["headings"]),
+                        start=int(start),
+                        end=int(end),
+                        text=str(r["text"]),
+                        tokens=int(r["tokens"]),
+                    )
                 except (ValueError, KeyError, TypeError) as e:
                     reason = " ".join(str(e).split()) or type(e).__name__
-                    raise BadInput(
-                        f"{path}: line {n} is not a chunk record ({type(e).__name__}: {reason})"
-                    ) from None
+                    raise BadInput(f"{path}: line {n} is not a chunk record ({type(e).__name__}: {reason})") from None
                 chunks.append(chunk)
     except FileNotFoundError:
         raise BadInput(f"{path}: not found") from None
@@ -179,8 +189,7 @@ def _check_sizes(chunk_tokens: int, overlap: int) -> None:
         raise BadInput(f"synthesize.chunk_overlap: must be a non-negative integer, got {overlap!r}")
     if overlap >= chunk_tokens:
         raise BadInput(
-            f"synthesize.chunk_overlap: must be less than synthesize.chunk_tokens "
-            f"({overlap} >= {chunk_tokens})"
+            f"synthesize.chunk_overlap: must be less than synthesize.chunk_tokens ({overlap} >= {chunk_tokens})"
         )
 
 
@@ -210,15 +219,25 @@ def _chunk(doc: Document, splitter, count_tokens: Callable[[str], int], chunk_to
         tokens = count_tokens(text)
         if tokens > chunk_tokens:
             oversized.append(text)
-        chunks.append(Chunk(
-            id=f"{doc.source}#{len(chunks)}", source=doc.source,
-            headings=index.path(start, end) if index is not None else (),
-            start=start, end=end, text=text, tokens=tokens,
-        ))
+        chunks.append(
+            Chunk(
+                id=f"{doc.source}#{len(chunks)}",
+                source=doc.source,
+                headings=index.path(start, end) if index is not None else (),
+                start=start,
+                end=end,
+                text=text,
+                tokens=tokens,
+            )
+        )
     if oversized:
         log.warning(
             "%s: %d chunk%s over synthesize.chunk_tokens=%d kept as they are (a single character "
-            "the splitter cannot cut, first %r)", doc.source, len(oversized),
-            "s" if len(oversized) != 1 else "", chunk_tokens, oversized[0][:20],
+            "the splitter cannot cut, first %r)",
+            doc.source,
+            len(oversized),
+            "s" if len(oversized) != 1 else "",
+            chunk_tokens,
+            oversized[0][:20],
         )
     return chunks

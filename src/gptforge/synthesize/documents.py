@@ -45,17 +45,20 @@ def read_documents(path: str | os.PathLike, *, param: str) -> list[Document]:
             names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
             log.warning(
                 "%s: skipped %d file%s in %s that %s not %s: %s",
-                param, len(others), "s" if len(others) != 1 else "", path,
-                "are" if len(others) != 1 else "is", SUFFIXES, names,
+                param,
+                len(others),
+                "s" if len(others) != 1 else "",
+                path,
+                "are" if len(others) != 1 else "is",
+                SUFFIXES,
+                names,
             )
         if not files:
             raise BadInput(f"{param}: no document in {path} (looked for {SUFFIXES} files, hidden ones aside)")
     else:
         suffix = root.suffix.lower()
         if suffix not in KINDS:
-            raise BadInput(
-                f"{param}: cannot read {root.name}: {suffix or '(no suffix)'} is not one of {SUFFIXES}"
-            )
+            raise BadInput(f"{param}: cannot read {root.name}: {suffix or '(no suffix)'} is not one of {SUFFIXES}")
         files = [(root.name, root)]
 
     docs, empty = [], []
@@ -73,8 +76,9 @@ def read_documents(path: str | os.PathLike, *, param: str) -> list[Document]:
         if not docs:
             where = f"in {path} " if root.is_dir() else ""
             raise BadInput(f"{param}: no document {where}has text: {why}")
-        log.warning("%s: skipped %d document%s without text: %s", param, len(empty),
-                    "s" if len(empty) != 1 else "", why)
+        log.warning(
+            "%s: skipped %d document%s without text: %s", param, len(empty), "s" if len(empty) != 1 else "", why
+        )
     return docs
 
 

@@ -141,9 +141,7 @@ def _key(tok: str) -> str:
 
 
 def _content_keys(text: str) -> frozenset[str]:
-    return frozenset(
-        _key(tok) for tok in _tokens(text) if tok not in EN_STOPWORDS and tok not in ZH_STOPWORDS
-    )
+    return frozenset(_key(tok) for tok in _tokens(text) if tok not in EN_STOPWORDS and tok not in ZH_STOPWORDS)
 
 
 # A chunk is checked against every pair generated from it: its words are worked out once.
@@ -211,9 +209,7 @@ def _repeats_question(question: str, answer: str) -> bool:
     return _token_f1(na, nq) >= 0.9
 
 
-def check_pair(
-    question: str, answer: str, chunk: str, settings: Any
-) -> tuple[str | None, dict[str, float]]:
+def check_pair(question: str, answer: str, chunk: str, settings: Any) -> tuple[str | None, dict[str, float]]:
     """The first reason the pair fails (order: shape checks, not_self_contained, ungrounded) or
     None, and its scores ({"grounding": g}).
 
@@ -225,13 +221,9 @@ def check_pair(
     if not q or not a:
         return "empty", scores
     q_len, a_len = _columns(q), _columns(a)
-    if q_len < _setting(settings, "min_question_chars") or a_len < _setting(
-        settings, "min_answer_chars"
-    ):
+    if q_len < _setting(settings, "min_question_chars") or a_len < _setting(settings, "min_answer_chars"):
         return "too_short", scores
-    if q_len > _setting(settings, "max_question_chars") or a_len > _setting(
-        settings, "max_answer_chars"
-    ):
+    if q_len > _setting(settings, "max_question_chars") or a_len > _setting(settings, "max_answer_chars"):
         return "too_long", scores
     if not _is_question(q):
         return "not_a_question", scores

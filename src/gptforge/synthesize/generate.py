@@ -33,8 +33,7 @@ log = logging.getLogger("gptforge")
 
 CACHE_DIR = Path(".gptforge") / "cache" / "synthesize"
 
-SYSTEM = ("You write question and answer pairs for a reading-comprehension dataset. You reply with JSON "
-          "only.")
+SYSTEM = "You write question and answer pairs for a reading-comprehension dataset. You reply with JSON only."
 
 PAIRS_SCHEMA = {
     "type": "array",
@@ -49,30 +48,40 @@ PAIRS_SCHEMA = {
 def pairs_messages(text: str, *, source: str, headings: Sequence[str], n: int) -> list[dict[str, str]]:
     """The generation prompt for one chunk: its document and heading path as context, its text."""
     where = f"Document: {source}\n" + (f"Section: {' > '.join(headings)}\n" if headings else "")
-    user = (f"Write {n} question and answer pairs about the text below.\n"
-            "Rules:\n"
-            "- Each question must make sense on its own, to a reader who has never seen the text: name "
-            "its subject, and never refer to the text, the passage, the document, a section, a figure, a "
-            "table, a listing, an equation or a page.\n"
-            "- Each answer must be stated by the text itself, in one to three sentences.\n"
-            "- Write the questions and answers in the language of the text.\n"
-            f'- Reply with a JSON array of {n} objects and nothing else: [{{"question": "...", "answer": "..."}}]\n\n'
-            f"{where}Text:\n\"\"\"\n{text}\n\"\"\"")
+    user = (
+        f"Write {n} question and answer pairs about the text below.\n"
+        "Rules:\n"
+        "- Each question must make sense on its own, to a reader who has never seen the text: name "
+        "its subject, and never refer to the text, the passage, the document, a section, a figure, a "
+        "table, a listing, an equation or a page.\n"
+        "- Each answer must be stated by the text itself, in one to three sentences.\n"
+        "- Write the questions and answers in the language of the text.\n"
+        f'- Reply with a JSON array of {n} objects and nothing else: [{{"question": "...", "answer": "..."}}]\n\n'
+        f'{where}Text:\n"""\n{text}\n"""'
+    )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
 def verify_messages(chunk: str, question: str, answer: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content":
-             f"Text:\n\"\"\"\n{chunk}\n\"\"\"\n\nQuestion: {question}\nAnswer: {answer}\n\n"
-             "Does the text above state everything the answer says? Reply with one word: yes or no."}]
+    return [
+        {
+            "role": "user",
+            "content": f'Text:\n"""\n{chunk}\n"""\n\nQuestion: {question}\nAnswer: {answer}\n\n'
+            "Does the text above state everything the answer says? Reply with one word: yes or no.",
+        }
+    ]
 
 
 def curate_messages(question: str, answer: str) -> list[dict[str, str]]:
     """synthetic-data-kit's curate step: a 1-10 rating of the pair's accuracy, relevance and clarity."""
-    return [{"role": "user", "content":
-             "Rate this question and answer pair for a training set from 1 to 10, for accuracy, relevance, "
-             "clarity and usefulness (10 is best).\n\n"
-             f"Question: {question}\nAnswer: {answer}\n\nReply with the integer only."}]
+    return [
+        {
+            "role": "user",
+            "content": "Rate this question and answer pair for a training set from 1 to 10, for accuracy, relevance, "
+            "clarity and usefulness (10 is best).\n\n"
+            f"Question: {question}\nAnswer: {answer}\n\nReply with the integer only.",
+        }
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +104,7 @@ def parse_pairs(content: str) -> list[Any]:
     candidates += [m.strip() for m in _FENCE.findall(content)]
     first, last = content.find("["), content.rfind("]")
     if 0 <= first < last:
-        candidates.append(content[first:last + 1])
+        candidates.append(content[first : last + 1])
     for text in candidates:
         try:
             data = json.loads(text)
@@ -168,8 +177,9 @@ class ResponseCache:
 
 
 def request_key(model: str, messages: Sequence[dict], settings: dict[str, Any]) -> str:
-    blob = json.dumps({"model": model, "messages": list(messages), "settings": settings}, sort_keys=True,
-                      ensure_ascii=False)
+    blob = json.dumps(
+        {"model": model, "messages": list(messages), "settings": settings}, sort_keys=True, ensure_ascii=False
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -192,8 +202,9 @@ class Asker:
             return hit
         extra = {}
         if json_schema is not None and self.response_format_ok:
-            extra = {"response_format": {"type": "json_schema",
-                                         "json_schema": {"name": "qa_pairs", "schema": json_schema}}}
+            extra = {
+                "response_format": {"type": "json_schema", "json_schema": {"name": "qa_pairs", "schema": json_schema}}
+            }
         try:
             done = self._send(messages, {**settings, **extra})
         except EndpointError as exc:
@@ -202,8 +213,11 @@ class Asker:
             done = self._send(messages, settings)  # refused for the chunk itself: raises again
             with self._lock:
                 if self.response_format_ok:
-                    log.info("synthesize: the endpoint refused response_format (HTTP %d: %s); asking without it",
-                             exc.status, exc.detail)
+                    log.info(
+                        "synthesize: the endpoint refused response_format (HTTP %d: %s); asking without it",
+                        exc.status,
+                        exc.detail,
+                    )
                 self.response_format_ok = False
         reply = Reply(done.content, done.prompt_tokens, done.completion_tokens, done.seconds)
         self.cache.put(key, reply)
@@ -223,8 +237,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def run_bounded(fn: Callable[[T], R], items: Iterable[T], concurrency: int) -> Iterator[tuple[int, R | None,
-                                                                                           BaseException | None]]:
+def run_bounded(
+    fn: Callable[[T], R], items: Iterable[T], concurrency: int
+) -> Iterator[tuple[int, R | None, BaseException | None]]:
     """(index, result, error) for fn over items, as they complete, at most `concurrency` at once.
 
     An error stops new work at once (the thread that met it takes no other item; the others stop
@@ -264,6 +279,18 @@ def run_bounded(fn: Callable[[T], R], items: Iterable[T], concurrency: int) -> I
         stop.set()
 
 
-__all__ = ["Asker", "ResponseCache", "Reply", "Unparseable", "curate_messages", "pair_fields",
-           "pairs_messages", "parse_pairs", "parse_rating", "parse_verdict", "request_key", "run_bounded",
-           "verify_messages"]
+__all__ = [
+    "Asker",
+    "ResponseCache",
+    "Reply",
+    "Unparseable",
+    "curate_messages",
+    "pair_fields",
+    "pairs_messages",
+    "parse_pairs",
+    "parse_rating",
+    "parse_verdict",
+    "request_key",
+    "run_bounded",
+    "verify_messages",
+]

@@ -47,8 +47,7 @@ log = logging.getLogger("gptforge")
 OUT_ROOT = Path("data/synthetic")
 KEY_ENV = "GPTFORGE_SYNTH_API_KEY"
 REFUSED_FOR_THE_CHUNK = (400, 413, 422)  # statuses that end one chunk's request, not the run
-DATASET_INFO = {"formatting": "alpaca", "columns": {"prompt": "instruction", "query": "input",
-                                                    "response": "output"}}
+DATASET_INFO = {"formatting": "alpaca", "columns": {"prompt": "instruction", "query": "input", "response": "output"}}
 
 
 def synthetic_path(name: str, root: str | os.PathLike = OUT_ROOT) -> Path:
@@ -66,9 +65,15 @@ class Pair:
     duplicate_of: str | None = None  # the question of the kept pair a duplicate repeats
 
     def record(self) -> dict[str, Any]:
-        return {"instruction": self.question, "input": "", "output": self.answer, "source": self.chunk.source,
-                "chunk": self.chunk.id, "span": [self.chunk.start, self.chunk.end],
-                "scores": {k: round(v, 4) for k, v in self.scores.items()}}
+        return {
+            "instruction": self.question,
+            "input": "",
+            "output": self.answer,
+            "source": self.chunk.source,
+            "chunk": self.chunk.id,
+            "span": [self.chunk.start, self.chunk.end],
+            "scores": {k: round(v, 4) for k, v in self.scores.items()},
+        }
 
 
 @dataclass
@@ -84,16 +89,31 @@ class Generated:
     wall_seconds: float
 
 
-def synthesize(cfg, *, steps: Steps = DIRECT, run: NullRun = NullRun(), out_root: str | os.PathLike = OUT_ROOT,
-               reports_dir: str | os.PathLike = "reports", metrics_dir: str | os.PathLike = "metrics",
-               cache_dir: str | os.PathLike | None = None) -> dict:
+def synthesize(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    out_root: str | os.PathLike = OUT_ROOT,
+    reports_dir: str | os.PathLike = "reports",
+    metrics_dir: str | os.PathLike = "metrics",
+    cache_dir: str | os.PathLike | None = None,
+) -> dict:
     """Make `synthesize.documents[synthesize.only]` (every entry when `only` is null): dvc.yaml's
     synthesize@NAME runs `gptforge synthesize -S synthesize.only=NAME`."""
     metrics: dict[str, float] = {}
     names = selected_documents(cfg.synthesize)
     for name in names:
-        got = synthesize_one(cfg, name, steps=steps, run=run, out_root=out_root, reports_dir=reports_dir,
-                             metrics_dir=metrics_dir, cache_dir=cache_dir)
+        got = synthesize_one(
+            cfg,
+            name,
+            steps=steps,
+            run=run,
+            out_root=out_root,
+            reports_dir=reports_dir,
+            metrics_dir=metrics_dir,
+            cache_dir=cache_dir,
+        )
         metrics.update({f"{name}.{k}": v for k, v in got.items()} if len(names) > 1 else got)
     return metrics
 
@@ -108,9 +128,17 @@ def selected_documents(s) -> list[str]:
     return [s.only] if s.only is not None else list(s.documents)
 
 
-def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str | os.PathLike,
-                   reports_dir: str | os.PathLike, metrics_dir: str | os.PathLike,
-                   cache_dir: str | os.PathLike | None) -> dict:
+def synthesize_one(
+    cfg,
+    name: str,
+    *,
+    steps: Steps,
+    run: NullRun,
+    out_root: str | os.PathLike,
+    reports_dir: str | os.PathLike,
+    metrics_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike | None,
+) -> dict:
     from gptforge.modeling.tokenizer import load_tokenizer
     from gptforge.openai_client import ChatClient
     from gptforge.synthesize.chunks import chunk_documents
@@ -120,15 +148,40 @@ def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str 
     s = cfg.synthesize
     docs = steps(read_documents, s.documents[name], param=f"synthesize.documents.{name}")
     encoding = load_tokenizer(cfg.tokenizer.path)
-    chunks = steps(chunk_documents, docs, count_tokens=lambda text: len(encoding.encode_ordinary(text)),
-                   chunk_tokens=s.chunk_tokens, overlap=s.chunk_overlap)
-    log.info("synthesize %s: %d documents, %d chunks (at most %d GPT-2 tokens, %d shared)", name, len(docs),
-             len(chunks), s.chunk_tokens, s.chunk_overlap)
+    chunks = steps(
+        chunk_documents,
+        docs,
+        count_tokens=lambda text: len(encoding.encode_ordinary(text)),
+        chunk_tokens=s.chunk_tokens,
+        overlap=s.chunk_overlap,
+    )
+    log.info(
+        "synthesize %s: %d documents, %d chunks (at most %d GPT-2 tokens, %d shared)",
+        name,
+        len(docs),
+        len(chunks),
+        s.chunk_tokens,
+        s.chunk_overlap,
+    )
     if s.endpoint.url is None:
-        return chunks_only(name, docs, chunks, s, steps=steps, run=run, out_root=out_root, reports_dir=reports_dir,
-                           metrics_dir=metrics_dir)
-    client = ChatClient(s.endpoint.url, s.endpoint.model, api_key=os.environ.get(KEY_ENV) or None,
-                        timeout=s.endpoint.timeout, retries=s.endpoint.retries)
+        return chunks_only(
+            name,
+            docs,
+            chunks,
+            s,
+            steps=steps,
+            run=run,
+            out_root=out_root,
+            reports_dir=reports_dir,
+            metrics_dir=metrics_dir,
+        )
+    client = ChatClient(
+        s.endpoint.url,
+        s.endpoint.model,
+        api_key=os.environ.get(KEY_ENV) or None,
+        timeout=s.endpoint.timeout,
+        retries=s.endpoint.retries,
+    )
     asker = Asker(client, ResponseCache(cache_dir if cache_dir is not None else CACHE_DIR))
     asked = [c for c in chunks if c.tokens >= s.min_chunk_tokens]
     generated = steps(generate_pairs, asked, asker, s)
@@ -141,40 +194,73 @@ def synthesize_one(cfg, name: str, *, steps: Steps, run: NullRun, out_root: str 
     steps(write_report, report, name, s, metrics, pairs)
     publish_metrics(run, metrics, Path(metrics_dir) / f"synthesize_{name}.json")
     run.log_artifact(report)
-    log.info("synthesize %s: %d pairs kept of %d returned (%d asked) -> %s; report %s", name, len(kept),
-             len(pairs), metrics["pairs_asked"], out, report)
+    log.info(
+        "synthesize %s: %d pairs kept of %d returned (%d asked) -> %s; report %s",
+        name,
+        len(kept),
+        len(pairs),
+        metrics["pairs_asked"],
+        out,
+        report,
+    )
     if not kept:
-        drops = ", ".join(f"{k.removeprefix('dropped_')} {int(v)}" for k, v in metrics.items()
-                          if k.startswith("dropped_") and v)
-        raise StageFailed(f"synthesize {name}: no pair kept of {len(pairs)} returned "
-                          f"({drops or 'the endpoint returned none'}; {int(metrics['unparseable'])} unparseable "
-                          f"replies, {int(metrics['refused_requests'])} refused requests); see {report}")
+        drops = ", ".join(
+            f"{k.removeprefix('dropped_')} {int(v)}" for k, v in metrics.items() if k.startswith("dropped_") and v
+        )
+        raise StageFailed(
+            f"synthesize {name}: no pair kept of {len(pairs)} returned "
+            f"({drops or 'the endpoint returned none'}; {int(metrics['unparseable'])} unparseable "
+            f"replies, {int(metrics['refused_requests'])} refused requests); see {report}"
+        )
     return metrics
 
 
-def chunks_only(name: str, docs: Sequence[Any], chunks: Sequence[Any], s, *, steps: Steps, run: NullRun,
-                out_root: str | os.PathLike, reports_dir: str | os.PathLike, metrics_dir: str | os.PathLike) -> dict:
+def chunks_only(
+    name: str,
+    docs: Sequence[Any],
+    chunks: Sequence[Any],
+    s,
+    *,
+    steps: Steps,
+    run: NullRun,
+    out_root: str | os.PathLike,
+    reports_dir: str | os.PathLike,
+    metrics_dir: str | os.PathLike,
+) -> dict:
     """No endpoint: `data/synthetic/NAME/` holds `chunks.jsonl` alone (replaced whole), and the
     report and metrics say that no pair was asked."""
     out = Path(out_root) / name
     steps(write_chunks_only, out, chunks)
-    metrics: dict[str, float] = {"documents": len(docs), "chunks": len(chunks), "requests": 0, "pairs_asked": 0,
-                                 "kept": 0}
+    metrics: dict[str, float] = {
+        "documents": len(docs),
+        "chunks": len(chunks),
+        "requests": 0,
+        "pairs_asked": 0,
+        "kept": 0,
+    }
     report = Path(reports_dir) / f"synthesize_{name}.md"
-    lines = [f"# synthesize {name}", "",
-             f"Documents `{s.documents[name]}`: {len(docs)} documents, {len(chunks)} chunks of at most "
-             f"{s.chunk_tokens} GPT-2 tokens ({s.chunk_overlap} shared), in `{out / 'chunks.jsonl'}`.", "",
-             "**Chunks only: no pairs.** `synthesize.endpoint.url` and `synthesize.endpoint.model` are null, so "
-             "no endpoint was asked and there is no `qa.jsonl`. The index (stage index@NAME) is built from these "
-             "chunks; evaluate_qa asks the questions of `evaluate_qa.questions.NAME`. To make pairs, name an "
-             "endpoint (docs/synthesize.md)."]
+    lines = [
+        f"# synthesize {name}",
+        "",
+        f"Documents `{s.documents[name]}`: {len(docs)} documents, {len(chunks)} chunks of at most "
+        f"{s.chunk_tokens} GPT-2 tokens ({s.chunk_overlap} shared), in `{out / 'chunks.jsonl'}`.",
+        "",
+        "**Chunks only: no pairs.** `synthesize.endpoint.url` and `synthesize.endpoint.model` are null, so "
+        "no endpoint was asked and there is no `qa.jsonl`. The index (stage index@NAME) is built from these "
+        "chunks; evaluate_qa asks the questions of `evaluate_qa.questions.NAME`. To make pairs, name an "
+        "endpoint (docs/synthesize.md).",
+    ]
     report.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(report, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     publish_metrics(run, metrics, Path(metrics_dir) / f"synthesize_{name}.json")
     run.log_artifact(report)
-    log.warning("synthesize %s: no endpoint (synthesize.endpoint.url is null): %d chunks written to %s, no pairs "
-                "asked", name, len(chunks), out)
+    log.warning(
+        "synthesize %s: no endpoint (synthesize.endpoint.url is null): %d chunks written to %s, no pairs asked",
+        name,
+        len(chunks),
+        out,
+    )
     return metrics
 
 
@@ -201,17 +287,22 @@ def generate_pairs(chunks: Sequence[Any], asker, s) -> Generated:
                 left = len(chunks) - answered
                 endpoint = asker.client.endpoint
                 if isinstance(error, EndpointError) and error.status in (401, 403):
-                    raise BadInput(f"synthesize.endpoint.url: {endpoint} answered HTTP {error.status} "
-                                   f"({error.detail or 'not authorized'}): set {KEY_ENV} to a key it accepts") from None
+                    raise BadInput(
+                        f"synthesize.endpoint.url: {endpoint} answered HTTP {error.status} "
+                        f"({error.detail or 'not authorized'}): set {KEY_ENV} to a key it accepts"
+                    ) from None
                 if isinstance(error, EndpointError) and error.status == 404:
-                    raise BadInput(f"synthesize.endpoint: {endpoint} answered HTTP 404 ({error.detail or 'not found'}): "
-                                   f"check the URL (base URL with /v1) and synthesize.endpoint.model "
-                                   f"{asker.client.model!r}") from None
+                    raise BadInput(
+                        f"synthesize.endpoint: {endpoint} answered HTTP 404 ({error.detail or 'not found'}): "
+                        f"check the URL (base URL with /v1) and synthesize.endpoint.model "
+                        f"{asker.client.model!r}"
+                    ) from None
                 if isinstance(error, (Unreachable, EndpointError)):
                     why = f"HTTP {error.status}: {error.detail}" if isinstance(error, EndpointError) else str(error)
                     raise SourceUnreachable(
                         f"synthesize.endpoint.url: {endpoint} did not answer ({why}); {answered} of {len(chunks)} "
-                        f"chunks answered and cached, {left} left: run again to resume") from None
+                        f"chunks answered and cached, {left} left: run again to resume"
+                    ) from None
                 raise error
             results[i] = result
             returned += len(result[0])
@@ -236,11 +327,18 @@ def generate_pairs(chunks: Sequence[Any], asker, s) -> Generated:
                 tokens += reply.completion_tokens or 0
                 seconds += reply.seconds
     if refused:
-        log.warning("synthesize: the endpoint refused the requests of %d chunks (first: %s)", len(refused),
-                    refused[0])
-    return Generated(pairs=pairs, requests=asker.sent, cached=cached, unparseable=unparseable,
-                     malformed=malformed, refused=len(refused), completion_tokens=tokens,
-                     request_seconds=seconds, wall_seconds=time.monotonic() - t0)
+        log.warning("synthesize: the endpoint refused the requests of %d chunks (first: %s)", len(refused), refused[0])
+    return Generated(
+        pairs=pairs,
+        requests=asker.sent,
+        cached=cached,
+        unparseable=unparseable,
+        malformed=malformed,
+        refused=len(refused),
+        completion_tokens=tokens,
+        request_seconds=seconds,
+        wall_seconds=time.monotonic() - t0,
+    )
 
 
 def _ask_chunk(chunk, asker, s) -> tuple[list[tuple[str, str]], int, bool, list, str | None]:
@@ -255,8 +353,13 @@ def _ask_chunk(chunk, asker, s) -> tuple[list[tuple[str, str]], int, bool, list,
     replies = []
     for attempt in range(2):
         try:
-            reply = asker.ask(messages, json_schema=PAIRS_SCHEMA, temperature=s.temperature,
-                              max_tokens=s.max_tokens, seed=s.seed + attempt)
+            reply = asker.ask(
+                messages,
+                json_schema=PAIRS_SCHEMA,
+                temperature=s.temperature,
+                max_tokens=s.max_tokens,
+                seed=s.seed + attempt,
+            )
         except EndpointError as exc:
             if exc.status not in REFUSED_FOR_THE_CHUNK:
                 raise
@@ -296,20 +399,24 @@ def filter_pairs(pairs: list[Pair], asker, s) -> list[Pair]:
 
 def _llm_check(pairs: list[Pair], asker, s, kind: str) -> None:
     from gptforge.openai_client import EndpointError, Unreachable
-    from gptforge.synthesize.generate import (curate_messages, parse_rating, parse_verdict, run_bounded,
-                                              verify_messages)
+    from gptforge.synthesize.generate import curate_messages, parse_rating, parse_verdict, run_bounded, verify_messages
 
     alive = [p for p in pairs if p.reason is None]
 
     def ask(pair: Pair):
-        messages = (verify_messages(pair.chunk.text, pair.question, pair.answer) if kind == "verify"
-                    else curate_messages(pair.question, pair.answer))
+        messages = (
+            verify_messages(pair.chunk.text, pair.question, pair.answer)
+            if kind == "verify"
+            else curate_messages(pair.question, pair.answer)
+        )
         return asker.ask(messages, temperature=0, max_tokens=8, seed=s.seed).content
 
     for i, content, error in run_bounded(ask, alive, s.concurrency):
         if isinstance(error, (Unreachable, EndpointError)):
-            raise SourceUnreachable(f"synthesize.endpoint.url: {asker.client.endpoint} did not answer the {kind} "
-                                    f"requests ({error}); answers so far are cached: run again to resume") from None
+            raise SourceUnreachable(
+                f"synthesize.endpoint.url: {asker.client.endpoint} did not answer the {kind} "
+                f"requests ({error}); answers so far are cached: run again to resume"
+            ) from None
         if error is not None:
             raise error
         pair = alive[i]
@@ -330,8 +437,9 @@ def _llm_check(pairs: list[Pair], asker, s, kind: str) -> None:
 # Outputs
 
 
-def summarize(name: str, chunks: Sequence[Any], asked: Sequence[Any], generated: Generated, pairs: Sequence[Pair],
-              asker, s) -> dict:
+def summarize(
+    name: str, chunks: Sequence[Any], asked: Sequence[Any], generated: Generated, pairs: Sequence[Pair], asker, s
+) -> dict:
     from gptforge.synthesize.filters import REASONS
 
     reasons = Counter(p.reason for p in pairs if p.reason is not None)
@@ -377,7 +485,8 @@ def write_outputs(out: Path, name: str, chunks: Sequence[Any], pairs: Sequence[P
         write_chunks(chunks, tmp / "chunks.jsonl")
         (tmp / "dataset_info.json").write_text(
             json.dumps({f"gptforge_{name}": {"file_name": "qa.jsonl", **DATASET_INFO}}, indent=2) + "\n",
-            encoding="utf-8")
+            encoding="utf-8",
+        )
 
 
 def write_chunks_only(out: Path, chunks: Sequence[Any]) -> None:
@@ -389,14 +498,32 @@ def write_chunks_only(out: Path, chunks: Sequence[Any]) -> None:
 
 
 def write_report(path: Path, name: str, s, metrics: dict, pairs: Sequence[Pair]) -> None:
-    lines = [f"# synthesize {name}", "",
-             f"Documents `{s.documents[name]}`, endpoint `{s.endpoint.url}` model `{s.endpoint.model}`, "
-             f"{s.pairs_per_chunk} pairs asked per chunk of at most {s.chunk_tokens} GPT-2 tokens "
-             f"({s.chunk_overlap} shared).", "",
-             "| | |", "| --- | ---: |"]
-    for key in ("documents", "chunks", "chunks_too_short", "requests", "cached_replies", "unparseable",
-                "refused_requests", "pairs_asked", "pairs_returned",
-                "kept", "completion_tokens", "endpoint_tokens_per_sec", "pairs_per_min", "wall_seconds"):
+    lines = [
+        f"# synthesize {name}",
+        "",
+        f"Documents `{s.documents[name]}`, endpoint `{s.endpoint.url}` model `{s.endpoint.model}`, "
+        f"{s.pairs_per_chunk} pairs asked per chunk of at most {s.chunk_tokens} GPT-2 tokens "
+        f"({s.chunk_overlap} shared).",
+        "",
+        "| | |",
+        "| --- | ---: |",
+    ]
+    for key in (
+        "documents",
+        "chunks",
+        "chunks_too_short",
+        "requests",
+        "cached_replies",
+        "unparseable",
+        "refused_requests",
+        "pairs_asked",
+        "pairs_returned",
+        "kept",
+        "completion_tokens",
+        "endpoint_tokens_per_sec",
+        "pairs_per_min",
+        "wall_seconds",
+    ):
         if key in metrics:
             lines.append(f"| {key.replace('_', ' ')} | {metrics[key]:g} |")
     lines += ["", "## Dropped, by reason", "", "| reason | pairs |", "| --- | ---: |"]
@@ -406,8 +533,10 @@ def write_report(path: Path, name: str, s, metrics: dict, pairs: Sequence[Pair])
     for reason in dict.fromkeys(p.reason for p in pairs if p.reason is not None):
         lines += ["", f"### {reason}", ""]
         for pair in [p for p in pairs if p.reason == reason][:2]:
-            lines.append(f"- Q: {_one_line(pair.question)}  \n  A: {_one_line(pair.answer)}  \n"
-                         f"  ({pair.chunk.id}; {', '.join(f'{k} {v:.2f}' for k, v in pair.scores.items())})")
+            lines.append(
+                f"- Q: {_one_line(pair.question)}  \n  A: {_one_line(pair.answer)}  \n"
+                f"  ({pair.chunk.id}; {', '.join(f'{k} {v:.2f}' for k, v in pair.scores.items())})"
+            )
     kept = [p for p in pairs if p.reason is None][:3]
     if kept:
         lines += ["", "## Kept, the first few", ""]
@@ -419,4 +548,4 @@ def write_report(path: Path, name: str, s, metrics: dict, pairs: Sequence[Pair])
 
 def _one_line(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

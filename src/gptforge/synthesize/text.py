@@ -53,4 +53,3 @@ def normalize_question(text: str) -> str:
     "what is x?" both give "what is x"."""
     text = _nfkc(text).casefold().translate(_PUNCTUATION_TO_SPACE)
     return _SPACE_BETWEEN_CJK.sub("", " ".join(text.split()))
-

@@ -74,9 +74,10 @@ def save_checkpoint(
             _write_checksums(tmp)
     except OSError as e:  # a full disk, a quota, a read-only mount: the older checkpoints are untouched
         kept = [p.name for p in list_checkpoints(root) if p != folder]
-        raise StageFailed(f"cannot write checkpoint {folder}: {e.strerror or e}; "
-                          + (f"the previous checkpoints ({', '.join(kept)}) are intact" if kept
-                             else "no earlier checkpoint exists")) from e
+        raise StageFailed(
+            f"cannot write checkpoint {folder}: {e.strerror or e}; "
+            + (f"the previous checkpoints ({', '.join(kept)}) are intact" if kept else "no earlier checkpoint exists")
+        ) from e
     _fsync_dir(root)
     if keep_last is not None:
         older = [p for p in list_checkpoints(root) if p != folder]
@@ -204,11 +205,14 @@ def capture_rng() -> dict:
     version, mt, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         # Python's Mersenne Twister words are < 2**32, so they fit int64 exactly.
-        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -220,8 +224,15 @@ def restore_rng(state: dict) -> None:
     the saved state and this process have (a DDP rank usually sees one)."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), int(n["pos"]),
-                         int(n["has_gauss"]), float(n["cached_gaussian"])))
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            int(n["pos"]),
+            int(n["has_gauss"]),
+            float(n["cached_gaussian"]),
+        )
+    )
     p = state["python"]
     random.setstate((int(p["version"]), tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
     if state.get("cuda") and torch.cuda.is_available():

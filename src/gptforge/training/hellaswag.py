@@ -45,8 +45,15 @@ SOURCE_KEY = "pretrain.hellaswag.source"
 # Loading
 
 
-def local_copy(source: str, *, split: str = "validation", sha256: str | None = None, download=None,
-               source_key: str = SOURCE_KEY, raw_dir: str | Path = "data/raw") -> Path:
+def local_copy(
+    source: str,
+    *,
+    split: str = "validation",
+    sha256: str | None = None,
+    download=None,
+    source_key: str = SOURCE_KEY,
+    raw_dir: str | Path = "data/raw",
+) -> Path:
     """A local rowanz-format jsonl for `source`: the path itself; an https:// URL downloaded once
     into `raw_dir` (resumable, checksum-verified: `data.sources.materialize`); or a hub dataset
     `hf://OWNER/NAME` whose `split` is written once to `raw_dir` as jsonl and reused from there."""
@@ -55,9 +62,10 @@ def local_copy(source: str, *, split: str = "validation", sha256: str | None = N
     from gptforge.io import atomic_file
 
     if not is_hf(source):
-        return materialize(source, param=source_key, sha256=sha256, download=download or DownloadConfig(),
-                           raw_dir=raw_dir)
-    repo = source[len("hf://"):]
+        return materialize(
+            source, param=source_key, sha256=sha256, download=download or DownloadConfig(), raw_dir=raw_dir
+        )
+    repo = source[len("hf://") :]
     dest = Path(raw_dir) / f"hellaswag-{repo.replace('/', '--')}-{split}.jsonl"
     if dest.is_file():
         log.info("using cached %s", dest)
@@ -182,12 +190,15 @@ def score(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     out = model(tokens)
     logits = out[0] if isinstance(out, (tuple, list)) else out
     if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(f"the model must return logits (B, T, V) for every position; got {tuple(logits.shape)} "
-                         f"for tokens {tuple(tokens.shape)}")
+        raise ValueError(
+            f"the model must return logits (B, T, V) for every position; got {tuple(logits.shape)} "
+            f"for tokens {tuple(tokens.shape)}"
+        )
     shift_logits = logits[:, :-1, :].float()
     shift_tokens = tokens[:, 1:]
-    losses = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_tokens.reshape(-1),
-                             reduction="none").view(shift_tokens.shape)
+    losses = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_tokens.reshape(-1), reduction="none"
+    ).view(shift_tokens.shape)
     shift_mask = mask[:, 1:].to(losses.device).bool()
     # where, not multiply: a padded position may have an infinite loss, and 0 * inf is nan.
     losses = torch.where(shift_mask, losses, torch.zeros_like(losses))
@@ -200,9 +211,17 @@ def score(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
 # Evaluation
 
 
-def evaluate(model, examples: list[dict], enc, *, device: str | torch.device = "cpu", rank: int = 0,
-             world_size: int = 1, block_size: int | None = None,
-             autocast_dtype: torch.dtype | None = None) -> dict:
+def evaluate(
+    model,
+    examples: list[dict],
+    enc,
+    *,
+    device: str | torch.device = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    block_size: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict:
     """HellaSwag accuracy of `model` (any callable `model(idx) -> (logits, _)`) on `examples`.
 
     Rank r scores the examples i with i % world_size == r; when torch.distributed is
@@ -222,8 +241,11 @@ def evaluate(model, examples: list[dict], enc, *, device: str | torch.device = "
     was_training = model.training if is_module else False
     if is_module:
         model.eval()
-    amp = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
+    amp = (
+        torch.autocast(device_type=device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     n = correct = correct_norm = skipped = 0
     try:
         with torch.no_grad(), _progress(len(mine), disable=rank != 0) as bar:
@@ -249,10 +271,17 @@ def evaluate(model, examples: list[dict], enc, *, device: str | torch.device = "
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
         n, correct, correct_norm, skipped = (int(c) for c in counts.tolist())
     if skipped and rank == 0:
-        log.warning("hellaswag: skipped %d example(s) whose longest ending does not fit block_size %s",
-                    skipped, block_size)
-    return {"acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0,
-            "n": n, "correct": correct, "correct_norm": correct_norm, "skipped": skipped}
+        log.warning(
+            "hellaswag: skipped %d example(s) whose longest ending does not fit block_size %s", skipped, block_size
+        )
+    return {
+        "acc": correct / n if n else 0.0,
+        "acc_norm": correct_norm / n if n else 0.0,
+        "n": n,
+        "correct": correct,
+        "correct_norm": correct_norm,
+        "skipped": skipped,
+    }
 
 
 class _NoBar:

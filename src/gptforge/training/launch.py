@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from gptforge.config.load import dump_yaml
-
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput, StageFailed
 from gptforge.runtime.child_output import ChildOutput
@@ -40,7 +39,6 @@ from gptforge.runtime.run_context import TAGS_ENV, env_tags
 from gptforge.runtime.signals import forwarded_to
 
 log = logging.getLogger("gptforge")
-
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,9 @@ def needs_launch(cfg: Config, stage: str = "pretrain") -> bool:
     return cfg.world_size(TRAINING_STAGES[stage].section) > 1
 
 
-def torchrun_command(cfg: Config, params_file: str | os.PathLike | None,
-                     overrides: Sequence[str] = (), stage: str = "pretrain") -> list[str]:
+def torchrun_command(
+    cfg: Config, params_file: str | os.PathLike | None, overrides: Sequence[str] = (), stage: str = "pretrain"
+) -> list[str]:
     """The torchrun command line that runs the stage's `gptforge` command on this node's processes."""
     spec, d = TRAINING_STAGES[stage], cfg.distributed
     nproc = getattr(cfg, spec.section).nproc_per_node
@@ -77,8 +76,16 @@ def torchrun_command(cfg: Config, params_file: str | os.PathLike | None,
     if d.nnodes == 1:
         cmd.append("--standalone")  # a rendezvous on this machine, on a free port
     else:
-        cmd += ["--nnodes", str(d.nnodes), "--rdzv_backend", d.rdzv_backend, "--rdzv_endpoint", d.rdzv_endpoint,
-                "--rdzv_id", d.rdzv_id]
+        cmd += [
+            "--nnodes",
+            str(d.nnodes),
+            "--rdzv_backend",
+            d.rdzv_backend,
+            "--rdzv_endpoint",
+            d.rdzv_endpoint,
+            "--rdzv_id",
+            d.rdzv_id,
+        ]
     cmd += ["--max_restarts", str(d.max_restarts), "-m", "gptforge.cli", *spec.command]
     if params_file is not None:
         cmd += ["--params", str(params_file)]
@@ -105,16 +112,19 @@ def check_devices(cfg: Config, stage: str = "pretrain") -> None:
     section = TRAINING_STAGES[stage].section
     p = getattr(cfg, section)
     if p.device != "cpu" and torch.cuda.is_available() and p.nproc_per_node > torch.cuda.device_count():
-        raise BadInput(f"{section}.nproc_per_node ({p.nproc_per_node}) is above the {torch.cuda.device_count()} "
-                       "CUDA device(s) of this machine (one process per GPU)")
+        raise BadInput(
+            f"{section}.nproc_per_node ({p.nproc_per_node}) is above the {torch.cuda.device_count()} "
+            "CUDA device(s) of this machine (one process per GPU)"
+        )
 
 
 def launcher(stage: str) -> Callable[..., dict]:
     """`launch_stage` for one stage, named `launch_<section>`: the step (Prefect task run) a
     launching flow run shows, `launch-pretrain`, `launch-instruct`, ..."""
 
-    def launch(cfg: Config, *, tags: Mapping[str, Any] | None = None,
-               metrics_path: str | os.PathLike | None = None) -> dict:
+    def launch(
+        cfg: Config, *, tags: Mapping[str, Any] | None = None, metrics_path: str | os.PathLike | None = None
+    ) -> dict:
         return launch_stage(stage, cfg, tags=tags, metrics_path=metrics_path)
 
     launch.__name__ = launch.__qualname__ = f"launch_{TRAINING_STAGES[stage].section}"
@@ -124,8 +134,9 @@ def launcher(stage: str) -> Callable[..., dict]:
 launch_pretrain = launcher("pretrain")
 
 
-def launch_stage(stage: str, cfg: Config, *, tags: Mapping[str, Any] | None = None,
-                 metrics_path: str | os.PathLike | None = None) -> dict:
+def launch_stage(
+    stage: str, cfg: Config, *, tags: Mapping[str, Any] | None = None, metrics_path: str | os.PathLike | None = None
+) -> dict:
     """Run a training stage under torchrun on this node and wait; the metrics of rank 0.
 
     Raises StageFailed with torchrun's exit code (and the last worker's one-line error) when
@@ -141,8 +152,14 @@ def launch_stage(stage: str, cfg: Config, *, tags: Mapping[str, Any] | None = No
         snapshot = Path(tmp) / "params.yaml"
         snapshot.write_text(dump_yaml(cfg), encoding="utf-8")
         cmd = torchrun_command(cfg, snapshot, stage=stage)
-        log.info("launching %d processes (%d node%s x %d): %s", cfg.world_size(spec.section), nnodes,
-                 "s" if nnodes > 1 else "", getattr(cfg, spec.section).nproc_per_node, shlex.join(cmd))
+        log.info(
+            "launching %d processes (%d node%s x %d): %s",
+            cfg.world_size(spec.section),
+            nnodes,
+            "s" if nnodes > 1 else "",
+            getattr(cfg, spec.section).nproc_per_node,
+            shlex.join(cmd),
+        )
         rc, signum, last_error = _run(cmd, worker_env(tags))
     if signum is not None:
         signal.raise_signal(signum)  # this process's own handler now: KeyboardInterrupt, Prefect's, or exit
@@ -169,8 +186,9 @@ def _identity(path: Path) -> tuple[int, int] | None:
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None, str | None]:
     """Run torchrun in its own process group, stream its output, forward SIGINT/SIGTERM to it.
     Returns its exit code, the signal that stopped us (if any) and the last worker error line."""
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     # torchrun answers SIGINT/SIGTERM by stopping its workers and exiting; we keep reading until
     # it has, then act on the signal ourselves.
     with forwarded_to(proc) as received:

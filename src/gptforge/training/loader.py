@@ -199,8 +199,11 @@ class ShardLoader:
 
 def _read_manifest(data_dir: Path) -> dict:
     path = data_dir / "manifest.json"
-    manifest = read_json(path, missing=" not found: run `gptforge prepare pretrain` first",
-                         invalid=": re-run `gptforge prepare pretrain`")
+    manifest = read_json(
+        path,
+        missing=" not found: run `gptforge prepare pretrain` first",
+        invalid=": re-run `gptforge prepare pretrain`",
+    )
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
         raise BadInput(f"{path}: no 'shards' list: re-run `gptforge prepare pretrain`")
     if manifest.get("dtype", "uint16") != "uint16":

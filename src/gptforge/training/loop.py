@@ -38,9 +38,9 @@ from gptforge.runtime.signals import stop_requested
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun, publish_metrics
 from gptforge.training import checkpoint as ckpt
+from gptforge.training import sharding
 from gptforge.training.loader import ShardLoader
 from gptforge.training.loss_plot import plot_losses, write_plot_csv
-from gptforge.training import sharding
 from gptforge.training.optim import adamw, zero1_adamw
 from gptforge.training.runtime import Runtime, setup_runtime
 from gptforge.training.session import Session, check_resumable, find_resume, fingerprint, save_checkpoint
@@ -102,8 +102,9 @@ def build_model(cfg: Config, n_vocab: int) -> GPT:
 # One optimizer step
 
 
-def train_step(model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int, rt: Runtime, *, lr: float,
-               grad_clip: float) -> tuple[float, float]:
+def train_step(
+    model, raw_model: GPT, optimizer, scaler, loader, grad_accum: int, rt: Runtime, *, lr: float, grad_clip: float
+) -> tuple[float, float]:
     """Forward/backward over `grad_accum` micro-batches, clip, step. Returns (loss, grad norm).
 
     A non-finite loss returns before the optimizer touches the weights, so the caller can stop
@@ -183,8 +184,14 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     rt = setup_runtime(cfg)
     grad_accum = grad_accum_steps(cfg, rt.world_size)
     enc = load_tokenizer(cfg.tokenizer.path)
-    loader_args = dict(batch_size=p.batch_size, block_size=cfg.model.block_size, rank=rt.rank,
-                       world_size=rt.world_size, n_vocab=enc.n_vocab, tokenizer_name=describe(cfg.tokenizer.path))
+    loader_args = dict(
+        batch_size=p.batch_size,
+        block_size=cfg.model.block_size,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        n_vocab=enc.n_vocab,
+        tokenizer_name=describe(cfg.tokenizer.path),
+    )
     train_loader = ShardLoader(data_dir, "train", seed=p.seed, shuffle=True, **loader_args)
     val_loader = ShardLoader(data_dir, "val", seed=p.seed, shuffle=False, **loader_args)
     fp = fingerprint(cfg, train_loader.manifest, rt.world_size)
@@ -192,14 +199,18 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     hellaswag = None
     if p.hellaswag.source:
         from gptforge.training import hellaswag as hs
-        path = hs.local_copy(p.hellaswag.source, split=p.hellaswag.split, sha256=p.hellaswag.sha256,
-                             download=cfg.data.download)
+
+        path = hs.local_copy(
+            p.hellaswag.source, split=p.hellaswag.split, sha256=p.hellaswag.sha256, download=cfg.data.download
+        )
         hellaswag = hs.load_examples(path, limit=p.hellaswag.limit)
 
     sharded = p.strategy == "fsdp" and rt.ddp
     if sharded and rt.precision == "fp16":
-        raise BadInput("pretrain.strategy fsdp runs bf16 or fp32, not fp16 (its loss scaler does not take sharded "
-                       "gradients): set pretrain.precision to bf16")
+        raise BadInput(
+            "pretrain.strategy fsdp runs bf16 or fp32, not fp16 (its loss scaler does not take sharded "
+            "gradients): set pretrain.precision to bf16"
+        )
     resume_from = find_resume(cfg, out_dir, fp)
     if resume_from is not None:
         check_resumable(resume_from, sharded)
@@ -213,10 +224,17 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     model.gradient_checkpointing = p.activation_checkpointing
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
     if sharded:
-        sharding.shard(model, device=rt.device, precision=rt.precision,
-                       reshard_after_forward=p.fsdp_reshard_after_forward, compile_blocks=rt.compile)
+        sharding.shard(
+            model,
+            device=rt.device,
+            precision=rt.precision,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            compile_blocks=rt.compile,
+        )
     build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
-    optimizer = build(model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type)
+    optimizer = build(
+        model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
+    )
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
@@ -245,8 +263,24 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-    return Session(cfg, rt, enc, grad_accum, train_loader, val_loader, fp, hellaswag, model, raw_model, optimizer,
-                   scaler, out_dir, step=step, last_ckpt=resume_from, sharded=sharded)
+    return Session(
+        cfg,
+        rt,
+        enc,
+        grad_accum,
+        train_loader,
+        val_loader,
+        fp,
+        hellaswag,
+        model,
+        raw_model,
+        optimizer,
+        scaler,
+        out_dir,
+        step=step,
+        last_ckpt=resume_from,
+        sharded=sharded,
+    )
 
 
 def train_loop(s: Session, run=NullRun()) -> None:
@@ -254,9 +288,18 @@ def train_loop(s: Session, run=NullRun()) -> None:
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     flops_per_token = s.raw_model.flops_per_token(cfg.model.block_size)
     peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
-    log.info("pretraining %.2fM parameters on %s (%s%s, %d process%s), %d micro-steps of %dx%d per step",
-             s.raw_model.num_params() / 1e6, rt.device, rt.precision, ", compiled" if rt.compile else "",
-             rt.world_size, "es" if rt.world_size > 1 else "", s.grad_accum, p.batch_size, cfg.model.block_size)
+    log.info(
+        "pretraining %.2fM parameters on %s (%s%s, %d process%s), %d micro-steps of %dx%d per step",
+        s.raw_model.num_params() / 1e6,
+        rt.device,
+        rt.precision,
+        ", compiled" if rt.compile else "",
+        rt.world_size,
+        "es" if rt.world_size > 1 else "",
+        s.grad_accum,
+        p.batch_size,
+        cfg.model.block_size,
+    )
     from tqdm.auto import tqdm
 
     bar = tqdm(total=p.max_steps, initial=s.step, unit="step", desc="pretrain", disable=not rt.master)
@@ -287,22 +330,29 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
             run.log_metrics({"val_loss": row["val_loss"]}, step=step)
         if s.hellaswag is not None and p.hellaswag_interval and step % p.hellaswag_interval == 0 and step:
             s.hellaswag_result = _hellaswag(s.plain_model(), s.hellaswag, s.enc, rt, cfg)
-            run.log_metrics({"hellaswag_acc_norm": s.hellaswag_result["acc_norm"],
-                             "hellaswag_acc": s.hellaswag_result["acc"]}, step=step)
+            run.log_metrics(
+                {"hellaswag_acc_norm": s.hellaswag_result["acc_norm"], "hellaswag_acc": s.hellaswag_result["acc"]},
+                step=step,
+            )
         if p.sample_interval and step % p.sample_interval == 0 and step:
             plain = s.plain_model(everywhere=False)
             if rt.master:
-                run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
-                             f"samples/step_{step:08d}.txt")
+                run.log_text(
+                    sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed + step, rt.device),
+                    f"samples/step_{step:08d}.txt",
+                )
 
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
-        loss, grad_norm = train_step(s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, rt,
-                                     lr=lr, grad_clip=p.grad_clip)
+        loss, grad_norm = train_step(
+            s.model, s.raw_model, s.optimizer, s.scaler, s.train_loader, s.grad_accum, rt, lr=lr, grad_clip=p.grad_clip
+        )
         if not math.isfinite(loss):
             where = f"the last good checkpoint is {s.last_ckpt}" if s.last_ckpt else "no checkpoint was written yet"
-            raise StageFailed(f"loss is {loss} at step {step}: stopping; {where} "
-                              "(resume: auto continues from it; consider a lower pretrain.lr)")
+            raise StageFailed(
+                f"loss is {loss} at step {step}: stopping; {where} "
+                "(resume: auto continues from it; consider a lower pretrain.lr)"
+            )
         rt.sync()
         dt = time.perf_counter() - t0
         s.step, s.train_loss = step + 1, loss
@@ -313,8 +363,14 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if s.step % p.log_interval == 0 or s.step == p.max_steps:
             tokens_per_sec = p.batch_tokens / dt
-            metrics = {"train_loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                       "step_time_ms": dt * 1000, "peak_memory_mb": _peak_memory_mb(rt.device)}
+            metrics = {
+                "train_loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": tokens_per_sec,
+                "step_time_ms": dt * 1000,
+                "peak_memory_mb": _peak_memory_mb(rt.device),
+            }
             step_mfu = flops.mfu(tokens_per_sec / rt.world_size, flops_per_token, peak)
             if step_mfu is not None:
                 metrics["mfu"] = step_mfu
@@ -327,14 +383,21 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         if rt.ddp:
             dist.barrier()
         if stopping:
-            raise Stopped(stop.signum or 15, f"pretrain stopped by {stop.name or 'a signal'} at step {s.step}; "
-                          f"checkpoint {s.last_ckpt if rt.master else 'of rank 0'} saved (resume: auto continues "
-                          "from it)")
+            raise Stopped(
+                stop.signum or 15,
+                f"pretrain stopped by {stop.name or 'a signal'} at step {s.step}; "
+                f"checkpoint {s.last_ckpt if rt.master else 'of rank 0'} saved (resume: auto continues "
+                "from it)",
+            )
         pause.after(s.step)
 
 
-def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics/pretrain.json",
-           plots_path: str | os.PathLike = "plots/pretrain.csv") -> dict:
+def finish(
+    s: Session,
+    run=NullRun(),
+    metrics_path: str | os.PathLike = "metrics/pretrain.json",
+    plots_path: str | os.PathLike = "plots/pretrain.csv",
+) -> dict:
     """Full validation split, HellaSwag, a sample, the final model and the stage's records."""
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     val_loss = eval_loss(s.model, s.val_loader, max(1, s.val_loader.batches_per_epoch), rt)
@@ -349,26 +412,36 @@ def finish(s: Session, run=NullRun(), metrics_path: str | os.PathLike = "metrics
     final = s.out_dir / "final"
     with atomic_dir(final) as tmp:
         save_model(plain, tmp)
-    timed = s.step_times[min(len(s.step_times) - 1, 5):] or s.step_times  # the first steps warm up
+    timed = s.step_times[min(len(s.step_times) - 1, 5) :] or s.step_times  # the first steps warm up
     tokens_per_sec = p.batch_tokens / statistics.median(timed) if timed else 0.0
     peak = flops.peak_flops(rt.device, rt.precision, p.peak_flops)
     step_mfu = flops.mfu(tokens_per_sec / rt.world_size, s.raw_model.flops_per_token(cfg.model.block_size), peak)
-    metrics = {"train_loss": s.train_loss, "val_loss": val_loss, "tokens": s.step * p.batch_tokens,
-               "tokens_per_sec": tokens_per_sec, "mfu": step_mfu or 0.0}
+    metrics = {
+        "train_loss": s.train_loss,
+        "val_loss": val_loss,
+        "tokens": s.step * p.batch_tokens,
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": step_mfu or 0.0,
+    }
     if s.hellaswag_result is not None:
         metrics.update(hellaswag_acc_norm=s.hellaswag_result["acc_norm"], hellaswag_acc=s.hellaswag_result["acc"])
     write_plot_csv(plots_path, s.history)
     publish_metrics(run, metrics, metrics_path)
     run.log_metrics({"final_val_loss": val_loss}, step=s.step)
-    run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device),
-                 "samples/final.txt")
+    run.log_text(sample_text(plain, s.enc, p.sample_prompt, p.sample_tokens, p.seed, rt.device), "samples/final.txt")
     run.log_artifact(final, "checkpoint")
     run.log_artifact(plots_path)
     png = plot_losses(s.history, Path(plots_path).with_suffix(".png"))
     if png:
         run.log_artifact(png)
-    log.info("pretrain done: step %d, train loss %.4f, val loss %.4f, %.0f tokens/s%s", s.step, s.train_loss,
-             val_loss, tokens_per_sec, f", MFU {metrics['mfu']:.1%}" if peak else "")
+    log.info(
+        "pretrain done: step %d, train loss %.4f, val loss %.4f, %.0f tokens/s%s",
+        s.step,
+        s.train_loss,
+        val_loss,
+        tokens_per_sec,
+        f", MFU {metrics['mfu']:.1%}" if peak else "",
+    )
     return metrics
 
 
@@ -390,9 +463,18 @@ def pretrain(
 
 def _hellaswag(model, examples, enc, rt: Runtime, cfg: Config) -> dict:
     from gptforge.training import hellaswag as hs
+
     autocast = None if rt.precision == "fp32" else (torch.bfloat16 if rt.precision == "bf16" else torch.float16)
-    return hs.evaluate(model, examples, enc, device=rt.device, rank=rt.rank, world_size=rt.world_size,
-                       block_size=cfg.model.block_size, autocast_dtype=autocast)
+    return hs.evaluate(
+        model,
+        examples,
+        enc,
+        device=rt.device,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        block_size=cfg.model.block_size,
+        autocast_dtype=autocast,
+    )
 
 
 def _peak_memory_mb(device: torch.device) -> float:

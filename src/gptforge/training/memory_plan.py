@@ -45,26 +45,61 @@ FIT_FRACTION = 0.9
 # Hugging Face config.json fields of some hub models gptforge's configs name, for planning before
 # they are fetched (the model cards' config.json; a fetched folder's own config.json wins).
 KNOWN_ARCHITECTURES: dict[str, dict] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
-                                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                       vocab_size=151936, tie_word_embeddings=True,
-                                       max_position_embeddings=32768),
-    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-                                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                     vocab_size=152064, tie_word_embeddings=False,
-                                     max_position_embeddings=32768),
-    "meta-llama/Llama-3.1-8B-Instruct": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
-                                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                             vocab_size=128256, tie_word_embeddings=False,
-                                             max_position_embeddings=131072),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
-                                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                                vocab_size=49152, tie_word_embeddings=True,
-                                                max_position_embeddings=8192),
-    "HuggingFaceTB/SmolLM2-1.7B-Instruct": dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
-                                                num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                                                vocab_size=49152, tie_word_embeddings=True,
-                                                max_position_embeddings=8192),
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
 }
 
 
@@ -104,9 +139,11 @@ def state_rows(shape: Shape, gpus: int) -> list[Row]:
     act = _activation_bytes(shape)
     gathered = 2 * 2 * shape.block_params  # two blocks' weights in bf16 (fsdp's all-gather buffers)
     split = lambda b: -(-b // gpus)  # noqa: E731 - ceil: an uneven split puts the extra row on some GPUs
-    return [Row("ddp", w, g, o, act),
-            Row("zero1", w, g, split(o), act),
-            Row("fsdp", split(w), split(g), split(o), act + (gathered if gpus > 1 else 0))]
+    return [
+        Row("ddp", w, g, o, act),
+        Row("zero1", w, g, split(o), act),
+        Row("fsdp", split(w), split(g), split(o), act + (gathered if gpus > 1 else 0)),
+    ]
 
 
 def _activation_bytes(s: Shape) -> int:
@@ -137,9 +174,19 @@ def gpt_shape(cfg: Config) -> Shape:
         model = GPT(GPTConfig.from_model_config(m, m.vocab_size))
     params = sum(t.numel() for t in model.parameters())
     block = max(sum(t.numel() for t in b.parameters()) for b in model.transformer.h)
-    return Shape(f"gptforge GPT ({m.n_layer} layers, d={m.n_embd}, vocab {m.vocab_size})", params, params,
-                 4 * params, block, m.n_layer, m.n_embd, m.vocab_size, p.batch_size, m.block_size,
-                 p.activation_checkpointing)
+    return Shape(
+        f"gptforge GPT ({m.n_layer} layers, d={m.n_embd}, vocab {m.vocab_size})",
+        params,
+        params,
+        4 * params,
+        block,
+        m.n_layer,
+        m.n_embd,
+        m.vocab_size,
+        p.batch_size,
+        m.block_size,
+        p.activation_checkpointing,
+    )
 
 
 def hf_config(cfg: Config) -> tuple[dict, str]:
@@ -159,8 +206,10 @@ def hf_config(cfg: Config) -> tuple[dict, str]:
                 raise BadInput(f"plan: {path} is not readable JSON ({e})") from None
     if hub_id in KNOWN_ARCHITECTURES:
         return KNOWN_ARCHITECTURES[hub_id], f"{hub_id} (gptforge's table of known architectures)"
-    raise BadInput(f"plan: instruct.init_from {source} has no config.json here and {hub_id} is not among the "
-                   f"known architectures ({', '.join(KNOWN_ARCHITECTURES)}): fetch it first (gptforge prepare base)")
+    raise BadInput(
+        f"plan: instruct.init_from {source} has no config.json here and {hub_id} is not among the "
+        f"known architectures ({', '.join(KNOWN_ARCHITECTURES)}): fetch it first (gptforge prepare base)"
+    )
 
 
 def hf_shape(cfg: Config, gpus: int = 1) -> Shape:
@@ -189,8 +238,11 @@ def hf_shape(cfg: Config, gpus: int = 1) -> Shape:
     c = cfg.instruct
     if c.method == "lora":
         targets = set(block_linear_names(model) if c.lora.target_modules == "auto" else c.lora.target_modules)
-        trainable = sum(c.lora.r * (mod.in_features + mod.out_features) for name, mod in blocks.named_modules()
-                        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+        trainable = sum(
+            c.lora.r * (mod.in_features + mod.out_features)
+            for name, mod in blocks.named_modules()
+            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        )
         base_bytes = 2 if c.precision in ("auto", "bf16") else 4  # on a GPU, auto is bf16
         weight_bytes = base_bytes * params + 4 * trainable
     else:
@@ -198,9 +250,19 @@ def hf_shape(cfg: Config, gpus: int = 1) -> Shape:
     text = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
     # instruct.max_length null means the model's whole context (as the stage itself reads it).
     seq_len = c.max_length or getattr(text, "max_position_embeddings", None) or 2048
-    return Shape(f"{model_type} from {origin}" + (f", LoRA r={c.lora.r}" if c.method == "lora" else ""),
-                 params, trainable, weight_bytes, block, text.num_hidden_layers, text.hidden_size,
-                 text.vocab_size, -(-c.batch_size // gpus), seq_len, c.gradient_checkpointing)
+    return Shape(
+        f"{model_type} from {origin}" + (f", LoRA r={c.lora.r}" if c.method == "lora" else ""),
+        params,
+        trainable,
+        weight_bytes,
+        block,
+        text.num_hidden_layers,
+        text.hidden_size,
+        text.vocab_size,
+        -(-c.batch_size // gpus),
+        seq_len,
+        c.gradient_checkpointing,
+    )
 
 
 def parse_memory(text: str) -> int:
@@ -214,17 +276,23 @@ def parse_memory(text: str) -> int:
 def render(shape: Shape, rows: list[Row], gpus: int, gpu_memory: int) -> str:
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     limit = FIT_FRACTION * gpu_memory
-    lines = [f"model: {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.trainable / 1e6:,.1f}M trained; "
-             f"micro-batch {shape.batch} x {shape.seq_len}"
-             + (", activation checkpointing" if shape.activation_checkpointing else ""),
-             f"per GPU, {gpus} GPU{'s' if gpus > 1 else ''} of {gib(gpu_memory)} GiB each (fits: total under "
-             f"{FIT_FRACTION:.0%} of it), GiB:",
-             "",
-             f"{'strategy':<9} {'weights':>9} {'grads':>9} {'optimizer':>10} {'working*':>9} {'total':>9}  fits",
-             ]
+    lines = [
+        f"model: {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.trainable / 1e6:,.1f}M trained; "
+        f"micro-batch {shape.batch} x {shape.seq_len}"
+        + (", activation checkpointing" if shape.activation_checkpointing else ""),
+        f"per GPU, {gpus} GPU{'s' if gpus > 1 else ''} of {gib(gpu_memory)} GiB each (fits: total under "
+        f"{FIT_FRACTION:.0%} of it), GiB:",
+        "",
+        f"{'strategy':<9} {'weights':>9} {'grads':>9} {'optimizer':>10} {'working*':>9} {'total':>9}  fits",
+    ]
     for r in rows:
-        lines.append(f"{r.strategy:<9} {gib(r.weights):>9} {gib(r.grads):>9} {gib(r.optimizer):>10} "
-                     f"{gib(r.working):>9} {gib(r.total):>9}  {'yes' if r.total <= limit else 'no'}")
-    lines += ["", "* working: activations of one micro-batch, logits, fsdp's gathered blocks: an estimate "
-                  "(docs/multi-node.md#the-memory-plan)"]
+        lines.append(
+            f"{r.strategy:<9} {gib(r.weights):>9} {gib(r.grads):>9} {gib(r.optimizer):>10} "
+            f"{gib(r.working):>9} {gib(r.total):>9}  {'yes' if r.total <= limit else 'no'}"
+        )
+    lines += [
+        "",
+        "* working: activations of one micro-batch, logits, fsdp's gathered blocks: an estimate "
+        "(docs/multi-node.md#the-memory-plan)",
+    ]
     return "\n".join(lines)

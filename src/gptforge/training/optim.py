@@ -33,13 +33,22 @@ def _groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[d
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters")
-    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
-def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
-          betas: Sequence[float] = (0.9, 0.999), device_type: str, fused: bool | None = None) -> torch.optim.AdamW:
+def adamw(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float] = (0.9, 0.999),
+    device_type: str,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad, decay on dim >= 2 only; `fused` None: the
     fused kernel where supported. Raises ValueError when nothing is trainable."""
     if fused is None:
@@ -47,8 +56,15 @@ def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: floa
     return torch.optim.AdamW(_groups(params, weight_decay), lr=lr, betas=tuple(betas), fused=fused)
 
 
-def zero1_adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
-                betas: Sequence[float] = (0.9, 0.999), device_type: str, fused: bool | None = None):
+def zero1_adamw(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float] = (0.9, 0.999),
+    device_type: str,
+    fused: bool | None = None,
+):
     """`adamw` with its states split across the processes of the default process group (ZeRO
     stage 1, torch's `ZeroRedundancyOptimizer`): each process keeps the moments of its share of
     the parameters, steps those, and broadcasts them to the others. The gradients are whole on
@@ -61,5 +77,6 @@ def zero1_adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay
 
     if fused is None:
         fused = fused_adamw_supported(device_type)
-    return ZeroRedundancyOptimizer(_groups(params, weight_decay), optimizer_class=torch.optim.AdamW, lr=lr,
-                                   betas=tuple(betas), fused=fused)
+    return ZeroRedundancyOptimizer(
+        _groups(params, weight_decay), optimizer_class=torch.optim.AdamW, lr=lr, betas=tuple(betas), fused=fused
+    )

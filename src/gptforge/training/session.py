@@ -33,8 +33,20 @@ log = logging.getLogger("gptforge")
 
 # Settings that change what the training computes: a checkpoint made under other values is
 # not this run's and must not be resumed (a different lr or max_steps changes every update).
-FINGERPRINT_KEYS = ("seed", "init_from", "batch_size", "batch_tokens", "max_steps", "lr", "min_lr",
-                    "warmup_steps", "weight_decay", "betas", "grad_clip", "precision")
+FINGERPRINT_KEYS = (
+    "seed",
+    "init_from",
+    "batch_size",
+    "batch_tokens",
+    "max_steps",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "betas",
+    "grad_clip",
+    "precision",
+)
 
 
 @dataclass
@@ -79,8 +91,15 @@ def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
     keys = {k: getattr(cfg.pretrain, k) for k in FINGERPRINT_KEYS}
     if cfg.pretrain.strategy != "ddp":  # (ddp runs keep the fingerprints they had before strategies)
         keys["strategy"] = cfg.pretrain.strategy
-    blob = json.dumps({"model": cfg.model.model_dump(mode="json"), "pretrain": keys, "world": world,
-                       "shards": [s["sha256"] for s in manifest["shards"]]}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "model": cfg.model.model_dump(mode="json"),
+            "pretrain": keys,
+            "world": world,
+            "shards": [s["sha256"] for s in manifest["shards"]],
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -110,8 +129,10 @@ def check_resumable(folder: Path, sharded: bool) -> None:
     has_shards = (folder / sharding.SHARDS_DIR).is_dir()
     if has_shards != sharded:
         made, now = ("fsdp", "ddp/zero1") if has_shards else ("ddp/zero1", "fsdp")
-        raise BadInput(f"pretrain.resume: {folder} was written under strategy {made} and this run is {now}: "
-                       f"resume it under {made}, or start from its weights with pretrain.init_from")
+        raise BadInput(
+            f"pretrain.resume: {folder} was written under strategy {made} and this run is {now}: "
+            f"resume it under {made}, or start from its weights with pretrain.init_from"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,13 +157,19 @@ def save_checkpoint(s: Session) -> Path | None:
     rng = _rng_states(s)
     if not s.rt.master and not s.sharded:
         return None
-    state = {"step": s.step, "scaler": s.scaler.state_dict(), "loader": s.train_loader.state_dict(), **rng,
-             "fingerprint": s.fingerprint}
+    state = {
+        "step": s.step,
+        "scaler": s.scaler.state_dict(),
+        "loader": s.train_loader.state_dict(),
+        **rng,
+        "fingerprint": s.fingerprint,
+    }
     keep_last = s.cfg.pretrain.keep_last
     if not s.sharded:
         state["optimizer"] = s.optimizer.state_dict()
-        return ckpt.save_checkpoint(s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state,
-                                    keep_last=keep_last)
+        return ckpt.save_checkpoint(
+            s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state, keep_last=keep_last
+        )
     # Every process writes its shards to one hidden folder beside the step folders; process 0 then
     # moves it into the step folder it builds, which appears whole (checksums included) or not at all.
     shards = s.out_dir / f".shards_step_{s.step:08d}"
@@ -154,6 +181,7 @@ def save_checkpoint(s: Session) -> Path | None:
     dist.barrier()
     folder = None
     if s.rt.master:
+
         def write_model(d: Path) -> None:
             write_model_config(s.raw_model, d)
             os.replace(shards, d / sharding.SHARDS_DIR)

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from gptforge.modeling.gpt import GPT
-
 from gptforge.modeling.weights import SHARDS_DIR  # noqa: F401 - inside a step folder
 
 
-def shard(model: GPT, *, device: torch.device, precision: str, reshard_after_forward: bool,
-          compile_blocks: bool = False) -> GPT:
+def shard(
+    model: GPT, *, device: torch.device, precision: str, reshard_after_forward: bool, compile_blocks: bool = False
+) -> GPT:
     """Apply FSDP2 to `model` in place (every block, then the root) and return it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -124,6 +124,8 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     params = list({id(p): p for p in model.parameters()}.values())
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its share in .optim
     states = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-    return {"params": sum(size(p) for p in params),
-            "grads": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(t) for t in states)}
+    return {
+        "params": sum(size(p) for p in params),
+        "grads": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(size(t) for t in states),
+    }
