@@ -100,7 +100,9 @@ def test_hub_sources_offline_fail_fast_naming_the_param(repo_copy, small_tokeniz
     start = time.monotonic()
     # Failing fast means one attempt and no wait on the network, checked below; the limit only
     # turns a hang into a failure (the failure took 8 s here beside other tests).
-    r = dvc(repo_copy, "repro", env=env, timeout=300)
+    # Its stage only: a whole `dvc repro` would first dequantize the quickstart's SmolLM2
+    # (prepare_base@smollm2, about 25 s) before reaching the stage under test.
+    r = dvc(repo_copy, "repro", "prepare_pretrain", env=env, timeout=300)
     print(f"dvc repro failed after {time.monotonic() - start:.1f} s")
     output = r.stdout + r.stderr
     assert r.returncode != 0
