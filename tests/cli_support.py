@@ -64,25 +64,27 @@ def set_params(repo: Path, **dotted) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def write_hellaswag(path: Path, n: int) -> Path:
+    """A HellaSwag file of `n` rows in the dataset's own fields (one right ending of four)."""
+    endings = ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."]
+    rows = [
+        {
+            "activity_label": "Cooking",
+            "ctx_a": f"A man cuts onion number {i}.",
+            "ctx_b": "he",
+            "ctx": f"A man cuts onion number {i}. he",
+            "label": i % 4,
+            "endings": endings,
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_file: Path) -> dict[str, Any]:
     """Params (dotted keys) that run every stage of the pipeline on local fixtures in seconds."""
-    hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "activity_label": "Cooking",
-                    "ctx_a": f"A man cuts onion number {i}.",
-                    "ctx_b": "he",
-                    "ctx": f"A man cuts onion number {i}. he",
-                    "label": i % 4,
-                    "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."],
-                }
-            )
-            + "\n"
-            for i in range(6)
-        )
-    )
+    hellaswag = write_hellaswag(tmp_path / "hellaswag.jsonl", 6)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat and the dog\n" * 400)
     return {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import cli_env, last_error_line, run_cli, set_params, snapshot
+from cli_support import cli_env, last_error_line, run_cli, set_params, snapshot, write_hellaswag
 from hf_models import make_tiny_causal_lm, make_tiny_encoder
 from test_dvc import dvc
 from test_evaluate import scores_from_samples
@@ -308,23 +308,7 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     records = RECORDS * 2
     random.Random(0).shuffle(records)
     (tmp_path / "qa.json").write_text(json.dumps(records))
-    hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "activity_label": "Cooking",
-                    "ctx_a": f"A man cuts onion number {i}.",
-                    "ctx_b": "he",
-                    "ctx": f"A man cuts onion number {i}. he",
-                    "label": i % 4,
-                    "endings": ["puts them in a pan.", "sings a song.", "rides a bike.", "reads a book."],
-                }
-            )
-            + "\n"
-            for i in range(4)
-        )
-    )
+    hellaswag = write_hellaswag(tmp_path / "hellaswag.jsonl", 4)
     set_params(
         repo_copy,
         **{
