@@ -106,23 +106,27 @@ def stop_recorder(cwd: Path) -> None:
             time.sleep(0.1)
 
 
+# What points a process at servers or makes it wait for its records: a user with nothing configured.
+SERVER_VARS = (
+    "PREFECT_API_URL",
+    "MLFLOW_TRACKING_URI",
+    "GPTFORGE_PREFECT",
+    "PREFECT_HOME",
+    "GPTFORGE_WAIT_FOR_RECORDS",
+)
+
+
+def without_servers(environ) -> dict[str, str]:
+    """`environ` less SERVER_VARS."""
+    return {k: v for k, v in environ.items() if k not in SERVER_VARS}
+
+
 def fresh_clone(tmp: Path) -> tuple[Path, dict]:
     """A clone of this repository's committed state in `tmp`, and the environment of a user with
     no servers configured (no PREFECT_API_URL, no MLFLOW_TRACKING_URI, PREFECT_HOME in `tmp`)."""
     clone = tmp / "gptforge"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "PREFECT_API_URL",
-            "MLFLOW_TRACKING_URI",
-            "GPTFORGE_PREFECT",
-            "PREFECT_HOME",
-            "GPTFORGE_WAIT_FOR_RECORDS",
-        )
-    }
+    env = without_servers(os.environ)
     env.update(
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         PREFECT_HOME=str(tmp / "prefect-home"),

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's gptforge, also in the child processes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_startup import delivered, stop_recorder  # noqa: E402
+from bench_startup import delivered, stop_recorder, without_servers  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -280,18 +280,7 @@ def main() -> int:
             built = make_jsonl(corpus_path, args.mb)
         pool_script = tmp / "fineweb_pool.py"
         pool_script.write_text(POOL_SCRIPT, encoding="utf-8")
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k
-            not in (
-                "PREFECT_API_URL",
-                "MLFLOW_TRACKING_URI",
-                "GPTFORGE_PREFECT",
-                "PREFECT_HOME",
-                "GPTFORGE_WAIT_FOR_RECORDS",
-            )
-        }
+        env = without_servers(os.environ)
         env.update(
             PYTHONPATH=os.pathsep.join(
                 [str(ROOT / "src"), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])

@@ -368,12 +368,11 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     # random batches' held-out loss, Trainer's own grouping likewise). Weighting each batch by its
     # targets over the epoch's mean per batch makes the step's expectation the per-token mean
     # over the data, whatever the batches hold.
-    train_rows = s.data["train"]
-    n_batches = max(1, math.ceil(len(train_rows) / c.batch_size))
-    per_batch = (
-        sum(target_count(train_rows[i : i + c.batch_size], **shape) for i in range(0, len(train_rows), c.batch_size))
-        / n_batches
-    )
+    # (A row's targets do not depend on the rows collated with it: any cut into batches sums alike.)
+    if c.group_by_length:
+        train, size = s.data["train"], c.batch_size
+        per_batch = sum(target_count(train[i : i + size], **shape) for i in range(0, len(train), size))
+        per_batch /= max(1, math.ceil(len(train) / size))
 
     def loss_fn(batch):
         # This process's rows (all of them on one), its loss weighted by its share of the targets.
