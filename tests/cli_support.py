@@ -1,9 +1,10 @@
 """Running `gptforge` as a user does, and reading what it left, for the tests.
 
 `REPO` is this checkout and `BIN` the virtual environment's scripts; `cli_env` and `run_cli` run
-the command line in a subprocess; `error_lines` and `last_error_line` read its one-line errors;
-`snapshot` shows that a failed run changed nothing; `set_params` edits a repository's
-params.yaml, and `stage_params` makes every stage of the pipeline run on local fixtures in seconds.
+the command line in a process of its own (a fork of a warm server: tests/cli_zygote.py);
+`error_lines` and `last_error_line` read its one-line errors; `snapshot` shows that a failed run
+changed nothing; `set_params` edits a repository's params.yaml, and `stage_params` makes every
+stage of the pipeline run on local fixtures in seconds.
 """
 
 from __future__ import annotations
@@ -27,10 +28,20 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / "gptforge"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """`gptforge ARGS` in `cwd` with `env`: a process of its own, forked from this worker's warm
+    fork server (tests/cli_zygote.py: torch, transformers, peft and trl already imported), or a
+    fresh interpreter when `fresh` or when `env` changes what those libraries read at import."""
+    argv = [str(BIN / "gptforge"), *args]
+    if not fresh:
+        from cli_zygote import run_forked
+
+        done = run_forked(argv, cwd, env, timeout)
+        if done is not None:
+            return done
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -59,9 +59,11 @@ from process_support import _SHARED_TMP, free_port, prefect_home, stop_process, 
 
 def pytest_sessionfinish(session, exitstatus):
     """The recorders this session's tests started (one per test folder that ran a recorded
-    stage) leave with it rather than after their idle time."""
+    stage) leave with it rather than after their idle time, and so does the CLI fork server."""
+    import cli_zygote
     import psutil
 
+    cli_zygote.close()
     base = str(session.config._tmp_path_factory.getbasetemp()) if hasattr(session.config, "_tmp_path_factory") else None
     for proc in psutil.process_iter(["cmdline", "cwd"]):
         try:
