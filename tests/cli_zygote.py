@@ -237,6 +237,9 @@ def serve() -> None:
     others = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     others = [name for name in others[1:] if name != "jemalloc_bg_thd"] if others else others
     assert not others, f"the fork server must fork with no other thread than jemalloc's, it has {others}"
+    import gc
+
+    gc.freeze()  # the imported objects leave the collector's view: a child's collections do not copy their pages
     reply = sys.stdout
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
@@ -247,8 +250,9 @@ def serve() -> None:
             _child(request)
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        _, status, usage = os.wait4(pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status), "cpu_seconds": cpu}) + "\n")
         reply.flush()
 
 
