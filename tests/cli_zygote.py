@@ -21,7 +21,9 @@ What a fork cannot give is an import under the command's environment: a command 
 environment differs from the server's in a variable those libraries read at import (HF_*,
 TORCH*, OMP_*, PYTHON*, ...) runs as a plain subprocess, and so does any command when
 GPTFORGE_TEST_FORK=0. Tests that check the process itself (start-up imports, signals, a server)
-start it with subprocess, as before.
+start it with subprocess, as before. A server that has other threads than its main one and
+pyarrow's jemalloc thread (OpenBLAS starts a pool unless OMP_NUM_THREADS=1, which conftest sets
+under xdist, as `make test` runs) does not fork at all: every command then runs fresh.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class ForkServer:
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.pending = b""  # what the server wrote past the last message read
+        self.disabled = ""  # why the server refused to fork (threads it had), if it did
 
     def _start(self) -> None:
         self.env = dict(os.environ)
@@ -101,7 +104,10 @@ class ForkServer:
         )
         self.pending = b""
         ready = self._read(timeout=300)
-        assert ready == {"ready": True}, ready
+        assert ready is not None and "ready" in ready, ready
+        if not ready["ready"]:  # a server it is not safe to fork: every command runs fresh
+            self.disabled = ready["why"]
+            self.proc.wait()
 
     def _read(self, timeout: float | None) -> dict | None:
         """The server's next message, or None when `timeout` passed first."""
@@ -123,11 +129,11 @@ class ForkServer:
         return json.loads(line)
 
     def usable_for(self, env: dict[str, str]) -> bool:
-        if os.environ.get("GPTFORGE_TEST_FORK", "1") == "0":
+        if os.environ.get("GPTFORGE_TEST_FORK", "1") == "0" or self.disabled:
             return False
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        return not import_time_differences(env, self.env)
+        return not self.disabled and not import_time_differences(env, self.env)
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="gptforge-fork-") as tmp:
@@ -234,13 +240,18 @@ def serve() -> None:
         importlib.import_module(name)
     leaked = {"prefect", "mlflow", "gptforge"} & {m.split(".")[0] for m in sys.modules}
     assert not leaked, f"the fork server must not import {leaked}: they read the environment at import"
-    others = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    others = [name for name in others[1:] if name != "jemalloc_bg_thd"] if others else others
-    assert not others, f"the fork server must fork with no other thread than jemalloc's, it has {others}"
+    reply = sys.stdout
+    tasks = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+    others = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+    others = [name for name in others if name != "jemalloc_bg_thd"]
+    if others:  # e.g. OpenBLAS's pool when OMP_NUM_THREADS is not 1 (pytest without xdist)
+        why = f"the fork server has threads {others} besides its main one and jemalloc's"
+        reply.write(json.dumps({"ready": False, "why": why}) + "\n")
+        reply.flush()
+        return
     import gc
 
     gc.freeze()  # the imported objects leave the collector's view: a child's collections do not copy their pages
-    reply = sys.stdout
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
     for line in sys.stdin:

@@ -110,6 +110,21 @@ def _no_stale_cli_log_handler():
 
 
 @pytest.fixture(scope="session")
+def smollm2_folder(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct dequantized from its packaged GGUF file by prepare_base's fetch (a
+    path ending .gguf), once per test worker (tests/test_gguf_in.py checks it, test_gguf_out.py
+    exports it)."""
+    from gptforge.data.base_models import fetch
+    from gptforge.modeling import gguf_in
+
+    path = gguf_in.packaged_file("smollm2-135m-instruct", param="p")
+    dest = tmp_path_factory.mktemp("gguf") / "checkpoints" / "base" / "smollm2"
+    got = fetch(str(path), dest, param="base.models.smollm2")
+    assert got["parameters"] == 134515008 and got["gguf_bytes"] == path.stat().st_size
+    return dest
+
+
+@pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory) -> Path:
     """A small byte-level BPE (280 tokens) in tiktoken's format, whose ids are easy to reason about."""
     tokens = []

@@ -111,19 +111,6 @@ def test_prepare_base_bad_gguf_is_one_line_and_writes_nothing(tmp_path, case):
     assert not (work / "checkpoints").exists()
 
 
-@pytest.fixture(scope="session")
-def smollm2_folder(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct dequantized from its packaged GGUF file by prepare_base's fetch (a
-    path ending .gguf), once per test worker."""
-    from gptforge.data.base_models import fetch
-
-    path = gguf_in.packaged_file("smollm2-135m-instruct", param="p")
-    dest = tmp_path_factory.mktemp("gguf") / "checkpoints" / "base" / "smollm2"
-    got = fetch(str(path), dest, param="base.models.smollm2")
-    assert got["parameters"] == 134515008 and got["gguf_bytes"] == path.stat().st_size
-    return dest
-
-
 @pytest.mark.slow
 def test_folder_matches_transformers_gguf_loader(smollm2_folder):
     import torch

@@ -1,5 +1,5 @@
-"""`gptforge export` and `gptforge models list|promote`: checkpoints as Hugging Face folders, and
-the versions of the MLflow Model Registry."""
+"""`gptforge export` and `gptforge models list|promote`: checkpoints as Hugging Face folders or
+GGUF files (llama.cpp, Ollama), and the versions of the MLflow Model Registry."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ def add_commands(sub) -> None:
     """`export` and `models list|promote`."""
     e = sub.add_parser(
         "export",
-        help="export a checkpoint as a Hugging Face folder (model + tokenizer)",
-        description="Write a folder that transformers' AutoModelForCausalLM and AutoTokenizer load.",
+        help="export a checkpoint as a Hugging Face folder or a GGUF file (llama.cpp, Ollama)",
+        description="--format hf: a folder that transformers' AutoModelForCausalLM and AutoTokenizer load. "
+        "--format gguf: one .gguf file (weights, tokenizer, chat template) and an Ollama Modelfile beside it "
+        "(docs/gguf.md).",
     )
     e.add_argument("--checkpoint", required=True, metavar="DIR")
-    e.add_argument("--out", required=True, metavar="DIR")
+    e.add_argument("--out", required=True, metavar="PATH", help="a folder (hf) or a .gguf file (gguf)")
+    e.add_argument("--format", choices=("hf", "gguf"), default="hf", help="(default: %(default)s)")
+    e.add_argument(
+        "--quant", default="f16", metavar="TYPE", help="GGUF tensor type: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0"
+    )
     config_args(e)
     e.set_defaults(func=cmd_export)
 
@@ -53,6 +59,13 @@ def cmd_export(args) -> int:
     from gptforge.modeling.export import export_hf
 
     cfg = load_config(params_file(args), args.set)
+    if args.format == "gguf":
+        from gptforge.modeling.gguf_out import export_gguf
+
+        out = export_gguf(args.checkpoint, args.out, args.quant, cfg.tokenizer.path)
+        modelfile = out.parent / "Modelfile"
+        print(f"gptforge: exported {args.checkpoint} to {out} ({args.quant}) and {modelfile}", file=sys.stderr)
+        return 0
     out = export_hf(args.checkpoint, args.out, cfg.tokenizer.path)
     print(f"gptforge: exported {args.checkpoint} to {out}", file=sys.stderr)
     return 0

@@ -1,0 +1,210 @@
+"""GGUF out (gptforge.modeling.gguf_out): a gptforge folder -> one .gguf file and a Modelfile.
+
+Read back by an independent reader, transformers' own GGUF loader (`from_pretrained(DIR,
+gguf_file=NAME)`, through the gguf package's reader and its own reverse of llama.cpp's layouts):
+a tiny random Llama with grouped-query attention and gptforge's own GPT (GGUF's gpt2) give the
+source's logits within 1e-2 relative at every position in f16; the tokenizer transformers builds
+from the file's fields encodes lines of prose, unicode and code to the source tokenizer's ids; a
+q8_0 file stays near. SmolLM2 (a GGUF in, then out): f16 the same greedy answers, q8_0 the same
+on 2 of 3 and a held-out perplexity within 2%. Bad input is one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_support import cli_env, last_error_line, run_cli, snapshot
+from test_export import checkpoint as gpt_checkpoint
+from test_gguf_in import PROMPTS
+
+from gptforge.modeling.export import export_hf
+from gptforge.modeling.gguf_out import export_gguf
+
+TEXTS = [
+    "Rivers carry water from the mountains to the sea, shaping valleys on the way.",
+    "Ünïcödé: naïve café, 東京, Привет, emoji 🙂 and tabs\tand  double  spaces.",
+    "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # code, 2024-11-28\n",
+    "   leading spaces, numbers 1234567 and 3.14159, and <html> tags </html>",
+]
+HELD_OUT = (
+    "The water cycle moves water between the oceans, the air and the land. The sun warms the "
+    "sea, water rises as vapour, cools into clouds and falls again as rain or snow."
+)
+
+
+def _gpt2_tokenizer_folder(tmp_path: Path, gpt2_tokenizer_dir: Path) -> Path:
+    """The GPT-2 tokenizer files as export_hf writes them (tokenizer.json among them)."""
+    gpt_checkpoint(tmp_path / "gpt", n_vocab=50257)
+    return export_hf(tmp_path / "gpt", tmp_path / "gpt_hf", str(gpt2_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, gpt2_tokenizer_dir) -> Path:
+    """A tiny random LlamaForCausalLM (4 heads, 2 key/value heads, untied head) with GPT-2's tokenizer."""
+    import transformers
+
+    tmp = tmp_path_factory.mktemp("llama")
+    tokenizer_folder = _gpt2_tokenizer_folder(tmp, gpt2_tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=50256,
+        eos_token_id=50256,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    folder = tmp / "llama"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return folder
+
+
+def _read_back(path: Path, **config):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **config
+    ).eval()
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest, over positions, of the logits' largest difference over the largest logit there."""
+    return ((want - got).abs().amax(-1) / want.abs().amax(-1)).max().item()
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_llama_folder_in_f16_reads_back_with_its_logits_and_tokenizer(llama_folder, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = export_gguf(llama_folder, tmp_path / "llama-f16.gguf", "f16")
+    assert out.is_file() and not list(tmp_path.glob("*.part"))
+    source, tok = AutoModelForCausalLM.from_pretrained(llama_folder).eval(), AutoTokenizer.from_pretrained(llama_folder)
+    model, gguf_tok = _read_back(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 2
+    for text in TEXTS:
+        assert gguf_tok(text).input_ids == tok(text).input_ids, text
+    ids = tok(HELD_OUT, return_tensors="pt").input_ids
+    assert _relative_error(_logits(source, ids), _logits(model, ids)) < 1e-2
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./llama-f16.gguf\n") and 'PARAMETER stop "<|endoftext|>"' in modelfile
+
+
+def test_q8_0_stays_near_and_is_about_half_the_f16_file(llama_folder, tmp_path):
+    f16 = export_gguf(llama_folder, tmp_path / "f16" / "m.gguf", "f16")
+    q8 = export_gguf(llama_folder, tmp_path / "q8" / "m.gguf", "q8_0")
+    assert 0.5 < q8.stat().st_size / f16.stat().st_size < 0.6  # 8.5 bits a weight against 16
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    types = {t.name: t.tensor_type for t in GGUFReader(q8).tensors}
+    assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32  # 1-D tensors stay f32
+    ids = torch.arange(1, 60).unsqueeze(0) * 811 % 50257
+    want, got = _logits(_read_back(f16)[0], ids), _logits(_read_back(q8)[0], ids)
+    assert _relative_error(want, got) < 5e-2
+
+
+def test_gptforge_gpt_exports_as_gguf_gpt2(tmp_path, gpt2_tokenizer_dir):
+    ours = gpt_checkpoint(tmp_path / "ckpt")
+    out = export_gguf(tmp_path / "ckpt", tmp_path / "gpt.gguf", "f16", str(gpt2_tokenizer_dir))
+    # transformers' reader takes GGUF's gpt2 context_length as n_ctx, not n_positions (the
+    # position table's size), which llama.cpp reads from the file: given here as the model has it.
+    model, gguf_tok = _read_back(out, n_positions=ours.config.block_size)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    ids = torch.tensor([gguf_tok("the cat sat on the mat and the dog").input_ids])
+    with torch.no_grad():
+        want, _ = ours(ids)
+    assert _relative_error(want[..., :50257], _logits(model, ids)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["classifier", "quant", "inside", "suffix"],
+)
+def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, llama_folder):
+    folder = llama_folder
+    out, quant = tmp_path / "out" / "m.gguf", "f16"
+    if case == "classifier":
+        folder = tmp_path / "classifier"
+        shutil.copytree(llama_folder, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    elif case == "quant":
+        quant = "q3_k_xl"
+    elif case == "inside":
+        folder = tmp_path / "copy"
+        shutil.copytree(llama_folder, folder)
+        out = folder / "m.gguf"
+    else:
+        out = tmp_path / "out" / "m.bin"
+    before = snapshot(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    args = ["export", "--format", "gguf", "--checkpoint", str(folder), "--out", str(out), "--quant", quant]
+    r = run_cli(args, tmp_path, cli_env(GPTFORGE_PREFECT="0"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = last_error_line(r.stderr)
+    assert {"classifier": "classifiers", "quant": "q3_k_xl", "inside": "inside the checkpoint", "suffix": ".gguf"}[
+        case
+    ] in line
+    (tmp_path / "params.yaml").unlink()
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_smollm2_out_again_answers_as_it_came_in(smollm2_folder, tmp_path):
+    """The GGUF in -> folder -> GGUF out round trip: f16 the same greedy 32-token answers as the
+    folder, q8_0 the same on at least 2 of 3 and a held-out perplexity within 2%."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    f16 = export_gguf(smollm2_folder, tmp_path / "f16" / "smollm2.gguf", "f16")
+    modelfile = (f16.parent / "Modelfile").read_text()
+    assert "<|im_start|>" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    model, gguf_tok = _read_back(f16)
+    assert gguf_tok.chat_template == tok.chat_template
+    ids = tok(HELD_OUT, return_tensors="pt").input_ids
+    want = _logits(source, ids)
+    assert _relative_error(want, _logits(model, ids)) < 1e-2
+    answers = [_greedy(m, tok, p) for m in (source, model) for p in PROMPTS]
+    assert answers[:3] == answers[3:], answers
+    del model
+
+    q8 = export_gguf(smollm2_folder, tmp_path / "q8" / "smollm2.gguf", "q8_0")
+    quantized, _ = _read_back(q8)
+    same = sum(_greedy(quantized, tok, p) == a for p, a in zip(PROMPTS, answers[:3]))
+    assert same >= 2, same
+    ppl = [_perplexity(m, ids) for m in (source, quantized)]
+    assert abs(ppl[1] / ppl[0] - 1) < 0.02, ppl
+    print(f"SmolLM2 held-out perplexity: folder {ppl[0]:.3f}, q8_0 GGUF {ppl[1]:.3f}; same greedy answers {same}/3")
+
+
+def _greedy(model, tok, prompt: str) -> list[int]:
+    inputs = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=32, do_sample=False)[0].tolist()
+
+
+def _perplexity(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return torch.exp(model(ids, labels=ids).loss).item()
