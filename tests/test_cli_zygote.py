@@ -18,6 +18,9 @@ import cli_zygote
 import pytest
 from cli_support import BIN, cli_env, run_cli
 
+# Each exports and loads models, or runs commands as fresh processes too: seconds each.
+pytestmark = pytest.mark.slow
+
 
 def _last_lines(text: str) -> list[str]:
     """The lines that do not carry a time stamp (log lines do)."""

@@ -24,6 +24,9 @@ from test_gguf_in import PROMPTS
 
 from gptforge.modeling.gguf_out import export_gguf
 
+# Each exports and loads models, or runs commands as fresh processes too: seconds each.
+pytestmark = pytest.mark.slow
+
 TEXTS = [
     "Rivers carry water from the mountains to the sea, shaping valleys on the way.",
     "Ünïcödé: naïve café, 東京, Привет, emoji 🙂 and tabs\tand  double  spaces.",
@@ -151,7 +154,6 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, llama_folder):
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.slow
 def test_smollm2_out_again_answers_as_it_came_in(smollm2_folder, tmp_path):
     """The GGUF in -> folder -> GGUF out round trip: f16 the same greedy 32-token answers as the
     folder, q8_0 the same on at least 2 of 3 and a held-out perplexity within 2%."""
