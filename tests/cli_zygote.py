@@ -196,10 +196,14 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)  # only 0, 1 and 2 reach what the command starts
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(

@@ -123,7 +123,7 @@ def test_gptforge_gpt_exports_as_gguf_gpt2(tmp_path, gpt2_tokenizer_dir):
 
 @pytest.mark.parametrize(
     "case",
-    ["classifier", "quant", "inside", "suffix"],
+    ["classifier", "adapter", "quant", "inside", "suffix"],
 )
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, llama_folder):
     folder = llama_folder
@@ -133,6 +133,10 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, llama_folder):
         shutil.copytree(llama_folder, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    elif case == "adapter":  # an unmerged LoRA adapter folder
+        folder = tmp_path / "adapter"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     elif case == "quant":
         quant = "q3_k_xl"
     elif case == "inside":
@@ -147,9 +151,14 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, llama_folder):
     r = run_cli(args, tmp_path, cli_env(GPTFORGE_PREFECT="0"))
     assert r.returncode == 2, r.stderr[-2000:]
     line = last_error_line(r.stderr)
-    assert {"classifier": "classifiers", "quant": "q3_k_xl", "inside": "inside the checkpoint", "suffix": ".gguf"}[
-        case
-    ] in line
+    said = {
+        "classifier": "classifiers",
+        "adapter": "LoRA adapter",
+        "quant": "q3_k_xl",
+        "inside": "inside the checkpoint",
+        "suffix": ".gguf",
+    }
+    assert said[case] in line
     (tmp_path / "params.yaml").unlink()
     assert snapshot(tmp_path) == before
 

@@ -32,12 +32,22 @@ import tempfile
 from pathlib import Path
 
 from gptforge.errors import BadInput
+from gptforge.io import atomic_file
 
 log = logging.getLogger("gptforge")
 
-FLOAT_TYPES = ("f32", "f16", "bf16")
-BLOCK_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-QUANTS = FLOAT_TYPES + BLOCK_TYPES
+# --quant -> (the file's LlamaFileType, the matrices' GGMLQuantizationType), by their gguf names.
+QUANT_TYPES = {
+    "f32": ("ALL_F32", "F32"),
+    "f16": ("MOSTLY_F16", "F16"),
+    "bf16": ("MOSTLY_BF16", "BF16"),
+    "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+    "q5_1": ("MOSTLY_Q5_1", "Q5_1"),
+    "q5_0": ("MOSTLY_Q5_0", "Q5_0"),
+    "q4_1": ("MOSTLY_Q4_1", "Q4_1"),
+    "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+}
+QUANTS = tuple(QUANT_TYPES)
 # Hugging Face model_type -> GGUF architecture (Mistral is llama to llama.cpp's converter).
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 # Ollama's template for ChatML models (SmolLM2, Qwen2): the Go template Ollama ships for them.
@@ -53,6 +63,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, quant: str = "f16", tok
         raise BadInput(f"--quant {quant!r} is not a GGUF type gptforge writes; choose one of {', '.join(QUANTS)}")
     if out.suffix != ".gguf":
         raise BadInput(f"--out {out} must end in .gguf")
+    if (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "config.json").is_file():
+        raise BadInput(f"--checkpoint {checkpoint} is a LoRA adapter: export the merged folder written beside it")
     if not (checkpoint / "config.json").is_file():
         raise BadInput(f"--checkpoint {checkpoint} has no config.json: not a model folder gptforge wrote")
     if checkpoint.resolve() in out.resolve().parents:
@@ -80,8 +92,6 @@ def _check_folder(folder: Path, config: dict) -> str:
             f"{folder} is a {model_type!r} model; gptforge writes GGUF for {', '.join(sorted(ARCHS))} "
             "(llama.cpp's convert_hf_to_gguf.py converts the others)"
         )
-    if (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").is_file():
-        raise BadInput(f"{folder} is a LoRA adapter: export the merged folder the stage wrote beside it")
     return ARCHS[model_type]
 
 
@@ -105,7 +115,7 @@ def _write(folder: Path, out: Path, quant: str, source: Path) -> Path:
         writer = gguf.GGUFWriter(tmp, arch)
         writer.add_name(source.name if source.name not in ("final", "merged", "") else source.parent.name)
         _add_hparams(writer, arch, cfg)
-        writer.add_file_type(_file_type(gguf, quant))
+        writer.add_file_type(gguf.LlamaFileType[QUANT_TYPES[quant][0]])
         _add_tokenizer(writer, gguf, folder, tokenizer, pre, cfg.vocab_size)
         _add_tensors(writer, gguf, arch, cfg, state, quant)
         writer.write_header_to_file()
@@ -116,7 +126,8 @@ def _write(folder: Path, out: Path, quant: str, source: Path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     modelfile = out.parent / "Modelfile"
-    modelfile.write_text(ollama_modelfile(out.name, tokenizer))
+    with atomic_file(modelfile) as f:
+        f.write(ollama_modelfile(out.name, tokenizer))
     log.info("export: %s (%s, %s) and %s", out, arch, quant, modelfile)
     return out
 
@@ -175,19 +186,6 @@ def _rope_theta(cfg) -> float:
     if (params.get("rope_type") or "default") != "default":
         raise BadInput(f"rope scaling {params.get('rope_type')!r}: gptforge writes GGUF for plain rotary embeddings")
     return params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
-
-
-def _file_type(gguf, quant: str) -> int:
-    return {
-        "f32": gguf.LlamaFileType.ALL_F32,
-        "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-        "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
-        "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    }[quant]
 
 
 def _add_tokenizer(writer, gguf, folder: Path, tokenizer, pre: str, n_vocab: int) -> None:
@@ -257,11 +255,11 @@ def _encode(gguf, data, quant: str):
     import numpy as np
 
     Q = gguf.GGMLQuantizationType
-    if data.ndim <= 1 or quant == "f32":
+    qtype = Q[QUANT_TYPES[quant][1]]
+    if data.ndim <= 1 or qtype == Q.F32:
         return data.astype(np.float32), Q.F32
-    if quant == "f16":
+    if qtype == Q.F16:
         return data.astype(np.float16), Q.F16
-    qtype = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q5_1": Q.Q5_1, "q5_0": Q.Q5_0, "q4_1": Q.Q4_1, "q4_0": Q.Q4_0}[quant]
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     if data.shape[-1] % block:
         return data.astype(np.float16), Q.F16
