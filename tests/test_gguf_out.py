@@ -22,6 +22,7 @@ from hf_models import make_tiny_causal_lm
 from test_export import checkpoint as gpt_checkpoint
 from test_gguf_in import PROMPTS
 
+from gptforge.errors import BadInput
 from gptforge.modeling.gguf_out import export_gguf
 
 # Each exports and loads models, or runs commands as fresh processes too: seconds each.
@@ -119,6 +120,29 @@ def test_gptforge_gpt_exports_as_gguf_gpt2(tmp_path, gpt2_tokenizer_dir):
     with torch.no_grad():
         want, _ = ours(ids)
     assert _relative_error(want[..., :50257], _logits(model, ids)) < 1e-2
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert "### Instruction:\n{{ .Prompt }}" in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
+
+
+@pytest.mark.parametrize("template", ["alpaca", "phi3"])
+def test_modelfile_prompts_as_training_rendered_the_instruction(template):
+    """A model without a chat template: Ollama fills .Prompt with the user's message and
+    .Response with nothing before it generates; the text is the prompt training rendered."""
+    from types import SimpleNamespace
+
+    from gptforge.finetune.templates import render
+    from gptforge.modeling.gguf_out import ollama_modelfile
+
+    tokenizer = SimpleNamespace(chat_template=None, eos_token="<|endoftext|>")
+    modelfile = ollama_modelfile("m.gguf", tokenizer, template)
+    go = modelfile.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    instruction = "Name a colour of the sky."
+    filled = go.replace("{{ .Prompt }}", instruction).replace("{{ .Response }}", "")
+    assert filled == render({"instruction": instruction, "output": "Blue."}, template)[0]
+    stops = [line.split('"')[1] for line in modelfile.splitlines() if line.startswith("PARAMETER stop")]
+    assert stops == {"alpaca": ["### Instruction:"], "phi3": ["<|end|>", "<|user|>"]}[template] + ["<|endoftext|>"]
+    with pytest.raises(BadInput, match="alpaca or phi3"):
+        ollama_modelfile("m.gguf", tokenizer, "chat")
 
 
 @pytest.mark.parametrize(

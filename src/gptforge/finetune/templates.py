@@ -62,6 +62,12 @@ PHI3 = "<|user|>\n{content}<|end|>\n<|assistant|>\n"
 Example = tuple[list[int], list[int]]  # (prompt_ids, response_ids), the response ending in eot
 
 
+def prompt_template(configured: str) -> str:
+    """The instruction template that prompts a model without a chat template of its own (serve,
+    the GGUF Modelfile): `instruct.template` when it is alpaca or phi3, alpaca otherwise."""
+    return configured if configured in ("alpaca", "phi3") else "alpaca"
+
+
 def render(example: Mapping[str, str], template: str) -> tuple[str, str]:
     """(prompt_text, response_text). The response text is the output alone: the end-of-text
     token is added by `encode` as an id."""

@@ -54,10 +54,21 @@ ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 CHATML_TEMPLATE = (
     "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
 )
+# The stops of gptforge's instruction templates: the next turn's marker (a model tuned on one
+# turn may go on to write the next); the tokenizer's end of text is added to each.
+OLLAMA_STOPS = {"alpaca": ("### Instruction:",), "phi3": ("<|end|>", "<|user|>")}
 
 
-def export_gguf(checkpoint: str | Path, out: str | Path, quant: str = "f16", tokenizer_path: str | None = None) -> Path:
-    """Write `out` (a .gguf file) and `Modelfile` beside it from a checkpoint folder; the path."""
+def export_gguf(
+    checkpoint: str | Path,
+    out: str | Path,
+    quant: str = "f16",
+    tokenizer_path: str | None = None,
+    template: str = "alpaca",
+) -> Path:
+    """Write `out` (a .gguf file) and `Modelfile` beside it from a checkpoint folder; the path.
+    `template` (alpaca or phi3) is the Modelfile's prompt for a model without a chat template:
+    the instruction template it was tuned with (`instruct.template`), as `gptforge serve` uses."""
     checkpoint, out = Path(checkpoint), Path(out)
     if quant not in QUANTS:
         raise BadInput(f"--quant {quant!r} is not a GGUF type gptforge writes; choose one of {', '.join(QUANTS)}")
@@ -75,8 +86,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, quant: str = "f16", tok
 
         with tempfile.TemporaryDirectory(prefix="gptforge-gguf-") as tmp:
             folder = export_hf(checkpoint, Path(tmp) / "hf", tokenizer_path)
-            return _write(folder, out, quant, source=checkpoint)
-    return _write(checkpoint, out, quant, source=checkpoint)
+            return _write(folder, out, quant, checkpoint, template)
+    return _write(checkpoint, out, quant, checkpoint, template)
 
 
 def _check_folder(folder: Path, config: dict) -> str:
@@ -95,7 +106,7 @@ def _check_folder(folder: Path, config: dict) -> str:
     return ARCHS[model_type]
 
 
-def _write(folder: Path, out: Path, quant: str, source: Path) -> Path:
+def _write(folder: Path, out: Path, quant: str, source: Path, template: str) -> Path:
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,7 +138,7 @@ def _write(folder: Path, out: Path, quant: str, source: Path) -> Path:
         tmp.unlink(missing_ok=True)
     modelfile = out.parent / "Modelfile"
     with atomic_file(modelfile) as f:
-        f.write(ollama_modelfile(out.name, tokenizer))
+        f.write(ollama_modelfile(out.name, tokenizer, template))
     log.info("export: %s (%s, %s) and %s", out, arch, quant, modelfile)
     return out
 
@@ -266,14 +277,29 @@ def _encode(gguf, data, quant: str):
     return gguf.quants.quantize(data.astype(np.float32), qtype), qtype
 
 
-def ollama_modelfile(file_name: str, tokenizer) -> str:
-    """An Ollama Modelfile for the exported file: FROM it, the chat template, the stop tokens."""
-    template = tokenizer.chat_template or ""
+def ollama_modelfile(file_name: str, tokenizer, template: str = "alpaca") -> str:
+    """An Ollama Modelfile for the exported file: FROM it, the prompt template, the stop tokens.
+    A ChatML chat template becomes Ollama's ChatML template; a model without a chat template
+    (gptforge's GPT, a base model tuned with alpaca or phi3) gets its instruction `template`
+    with the user's message as `.Prompt`, from the same strings training rendered."""
+    chat = tokenizer.chat_template or ""
     lines = [f"FROM ./{file_name}"]
     stops = []
-    if "<|im_start|>" in template:
+    if "<|im_start|>" in chat:
         lines.append(f'TEMPLATE """{CHATML_TEMPLATE}"""')
         stops = ["<|im_start|>", "<|im_end|>"]
+    elif not chat:
+        from gptforge.finetune.templates import ALPACA_NO_INPUT, PHI3
+
+        if template not in OLLAMA_STOPS:
+            raise BadInput(f"instruct.template {template!r}: a GGUF Modelfile takes alpaca or phi3")
+        prompt = (
+            PHI3.format(content="{{ .Prompt }}")
+            if template == "phi3"
+            else ALPACA_NO_INPUT.format(instruction="{{ .Prompt }}")
+        )
+        lines.append(f'TEMPLATE """{prompt}{{{{ .Response }}}}"""')
+        stops = list(OLLAMA_STOPS[template])
     if tokenizer.eos_token and tokenizer.eos_token not in stops:
         stops.append(tokenizer.eos_token)
     lines += [f'PARAMETER stop "{s}"' for s in stops]

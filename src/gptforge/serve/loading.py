@@ -124,11 +124,12 @@ def load_served(
     of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype)."""
     import time
 
+    from gptforge.finetune.templates import prompt_template
     from gptforge.serve.engine_process import EngineSpec
     from gptforge.serve.scheduler import DEFAULT_PREFILL_CHUNK
 
     created = int(time.time())
-    template = cfg.instruct.template if cfg.instruct.template in ("alpaca", "phi3") else "alpaca"
+    template = prompt_template(cfg.instruct.template)
     if source.kind == "classifier":
         from gptforge.finetune.classifier import load_classifier
         from gptforge.modeling.tokenizer import load_tokenizer
