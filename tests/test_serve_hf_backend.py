@@ -63,9 +63,9 @@ def prompt(n: int, seed: int) -> list[int]:
 class Rows:
     """A backend, plus each row's whole sequence for the reference."""
 
-    def __init__(self, model, max_batch=8, context=256):
+    def __init__(self, model, max_batch=8, context=256, weights="native"):
         self.model = model
-        self.backend = HFBackend(model, max_batch, context)
+        self.backend = HFBackend(model, max_batch, context, weights)
         lean = self.backend._lean
         assert (lean is not None) == model.lean
         if lean is not None:  # a lean step counts as the model's forward it replaces
@@ -233,3 +233,37 @@ def test_sliding_window_models_are_refused():
     )
     with pytest.raises(BadInput, match="full-attention cache layers"):
         HFBackend(transformers.MistralForCausalLM(cfg), 2, 64)
+
+
+def test_int8_serves_the_model_with_int8_rounded_weights():
+    """weights="int8" (serve --quantize int8): the decode step's linears are int8, and the model
+    transformers' forward prefills with holds their rounding, so every row's logits, prefill and
+    decode steps alike, are the rounded model's plain forward over the row (float32)."""
+    from gptforge.modeling.llama_decoding import Int8Weight, decoder_linears
+
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    before = [m.weight.clone() for m in decoder_linears(model)]
+    model.forwards, model.lean = 0, True
+    r = Rows(model, max_batch=4, weights="int8")
+    assert all(isinstance(w, Int8Weight) for w in r.backend._lean.layers[0][2:9:2])
+    for m, w in zip(decoder_linears(model), before):  # each weight is its int8 rounding now
+        torch.testing.assert_close(m.weight, Int8Weight(w, torch.float32).dequantized(), rtol=0, atol=1e-7)
+        assert not torch.equal(m.weight, w)
+    for _ in range(2):
+        r.open()
+    nxt = r.forward([(0, prompt(7, 21)), (1, prompt(11, 22))])
+    for _ in range(4):  # the common decode step: through the int8 linears
+        nxt = r.forward([(i, [t]) for i, t in enumerate(nxt)])
+    cfg.hidden_act = "gelu"
+    with pytest.raises(BadInput, match="--quantize int8 runs in gptforge's lean Llama-family decoder"):
+        HFBackend(transformers.LlamaForCausalLM(cfg), 2, 64, weights="int8")

@@ -151,13 +151,7 @@ def _generate_hf(args) -> int:
     from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm
 
     device = pick_device(args.device)
-    dtype = inference_dtype(args.dtype, device.type)
-    if args.quantize == "int8" and args.dtype == "auto":
-        from gptforge.finetune.common import cpu_has_native_bf16
-
-        # int8 weights with float32 activations run slower than float32 weights on the CPU
-        # (torch's int8 kernel): bf16 activations where the CPU has them.
-        dtype = torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
+    dtype = inference_dtype(args.dtype, device.type, None if args.quantize == "none" else args.quantize)
     model, tok = load_causal_lm(args.checkpoint, param="--checkpoint", dtype=dtype)
     if args.chat:
         if not getattr(tok, "chat_template", None):

@@ -80,6 +80,14 @@ def add_commands(sub) -> None:
         "on a CPU with native bf16 (AVX-512 BF16, AMX) decodes faster (default: %(default)s)",
     )
     s.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weight-only int8 linears in the decode step of Hugging Face Llama-family models "
+        "(prefill keeps the loaded weights); with --dtype auto the activations are bfloat16 on CUDA and on "
+        "CPUs with native bf16 (default: %(default)s)",
+    )
+    s.add_argument(
         "--rag",
         default=None,
         metavar="INDEX",
@@ -155,6 +163,7 @@ def cmd_serve(args) -> int:
                     prefix_cache_mb=args.prefix_cache_mb,
                     engine_process=args.engine_process == "on",
                     dtype=args.dtype,
+                    quantize=None if args.quantize == "none" else args.quantize,
                 )
             )
     except BaseException:

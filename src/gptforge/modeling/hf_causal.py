@@ -143,15 +143,21 @@ def load_causal_lm(
 INFERENCE_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def inference_dtype(name: str, device_type: str):
+def inference_dtype(name: str, device_type: str, quantize: str | None = None):
     """The torch dtype a Hugging Face model is loaded in to answer (`gptforge generate` and
     `serve`'s --dtype): auto is bfloat16 on CUDA and float32 on the CPU (bf16 weights halve
     what each token reads, and CPUs with native bf16 decode faster with them, but AVX2-only
-    CPUs run bf16 15-36x slower: there it is the user's choice, not a default)."""
+    CPUs run bf16 15-36x slower: there it is the user's choice, not a default). Under
+    `quantize="int8"` auto is bfloat16 on CPUs with native bf16 too: int8 weights with float32
+    activations run slower than float32 weights there (torch's int8 kernel)."""
     import torch
 
     if name not in INFERENCE_DTYPES:
         raise BadInput(f"--dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {name!r}")
+    if name == "auto" and quantize == "int8" and device_type != "cuda":
+        from gptforge.finetune.common import cpu_has_native_bf16
+
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if name == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     return getattr(torch, name)

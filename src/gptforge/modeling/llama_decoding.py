@@ -43,19 +43,7 @@ def unsupported(model) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "lm_head"):
         return "no model.layers / lm_head"
-    linears = [model.lm_head] + [
-        m
-        for layer in layers
-        for m in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    linears = [model.lm_head] + decoder_linears(model)
     if any(type(m) is not nn.Linear for m in linears):
         return "layers that are not plain nn.Linear (peft adapters, quantized layers)"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
@@ -85,6 +73,32 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> to
 
 
 WEIGHT_FORMATS = ("native", "int8")
+
+
+def decoder_linears(model) -> list[nn.Linear]:
+    """The seven linears of each decoder layer, in order (q, k, v, o, gate, up, down)."""
+    return [
+        m
+        for layer in model.model.layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+
+
+@torch.no_grad()
+def round_to_int8(model) -> None:
+    """Each decoder linear's weight replaced, in place, by its int8 rounding (`Int8Weight`'s
+    q * scale, in the weight's dtype): the model `weights="int8"` decodes with, so that
+    transformers' forward over it (serve's prefill) computes what the int8 step computes."""
+    for m in decoder_linears(model):
+        m.weight.copy_(Int8Weight(m.weight, m.weight.dtype).dequantized().to(m.weight.dtype))
 
 
 class LlamaLayers:

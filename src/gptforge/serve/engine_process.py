@@ -52,6 +52,7 @@ class EngineSpec:
     prefix_cache_mb: float = 256.0
     name: str = "model"
     dtype: str = "auto"  # Hugging Face models: hf_causal.inference_dtype
+    quantize: str | None = None  # "int8": the lean decode step's linears (Llama-family Hugging Face models)
 
 
 def build_scheduler(spec: EngineSpec):
@@ -64,6 +65,12 @@ def build_scheduler(spec: EngineSpec):
     device = torch.device(spec.device)
     if spec.kind == "gptforge":
         from gptforge.modeling.weights import load_model
+
+        if spec.quantize:
+            raise BadInput(
+                f"--quantize {spec.quantize} applies to Hugging Face Llama-family models; "
+                f"{spec.path} is a gptforge checkpoint"
+            )
         from gptforge.serve.gpt_backend import GPTBackend
 
         model = load_model(spec.path, map_location=device)
@@ -73,10 +80,11 @@ def build_scheduler(spec: EngineSpec):
         from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm, stop_ids
         from gptforge.serve.hf_backend import HFBackend
 
-        model, tok = load_causal_lm(spec.path, param="MODEL", dtype=inference_dtype(spec.dtype, device.type))
+        dtype = inference_dtype(spec.dtype, device.type, spec.quantize)
+        model, tok = load_causal_lm(spec.path, param="MODEL", dtype=dtype)
         model.to(device)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        backend = HFBackend(model, spec.max_batch, context)
+        backend = HFBackend(model, spec.max_batch, context, weights=spec.quantize or "native")
         info = {"context": context, "n_vocab": int(model.config.vocab_size), "stop_ids": stop_ids(tok, model)}
     cache = PrefixCache(int(spec.prefix_cache_mb * (1 << 20)))
     return Scheduler(backend, prefill_chunk=spec.prefill_chunk, prefix_cache=cache), info

@@ -80,7 +80,7 @@ class HFBackend:
     """Rows of a transformers causal LM: decoding rows in one left-padded `DynamicCache`,
     prefilling rows in their own (see the module docstring)."""
 
-    def __init__(self, model, max_batch: int, context: int):
+    def __init__(self, model, max_batch: int, context: int, weights: str = "native"):
         from transformers import DynamicCache
 
         model.eval()
@@ -98,9 +98,17 @@ class HFBackend:
         # Llama-family models take the common decode step (every batch row, one token) through
         # gptforge's lean block (modeling/llama_decoding.py): the model's operations without its
         # module tree and per-step mask building, into the same cache tensors.
-        from gptforge.modeling.llama_decoding import LlamaLayers, unsupported
+        # weights="int8": that step's linears weight-only int8 (prefill keeps the model's weights).
+        from gptforge.modeling.llama_decoding import LlamaLayers, round_to_int8, unsupported
 
-        self._lean = LlamaLayers(model, context) if unsupported(model) is None else None
+        why = unsupported(model)
+        if why is not None and weights != "native":
+            raise BadInput(
+                f"--quantize {weights} runs in gptforge's lean Llama-family decoder, which cannot run this model: {why}"
+            )
+        if weights == "int8":  # prefill runs transformers' forward: over the same rounded weights
+            round_to_int8(model)
+        self._lean = LlamaLayers(model, context, weights) if why is None else None
         self._rows: list[_Row] = []  # in the scheduler's row order
         self._members: list[_Row] = []  # the batch's rows, in its batch order
         self.cache = None  # DynamicCache of the batch

@@ -118,10 +118,12 @@ def load_served(
     prefix_cache_mb: float = 256.0,
     engine_process: bool = True,
     dtype: str = "auto",
+    quantize: str | None = None,
 ) -> ServedLM | ServedClassifier:
     """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
     engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
-    of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype)."""
+    of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype);
+    `quantize` ("int8"): its decode step's linears (a Llama-family Hugging Face model only)."""
     import time
 
     from gptforge.finetune.templates import prompt_template
@@ -151,6 +153,7 @@ def load_served(
         prefix_cache_mb,
         source.name,
         dtype,
+        quantize,
     )
     ready = _start_engine(spec, engine_process)
     try:
