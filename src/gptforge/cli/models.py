@@ -52,6 +52,18 @@ def add_commands(sub) -> None:
     m.add_argument("--alias", default="champion", help="(default: %(default)s)")
     config_args(m)
     m.set_defaults(func=cmd_models_promote)
+    m = models_sub.add_parser(
+        "gguf",
+        help="download a version's GGUF file and Ollama Modelfile (registry.gguf writes them)",
+        description="Download the GGUF copy of NAME@ALIAS (or a version number) that the register stage "
+        "logged with it (registry.gguf) into the folder OUT: then `ollama create NAME -f OUT/Modelfile`.",
+    )
+    m.add_argument("name", metavar="NAME", help="registered name, or a key of registry.names (instruct)")
+    m.add_argument("--alias", default="champion", help="an alias or a version number (default: %(default)s)")
+    m.add_argument("--quant", default=None, help="which copy when there are several (default: registry.gguf's)")
+    m.add_argument("--out", required=True, metavar="DIR", help="a new folder for the .gguf file and the Modelfile")
+    config_args(m)
+    m.set_defaults(func=cmd_models_gguf)
 
 
 def cmd_export(args) -> int:
@@ -89,4 +101,13 @@ def cmd_models_promote(args) -> int:
     from gptforge.register.models import promote
 
     print(promote(load_config(params_file(args), args.set), args.name, args.version, args.alias))
+    return 0
+
+
+def cmd_models_gguf(args) -> int:
+    from gptforge.config.load import load_config
+    from gptforge.register.gguf import pull_gguf
+
+    path = pull_gguf(load_config(params_file(args), args.set), args.name, args.out, args.alias, args.quant)
+    print(f"gptforge: {path} and {path.parent / 'Modelfile'} (ollama create NAME -f {path.parent / 'Modelfile'})")
     return 0

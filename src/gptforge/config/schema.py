@@ -393,6 +393,19 @@ class RegistryConfig(Section):
     # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
     # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
     promote: dict[str, dict[str, str]] = {"classify": {"classify.test_accuracy": ">= 0.95"}}
+    # A GGUF copy (llama.cpp, Ollama) of each registered language model (pretrain, instruct,
+    # preference, rl) in this quantization, logged with its version (`gptforge models gguf`
+    # pulls it); None: no copy. f16 keeps the weights, q8_0 is about half of f16's bytes.
+    gguf: Optional[str] = None
+
+    @field_validator("gguf")
+    @classmethod
+    def _gguf(cls, value):
+        from gptforge.modeling.gguf_out import QUANTS
+
+        if value is not None and value not in QUANTS:
+            raise ValueError(f"expected one of {', '.join(QUANTS)} (or null for none), got {value!r}")
+        return value
 
 
 class Config(Section):

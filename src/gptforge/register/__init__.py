@@ -12,7 +12,9 @@ carries its lineage as tags (git commit, the dvc.lock hashes of the stage that m
 data, the Prefect flow run and MLflow run that trained it, its evaluation metrics:
 `lineage.py`) and a description saying how to reproduce it. The promotion gate
 (`registry.promote`, `gate.py`) gives a version that meets its conditions the alias `champion`
-(the previous champion keeps its version number) and one that does not `challenger`.
+(the previous champion keeps its version number) and one that does not `challenger`. With
+`registry.gguf` (a quantization: f16, q8_0, ...) each language model's version also gets a GGUF
+file and Ollama Modelfile for llama.cpp (`gguf.py`; `gptforge models gguf` pulls them).
 
 Writes `metrics/register.json` (`<model>.version`, `<model>.new`, `<model>.champion`) and
 `reports/register.md` (which version each model got, and whether it passed the gate and why). A
@@ -63,6 +65,7 @@ class Registered:
     new: bool
     passed: bool
     reasons: list[str] = field(default_factory=list)
+    gguf: str = ""  # the version's GGUF files (an artifact URI), or why there are none; "" when off
 
 
 def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
@@ -125,6 +128,7 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
     """One model: reuse the version with the same weights or log and register a new one, tag
     it with its lineage, then apply the gate."""
     from gptforge.register import gate, lineage
+    from gptforge.register.gguf import GENERATIVE, attach_gguf
 
     stage, folder, _ = MODELS[model]
     folder = Path(folder)
@@ -150,6 +154,9 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
         client.update_model_version(name, mv.version, description=lineage.description(stage, commit))
         version, new = mv.version, True
         log.info("register %s: %s version %s (from %s)", model, name, version, folder)
+    gguf = ""
+    if cfg.registry.gguf and model in GENERATIVE:
+        gguf = attach_gguf(model, name, str(version), folder, cfg, client, run)
     result = gate.check(model, cfg.registry.promote.get(model, {}), metrics_dir)
     client.set_model_version_tag(
         name, version, "gptforge.gate", "passed" if result.passed else "failed: " + "; ".join(result.reasons)
@@ -157,7 +164,7 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
     alias = CHAMPION if result.passed else CHALLENGER
     client.set_registered_model_alias(name, alias, version)
     log.info("register %s: version %s is %s (%s)", model, version, alias, "; ".join(result.reasons))
-    return Registered(model, name, str(version), new, result.passed, list(result.reasons))
+    return Registered(model, name, str(version), new, result.passed, list(result.reasons), gguf)
 
 
 def _versions(client, name: str) -> list:
@@ -170,18 +177,18 @@ def write_report(path: str | Path, results: list[Registered], skipped: dict[str,
     lines = [
         "# Registered models",
         "",
-        "| model | registered name | version | new | alias | gate |",
-        "| --- | --- | ---: | --- | --- | --- |",
+        "| model | registered name | version | new | alias | gate | GGUF |",
+        "| --- | --- | ---: | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
             f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
-            f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} |"
+            f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} | {r.gguf} |"
         )
     for model, why in skipped.items():
-        lines.append(f"| {model} | | | not registered | | {why} |")
+        lines.append(f"| {model} | | | not registered | | {why} | |")
     if not results and not skipped:
-        lines.append("| (none: no model folder found, or tracking disabled) | | | | | |")
+        lines.append("| (none: no model folder found, or tracking disabled) | | | | | | |")
     with atomic_file(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
