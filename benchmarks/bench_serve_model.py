@@ -66,14 +66,17 @@ def sampling_copy(folder: Path, dest: Path) -> Path:
 
 
 def level_rows(s, args, mode: str, levels: list[int]) -> dict:
-    """Non-streamed requests at each level, `--rounds` rounds in turn."""
+    """Non-streamed requests at each level, `--rounds` rounds in turn (greedy bodies carry the
+    server's `s.body_extra` when it has one)."""
     gptforge = s.kind == "gptforge"
 
     def bodies(clients: int, r: int) -> list[list[bytes]]:
         if mode == "greedy":
             return [
                 [
-                    completion_body(s.model, PROMPT, args.max_tokens, temperature=0, stream=False)
+                    completion_body(
+                        s.model, PROMPT, args.max_tokens, temperature=0, stream=False, **getattr(s, "body_extra", {})
+                    )
                     for _ in range(args.requests)
                 ]
                 for _ in range(clients)

@@ -1,10 +1,11 @@
 """The servers a serving benchmark measures, each alone on the machine: `gptforge serve` (a
 checkpoint or a Hugging Face folder by NAME=PATH, optionally under cProfile, one profile per
-thread) and `transformers serve --continuous-batching`, each started in a session of its own,
-waited for on /health and stopped together with whatever it started; the CPU seconds of a
+thread), `transformers serve --continuous-batching` and llama.cpp's `llama_cpp.server` (a GGUF
+file, from .venv-llama-cpp: benchmarks/llama_cpp_env.sh), each started in a session of its own,
+waited for until it answers and stopped together with whatever it started; the CPU seconds of a
 server's threads; `serving` (one server for a `with` block) and `run_session` (measures run
 against one server, a failure recorded instead of ending the run); `note`, progress on stderr.
-Used by bench_serve, bench_serve_model and bench_synthesize."""
+Used by bench_serve, bench_serve_model, bench_serve_llama_cpp and bench_synthesize."""
 
 from __future__ import annotations
 
@@ -204,6 +205,31 @@ def start_transformers_server(
     )
 
 
+LLAMA_CPP_VENV = Path(os.environ.get("LLAMA_CPP_VENV", ROOT / ".venv-llama-cpp"))
+
+
+def start_llama_cpp_server(gguf: Path, port: int, args, log_path: Path, name: str) -> subprocess.Popen:
+    """`python -m llama_cpp.server` on one GGUF file, as many threads as cores (llama.cpp's own
+    count: its default is the physical cores), the model answering to `name`."""
+    python = LLAMA_CPP_VENV / "bin/python"
+    if not python.is_file():
+        raise ServerFailed(f"{python} not found: build it with benchmarks/llama_cpp_env.sh (about 8 minutes)")
+    threads = str(os.cpu_count() or 1)
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", name]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads]
+    cmd += ["--n_ctx", str(getattr(args, "n_ctx", 2048))]
+    log = open(log_path, "wb")
+    return subprocess.Popen(
+        cmd,
+        cwd=log_path.parent,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_dies_with_us(signal.SIGKILL),
+    )
+
+
 def log_tail(log_path: Path, n: int = 2000) -> str:
     try:
         return log_path.read_text(errors="replace")[-n:]
@@ -218,15 +244,17 @@ def last_line(log_path: Path) -> str:
     return lines[-1][:400] if lines else "(empty log)"
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: float) -> dict:
+def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: float, path: str = "/health") -> dict:
+    """The server's answer on `path` once it is healthy: /health saying ok, or (llama.cpp's
+    server, which has no /health) /v1/models listing a model."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ServerFailed(f"bench_serve: the server exited with {proc.returncode}:\n{log_tail(log_path)}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
                 body = json.loads(r.read())
-            if body.get("status") == "ok":
+            if body.get("status") == "ok" or body.get("data"):
                 return body
         except (urllib.error.URLError, OSError, ValueError):
             pass
@@ -311,19 +339,22 @@ def serving(
     extra: tuple[str, ...] = (),
     profile: bool = False,
 ):
-    """One server alone on the machine for the `with` block: `gptforge` (NAME=PATH) or
-    `transformers` (the folder). Yields what the measures need: port, pid, the model field of
-    the requests, the log, the startup time."""
+    """One server alone on the machine for the `with` block: `gptforge` (NAME=PATH),
+    `transformers` (the folder) or `llama_cpp` (a GGUF file, answering to NAME). Yields what the
+    measures need: port, pid, the model field of the requests, the log, the startup time."""
     port, log_path = free_port(), tmp / f"{label}.log"
     t0 = time.perf_counter()
     if kind == "gptforge":
         proc = start_server(path, port, args, log_path, name=name, extra=extra, profile=profile)
+    elif kind == "llama_cpp":
+        proc = start_llama_cpp_server(path, port, args, log_path, name or "model")
     else:
         proc = start_transformers_server(path, port, args, log_path, extra=extra)
     note(f"{label}: starting {' '.join(map(str, proc.args[-12:]))}")
     try:
         try:
-            health = wait_healthy(proc, port, log_path, args.startup_timeout)
+            health_path = "/v1/models" if kind == "llama_cpp" else "/health"
+            health = wait_healthy(proc, port, log_path, args.startup_timeout, health_path)
         except ServerFailed:
             why = f"exited with {proc.returncode}" if proc.poll() is not None else "no healthy /health"
             raise ServerFailed(f"{label}: the server did not start ({why}): {last_line(log_path)}") from None
@@ -333,7 +364,7 @@ def serving(
             port=port,
             pid=proc.pid,
             log=log_path,
-            model=name if kind == "gptforge" else str(path),
+            model=name if kind in ("gptforge", "llama_cpp") else str(path),
             health=health,
             startup_s=round(time.perf_counter() - t0, 2),
             flags=[
