@@ -12,6 +12,7 @@ stage goes on. Pulling what does not exist is one line, exit 2, nothing written.
 from __future__ import annotations
 
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,11 @@ def test_registered_llama_has_a_gguf_that_pulls_back_with_its_logits(store, tmp_
     assert rc == 0, capsys.readouterr().err
     pulled = sorted(p.name for p in (tmp_path / "pulled").iterdir())
     assert pulled == ["Modelfile", "gptforge-instruct-v1-f16.gguf"]
+    # Readable as plain files are (Ollama's service runs as another user): the umask's mode.
+    from gptforge.io import umask
+
+    for path, base in ((tmp_path / "pulled", 0o777), *((p, 0o666) for p in (tmp_path / "pulled").iterdir())):
+        assert stat.S_IMODE(path.stat().st_mode) == base & ~umask(), path
     modelfile = (tmp_path / "pulled/Modelfile").read_text()
     assert modelfile.startswith("FROM ./gptforge-instruct-v1-f16.gguf\n") and "<|im_start|>" in modelfile
     source = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -16,12 +16,32 @@ from pathlib import Path
 from typing import IO, Iterator
 
 
+def umask() -> int:
+    """The process's umask (read from /proc where it can be: setting it to read it is not
+    thread-safe)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a file (or folder) made by mkstemp (mkdtemp), which is private to its owner, the
+    mode `open` (`mkdir`) would have given it: what another user or service (Ollama, a web
+    server) may read is what the umask says."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
-    """Open a temporary sibling of `path` for writing; rename it over `path` on success."""
+    """Open a temporary sibling of `path` for writing; rename it over `path` on success. The
+    file ends with the mode `open` would have given it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    publish_mode(tmp)
     try:
         with os.fdopen(fd, mode, **open_kwargs) as f:
             yield f
@@ -49,6 +69,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    publish_mode(tmp, directory=True)
     try:
         yield tmp
     except BaseException:

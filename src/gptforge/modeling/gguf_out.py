@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from gptforge.errors import BadInput
-from gptforge.io import atomic_file
+from gptforge.io import atomic_file, publish_mode
 
 log = logging.getLogger("gptforge")
 
@@ -122,6 +122,7 @@ def _write(folder: Path, out: Path, quant: str, source: Path, template: str) -> 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    publish_mode(tmp)
     try:
         writer = gguf.GGUFWriter(tmp, arch)
         writer.add_name(source.name if source.name not in ("final", "merged", "") else source.parent.name)
