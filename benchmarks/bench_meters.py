@@ -104,11 +104,8 @@ class StepClock:
 
 
 def machine() -> dict:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    from machine import cpu_model
+
+    name = cpu_model() or platform.machine()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": name, "cores": cores, "arch": platform.machine()}

@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_serve_model import _guard, level_rows  # noqa: E402
+from machine import describe  # noqa: E402
 from servers import note, serving  # noqa: E402
 
 SIDES = (  # label, server kind, what it serves, gptforge serve flags
@@ -106,16 +106,7 @@ def main() -> None:
     result["same_greedy_text_as"] = {
         label: [o for o, t in texts.items() if t == text and o != label] for label, text in texts.items()
     }
-    import torch
-
-    from gptforge.finetune.common import cpu_has_native_bf16
-
-    result["machine"] = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "native_bf16": cpu_has_native_bf16(),
-    }
+    result["machine"] = describe()
     print(json.dumps(result, indent=1))
     print(table(result, levels), file=sys.stderr)
     if args.out:

@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from machine import describe  # noqa: E402
 from serve_loads import completion_body, parse, parse_plain  # noqa: E402
 from serve_measures import run_generate_cli, timed_level, warm_up  # noqa: E402
 from servers import ServerFailed, note, serving  # noqa: E402
@@ -204,16 +204,7 @@ def main() -> None:
                         res["transformers"][mode] = level_rows(s, args, mode, levels)
             res["ratios"] = ratios(res, levels)
             note(f"{dtype}: {json.dumps(res['ratios'])}")
-    import torch
-
-    from gptforge.finetune.common import cpu_has_native_bf16
-
-    result["machine"] = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "native_bf16": cpu_has_native_bf16(),
-    }
+    result["machine"] = describe()
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

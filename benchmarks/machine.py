@@ -1,6 +1,7 @@
 """What a benchmark records about the machine it ran on and the code it ran: the CPU's model name
 and the repository's git state (commit, uncommitted changes). Used by the benchmarks that write a
-result file (bench_serve, bench_synthesize, bench_startup, bench_make_run, bench_tokenize)."""
+result file (bench_serve, bench_serve_model, bench_serve_llama_cpp, bench_synthesize, bench_startup,
+bench_make_run, bench_tokenize, bench_lora)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def describe() -> dict:
+    """The machine a serving or training figure was taken on: platform, CPU, cores, torch, and
+    whether the CPU has native bf16 (which decides the fast dtype)."""
+    import os
+
+    import torch
+
+    from gptforge.finetune.common import cpu_has_native_bf16
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "native_bf16": cpu_has_native_bf16(),
+    }

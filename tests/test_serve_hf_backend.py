@@ -27,17 +27,7 @@ def model(request):
     transformers' forward), and with no hook (`lean`: the common step through LlamaLayers)."""
     torch.manual_seed(0)
     attn = "sdpa" if request.param == "lean" else request.param
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation=attn,
-    )
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = transformers.LlamaForCausalLM(llama_config(attn)).float().eval()
     assert model.config._attn_implementation == attn
     model.forwards = 0  # counted, to see how many forwards one backend call makes
     if request.param != "lean":
@@ -53,6 +43,20 @@ def model(request):
         model.forward = forward
     model.lean = request.param == "lean"
     return model
+
+
+def llama_config(attn: str = "sdpa", **changes) -> transformers.LlamaConfig:
+    """A tiny Llama with grouped-query attention (4 heads, 2 key/value heads)."""
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaConfig(**shape, attn_implementation=attn, **changes)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -242,16 +246,7 @@ def test_int8_serves_the_model_with_int8_rounded_weights():
     from gptforge.modeling.llama_decoding import Int8Weight, decoder_linears
 
     torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = transformers.LlamaForCausalLM(llama_config()).float().eval()
     before = [m.weight.clone() for m in decoder_linears(model)]
     model.forwards, model.lean = 0, True
     r = Rows(model, max_batch=4, weights="int8")
@@ -264,6 +259,5 @@ def test_int8_serves_the_model_with_int8_rounded_weights():
     nxt = r.forward([(0, prompt(7, 21)), (1, prompt(11, 22))])
     for _ in range(4):  # the common decode step: through the int8 linears
         nxt = r.forward([(i, [t]) for i, t in enumerate(nxt)])
-    cfg.hidden_act = "gelu"
     with pytest.raises(BadInput, match="--quantize int8 runs in gptforge's lean Llama-family decoder"):
-        HFBackend(transformers.LlamaForCausalLM(cfg), 2, 64, weights="int8")
+        HFBackend(transformers.LlamaForCausalLM(llama_config(hidden_act="gelu")), 2, 64, weights="int8")
