@@ -23,6 +23,7 @@ from test_export import checkpoint as gpt_checkpoint
 from test_gguf_in import PROMPTS
 
 from gptforge.errors import BadInput
+from gptforge.finetune.templates import ollama_template
 from gptforge.modeling.gguf_out import export_gguf
 
 # Each exports and loads models, or runs commands as fresh processes too: seconds each.
@@ -111,7 +112,9 @@ def test_q8_0_stays_near_and_is_about_half_the_f16_file(llama_folder, tmp_path):
 
 def test_gptforge_gpt_exports_as_gguf_gpt2(tmp_path, gpt2_tokenizer_dir):
     ours = gpt_checkpoint(tmp_path / "ckpt")
-    out = export_gguf(tmp_path / "ckpt", tmp_path / "gpt.gguf", "f16", str(gpt2_tokenizer_dir))
+    out = export_gguf(
+        tmp_path / "ckpt", tmp_path / "gpt.gguf", "f16", str(gpt2_tokenizer_dir), ollama_template("alpaca")
+    )
     # transformers' reader takes GGUF's gpt2 context_length as n_ctx, not n_positions (the
     # position table's size), which llama.cpp reads from the file: given here as the model has it.
     model, gguf_tok = _read_back(out, n_positions=ours.config.block_size)
@@ -134,7 +137,7 @@ def test_modelfile_prompts_as_training_rendered_the_instruction(template):
     from gptforge.modeling.gguf_out import ollama_modelfile
 
     tokenizer = SimpleNamespace(chat_template=None, eos_token="<|endoftext|>")
-    modelfile = ollama_modelfile("m.gguf", tokenizer, template)
+    modelfile = ollama_modelfile("m.gguf", tokenizer, ollama_template(template))
     go = modelfile.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
     instruction = "Name a colour of the sky."
     filled = go.replace("{{ .Prompt }}", instruction).replace("{{ .Response }}", "")
@@ -142,7 +145,8 @@ def test_modelfile_prompts_as_training_rendered_the_instruction(template):
     stops = [line.split('"')[1] for line in modelfile.splitlines() if line.startswith("PARAMETER stop")]
     assert stops == {"alpaca": ["### Instruction:"], "phi3": ["<|end|>", "<|user|>"]}[template] + ["<|endoftext|>"]
     with pytest.raises(BadInput, match="alpaca or phi3"):
-        ollama_modelfile("m.gguf", tokenizer, "chat")
+        ollama_template("chat")
+    assert "TEMPLATE" not in ollama_modelfile("m.gguf", tokenizer)  # no template given: the raw prompt
 
 
 @pytest.mark.parametrize(

@@ -72,11 +72,15 @@ def cmd_export(args) -> int:
 
     cfg = load_config(params_file(args), args.set)
     if args.format == "gguf":
-        from gptforge.finetune.templates import prompt_template
+        from gptforge.finetune.templates import ollama_template, prompt_template
         from gptforge.modeling.gguf_out import export_gguf
 
         out = export_gguf(
-            args.checkpoint, args.out, args.quant, cfg.tokenizer.path, prompt_template(cfg.instruct.template)
+            args.checkpoint,
+            args.out,
+            args.quant,
+            cfg.tokenizer.path,
+            ollama_template(prompt_template(cfg.instruct.template)),
         )
         modelfile = out.parent / "Modelfile"
         print(f"gptforge: exported {args.checkpoint} to {out} ({args.quant}) and {modelfile}", file=sys.stderr)

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
 from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.modeling.hf_causal import cpu_has_native_bf16  # noqa: F401 (precision auto-bf16 reads it here)
 from gptforge.modeling.hf_convert import load_pretrained
 from gptforge.runtime.tracking import NullRun
 from gptforge.training.optim import adamw
@@ -42,16 +43,6 @@ def check_whole_batch(param: str, batch_size: int, world_size: int) -> None:
             f"{param}.batch_size ({batch_size}) is the whole batch, shared by the {world_size} "
             "processes: make it a multiple of their number"
         )
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX): there bf16 autocast runs
-    about 2x fp32; on AVX2-only CPUs it runs 15-36x slower (measured on this project's machines)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def runtime(device: str, precision: str, *, param: str) -> Runtime:

@@ -68,6 +68,25 @@ def prompt_template(configured: str) -> str:
     return configured if configured in ("alpaca", "phi3") else "alpaca"
 
 
+# The stops of the instruction templates in a Modelfile: the next turn's marker (a model tuned on
+# one turn may go on to write the next); the tokenizer's end of text is added to them.
+OLLAMA_STOPS = {"alpaca": ("### Instruction:",), "phi3": ("<|end|>", "<|user|>")}
+
+
+def ollama_template(template: str) -> tuple[str, tuple[str, ...]]:
+    """The instruction template (alpaca or phi3) as an Ollama Modelfile's TEMPLATE, with the
+    user's message as `{{ .Prompt }}` (the strings `render` fills, so Ollama prompts as training
+    did), and its stops."""
+    if template not in OLLAMA_STOPS:
+        raise BadInput(f"instruct.template {template!r}: a GGUF Modelfile takes alpaca or phi3")
+    prompt = (
+        PHI3.format(content="{{ .Prompt }}")
+        if template == "phi3"
+        else ALPACA_NO_INPUT.format(instruction="{{ .Prompt }}")
+    )
+    return prompt + "{{ .Response }}", OLLAMA_STOPS[template]
+
+
 def render(example: Mapping[str, str], template: str) -> tuple[str, str]:
     """(prompt_text, response_text). The response text is the output alone: the end-of-text
     token is added by `encode` as an id."""

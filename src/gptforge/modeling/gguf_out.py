@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from gptforge.errors import BadInput
 from gptforge.io import atomic_file, publish_mode
@@ -54,9 +55,6 @@ ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 CHATML_TEMPLATE = (
     "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
 )
-# The stops of gptforge's instruction templates: the next turn's marker (a model tuned on one
-# turn may go on to write the next); the tokenizer's end of text is added to each.
-OLLAMA_STOPS = {"alpaca": ("### Instruction:",), "phi3": ("<|end|>", "<|user|>")}
 
 
 def export_gguf(
@@ -64,11 +62,11 @@ def export_gguf(
     out: str | Path,
     quant: str = "f16",
     tokenizer_path: str | None = None,
-    template: str = "alpaca",
+    prompt: tuple[str, Sequence[str]] | None = None,
 ) -> Path:
     """Write `out` (a .gguf file) and `Modelfile` beside it from a checkpoint folder; the path.
-    `template` (alpaca or phi3) is the Modelfile's prompt for a model without a chat template:
-    the instruction template it was tuned with (`instruct.template`), as `gptforge serve` uses."""
+    `prompt` is the Modelfile's (TEMPLATE, stops) for a model without a chat template: the
+    instruction template it was tuned with (`finetune.templates.ollama_template`); None: none."""
     checkpoint, out = Path(checkpoint), Path(out)
     if quant not in QUANTS:
         raise BadInput(f"--quant {quant!r} is not a GGUF type gptforge writes; choose one of {', '.join(QUANTS)}")
@@ -86,8 +84,8 @@ def export_gguf(
 
         with tempfile.TemporaryDirectory(prefix="gptforge-gguf-") as tmp:
             folder = export_hf(checkpoint, Path(tmp) / "hf", tokenizer_path)
-            return _write(folder, out, quant, checkpoint, template)
-    return _write(checkpoint, out, quant, checkpoint, template)
+            return _write(folder, out, quant, checkpoint, prompt)
+    return _write(checkpoint, out, quant, checkpoint, prompt)
 
 
 def _check_folder(folder: Path, config: dict) -> str:
@@ -106,7 +104,7 @@ def _check_folder(folder: Path, config: dict) -> str:
     return ARCHS[model_type]
 
 
-def _write(folder: Path, out: Path, quant: str, source: Path, template: str) -> Path:
+def _write(folder: Path, out: Path, quant: str, source: Path, prompt) -> Path:
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,7 +137,7 @@ def _write(folder: Path, out: Path, quant: str, source: Path, template: str) -> 
         tmp.unlink(missing_ok=True)
     modelfile = out.parent / "Modelfile"
     with atomic_file(modelfile) as f:
-        f.write(ollama_modelfile(out.name, tokenizer, template))
+        f.write(ollama_modelfile(out.name, tokenizer, prompt))
     log.info("export: %s (%s, %s) and %s", out, arch, quant, modelfile)
     return out
 
@@ -278,29 +276,19 @@ def _encode(gguf, data, quant: str):
     return gguf.quants.quantize(data.astype(np.float32), qtype), qtype
 
 
-def ollama_modelfile(file_name: str, tokenizer, template: str = "alpaca") -> str:
+def ollama_modelfile(file_name: str, tokenizer, prompt: tuple[str, Sequence[str]] | None = None) -> str:
     """An Ollama Modelfile for the exported file: FROM it, the prompt template, the stop tokens.
     A ChatML chat template becomes Ollama's ChatML template; a model without a chat template
-    (gptforge's GPT, a base model tuned with alpaca or phi3) gets its instruction `template`
-    with the user's message as `.Prompt`, from the same strings training rendered."""
+    (gptforge's GPT, a base model tuned with alpaca or phi3) gets `prompt`, (TEMPLATE, stops)."""
     chat = tokenizer.chat_template or ""
     lines = [f"FROM ./{file_name}"]
     stops = []
     if "<|im_start|>" in chat:
         lines.append(f'TEMPLATE """{CHATML_TEMPLATE}"""')
         stops = ["<|im_start|>", "<|im_end|>"]
-    elif not chat:
-        from gptforge.finetune.templates import ALPACA_NO_INPUT, PHI3
-
-        if template not in OLLAMA_STOPS:
-            raise BadInput(f"instruct.template {template!r}: a GGUF Modelfile takes alpaca or phi3")
-        prompt = (
-            PHI3.format(content="{{ .Prompt }}")
-            if template == "phi3"
-            else ALPACA_NO_INPUT.format(instruction="{{ .Prompt }}")
-        )
-        lines.append(f'TEMPLATE """{prompt}{{{{ .Response }}}}"""')
-        stops = list(OLLAMA_STOPS[template])
+    elif not chat and prompt is not None:
+        lines.append(f'TEMPLATE """{prompt[0]}"""')
+        stops = list(prompt[1])
     if tokenizer.eos_token and tokenizer.eos_token not in stops:
         stops.append(tokenizer.eos_token)
     lines += [f'PARAMETER stop "{s}"' for s in stops]

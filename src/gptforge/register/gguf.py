@@ -32,7 +32,7 @@ TAG_PREFIX = "gptforge.gguf."
 def attach_gguf(model: str, name: str, version: str, folder: Path, cfg, client, run) -> str:
     """The artifact URI of `version`'s GGUF files (written and logged now unless its tag says
     they are there), or a sentence saying why there is none."""
-    from gptforge.finetune.templates import prompt_template
+    from gptforge.finetune.templates import ollama_template, prompt_template
     from gptforge.modeling.gguf_out import export_gguf
 
     quant = cfg.registry.gguf
@@ -49,7 +49,7 @@ def attach_gguf(model: str, name: str, version: str, folder: Path, cfg, client, 
                 Path(tmp) / f"{name}-v{version}-{quant}.gguf",
                 quant,
                 cfg.tokenizer.path,
-                prompt_template(cfg.instruct.template),
+                ollama_template(prompt_template(cfg.instruct.template)),
             )
         except BadInput as e:
             log.warning("register %s: no GGUF for version %s: %s", model, version, e)
