@@ -131,11 +131,23 @@ class PretrainConfig(Section):
     # Above 1 process in all (x distributed.nnodes), `gptforge pretrain` launches itself under
     # torchrun (gptforge.training.launch); the node and rendezvous settings are `distributed`'s.
     nproc_per_node: int = Field(1, gt=0, description="training processes on each node (one per GPU)")
+    # adamw: AdamW for every parameter (lr, betas, weight_decay). muon: torch's Muon (momentum
+    # orthogonalized by Newton-Schulz) for the blocks' weight matrices at muon_lr, AdamW as above
+    # for embeddings, head, norms and biases; both follow lr's warm-up and decay (docs/pretraining.md).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = Field(0.02, gt=0, description="muon: the matrices' peak learning rate")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: the momentum (Nesterov)")
+    muon_weight_decay: float = Field(0.0, ge=0, description="muon: decoupled weight decay of the matrices")
 
     @model_validator(mode="after")
     def _check(self):
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"pretrain.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.optimizer == "muon" and self.strategy != "ddp":
+            raise ValueError(
+                f"pretrain.optimizer muon runs with pretrain.strategy ddp, not {self.strategy} "
+                "(Newton-Schulz needs each matrix and its momentum whole on a process)"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"pretrain.min_lr ({self.min_lr}) is above pretrain.lr ({self.lr})")
         return self

@@ -1,12 +1,13 @@
 """`gptforge pretrain`: the GPT-2 pretraining recipe, read top to bottom.
 
 One process, or several when launched by `torchrun` (nccl on CUDA, gloo on CPU), sharing the
-training state as `pretrain.strategy` says: DDP, ZeRO-1 or FSDP2 (gptforge.training.sharding). Gradient
-accumulation fills `pretrain.batch_tokens` per optimizer step; AdamW with weight decay on
-matrices only; linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16
-autocast; optional torch.compile. Checkpoints hold everything a resumed run needs to continue
-bit for bit: weights (safetensors), optimizer and grad-scaler state, the data position, the
-step and every RNG state (gptforge.training.session saves them and picks the one to resume).
+training state as `pretrain.strategy` says: DDP, ZeRO-1 or FSDP2 (gptforge.training.sharding).
+Gradient accumulation fills `pretrain.batch_tokens` per optimizer step; AdamW with weight decay
+on matrices only, or Muon for the blocks' matrices with AdamW for the rest (`pretrain.optimizer`);
+linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16 autocast; optional
+torch.compile. Checkpoints hold everything a resumed run needs to continue bit for bit: weights
+(safetensors), optimizer and grad-scaler state, the data position, the step and every RNG state
+(gptforge.training.session saves them and picks the one to resume).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from gptforge.training import checkpoint as ckpt
 from gptforge.training import sharding
 from gptforge.training.loader import ShardLoader
 from gptforge.training.loss_plot import plot_losses, write_plot_csv
-from gptforge.training.optim import adamw, zero1_adamw
+from gptforge.training.optim import adamw, muon_adamw, zero1_adamw
 from gptforge.training.runtime import Runtime, setup_runtime
 from gptforge.training.session import Session, check_resumable, find_resume, fingerprint, save_checkpoint
 
@@ -134,8 +135,8 @@ def train_step(
     if rt.ddp:  # under fsdp a DTensor: the norm over every process's shards
         grad_norm = sharding.whole(grad_norm)
     grad_norm = grad_norm.item()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # muon_adamw's groups each scale the schedule's lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     scaler.step(optimizer)
     scaler.update()
     return loss_value, grad_norm
@@ -231,10 +232,22 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
             reshard_after_forward=p.fsdp_reshard_after_forward,
             compile_blocks=rt.compile,
         )
-    build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
-    optimizer = build(
-        model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
-    )
+    if p.optimizer == "muon":  # the config refuses it with zero1 and fsdp
+        optimizer = muon_adamw(
+            model,
+            lr=p.lr,
+            weight_decay=p.weight_decay,
+            betas=p.betas,
+            muon_lr=p.muon_lr,
+            muon_momentum=p.muon_momentum,
+            muon_weight_decay=p.muon_weight_decay,
+            device_type=rt.device.type,
+        )
+    else:
+        build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
+        optimizer = build(
+            model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
+        )
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:

@@ -33,6 +33,7 @@ log = logging.getLogger("gptforge")
 
 # Settings that change what the training computes: a checkpoint made under other values is
 # not this run's and must not be resumed (a different lr or max_steps changes every update).
+MUON_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
 FINGERPRINT_KEYS = (
     "seed",
     "init_from",
@@ -91,6 +92,8 @@ def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
     keys = {k: getattr(cfg.pretrain, k) for k in FINGERPRINT_KEYS}
     if cfg.pretrain.strategy != "ddp":  # (ddp runs keep the fingerprints they had before strategies)
         keys["strategy"] = cfg.pretrain.strategy
+    if cfg.pretrain.optimizer != "adamw":  # (and adamw runs the ones they had before muon)
+        keys.update({k: getattr(cfg.pretrain, k) for k in MUON_KEYS})
     blob = json.dumps(
         {
             "model": cfg.model.model_dump(mode="json"),
