@@ -1,5 +1,6 @@
 """KV-cached decoding of a `gptforge.modeling.gpt.GPT`: `generate` (greedy, temperature, top-k, stop at
-end-of-text) and the lean batch-1 decode step (`Decoder`), greedy tokens through the exact int8
+end-of-text) and the lean batch-1 decode step (`Decoder`, whose block `gpt2_block` serve's ragged
+and mixed batches run too, each with its own attention), greedy tokens through the exact int8
 screen of the head (`greedy_head.GreedyHead`, re-exported here); and `generate_hf`, the same
 decoding choices for a Hugging Face causal LM: Llama-family models through the lean decoder of
 `llama_decoding`, others through transformers' own `generate`. It imports the model from
@@ -32,6 +33,19 @@ _HF_NEUTRAL = dict(
     repetition_penalty=1.0,
     no_repeat_ngram_size=0,
 )
+
+
+def gpt2_block(x: torch.Tensor, w: tuple, attend) -> torch.Tensor:
+    """One GPT-2 block as functional calls over its 14 weights `w` (a `Decoder.layers` entry), in
+    `Block.forward`'s order: ln_1, the q/k/v projection, `attend(qkv)` -> the heads' output in x's
+    shape, the output projection and residual, ln_2, the tanh-GELU MLP and residual. The one copy
+    of the block that every lean caller runs (`Decoder`, serve's ragged and mixed batches), each
+    with its own `attend`: where its keys and values go and how its rows are masked."""
+    l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb = w
+    shape = (x.size(-1),)
+    qkv = F.linear(F.layer_norm(x, shape, l1w, l1b, eps1), aw, ab)
+    x = x + F.linear(attend(qkv), pw, pb)
+    return x + F.linear(F.gelu(F.linear(F.layer_norm(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
 
 
 class Decoder:
@@ -94,12 +108,9 @@ class Decoder:
         if pos + 1 > cache.max_len:
             raise BadInput(f"KV cache holds {cache.max_len} positions, {pos + 1} needed")
         B, C, nh, hd = tok.size(0), self.n_embd, self.n_head, self.head_dim
-        shape = (C,)
-        lin, ln = F.linear, F.layer_norm
-        x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
-        for i, (l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb) in enumerate(self.layers):
-            qkv = lin(ln(x, shape, l1w, l1b, eps1), aw, ab).view(B, 3, nh, 1, hd)
-            kv = cache.kv[i]
+
+        def attend(qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            qkv = qkv.view(B, 3, nh, 1, hd)
             kv[:, :, :, pos : pos + 1] = qkv[:, 1:]
             k, v = kv[:, 0, :, : pos + 1], kv[:, 1, :, : pos + 1]  # (B, nh, pos + 1, hd)
             q = qkv[:, 0]  # (B, nh, 1, hd)
@@ -107,10 +118,13 @@ class Decoder:
                 y = F.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd)), dim=-1) @ v
             else:
                 y = F.scaled_dot_product_attention(q, k, v)
-            x = x + lin(y.view(B, 1, C), pw, pb)
-            x = x + lin(F.gelu(lin(ln(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
+            return y.view(B, 1, C)
+
+        x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
+        for w, kv in zip(self.layers, cache.kv):
+            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
         cache.pos = pos + 1
-        return ln(x.view(B, C), shape, *self.ln_f)
+        return F.layer_norm(x.view(B, C), (C,), *self.ln_f)
 
 
 @torch.inference_mode()

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gptforge.errors import BadInput
-from gptforge.modeling.decoding import Decoder, GreedyHead
+from gptforge.modeling.decoding import Decoder, GreedyHead, gpt2_block
 from gptforge.modeling.gpt import GPT, KVCache
 
 
@@ -143,17 +143,17 @@ class GPTBackend:
         span = int(pos.max()) + 1
         rows = torch.arange(B, device=self.device)
         mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None]).view(B, 1, 1, span)
-        shape, lin, ln = (C,), F.linear, F.layer_norm
-        x = (step.wte[tok] + step.wpe[pos]).view(B, 1, C)
-        for i, (l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb) in enumerate(step.layers):
-            qkv = lin(ln(x, shape, l1w, l1b, eps1), aw, ab).view(B, 3, nh, 1, hd)
-            kv = self.cache.kv[i]
+
+        def attend(qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            qkv = qkv.view(B, 3, nh, 1, hd)
             kv[rows, :, :, pos] = qkv[:, 1:, :, 0]
             k, v = kv[:B, 0, :, :span], kv[:B, 1, :, :span]
-            y = _attend(step, qkv[:, 0], k, v, mask)
-            x = x + lin(y.view(B, 1, C), pw, pb)
-            x = x + lin(F.gelu(lin(ln(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
-        return ln(x.view(B, C), shape, *step.ln_f)
+            return _attend(step, qkv[:, 0], k, v, mask).view(B, 1, C)
+
+        x = (step.wte[tok] + step.wpe[pos]).view(B, 1, C)
+        for w, kv in zip(step.layers, self.cache.kv):
+            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+        return F.layer_norm(x.view(B, C), (C,), *step.ln_f)
 
     def _mixed(self, segments: list[tuple[int, list[int]]]) -> torch.Tensor:
         """The segments' tokens end to end through every layer (the module's docstring); the
@@ -184,13 +184,11 @@ class GPTBackend:
             s_mask = (torch.arange(s_span, device=dev)[None, :] <= s_pos[:, None]).view(len(singles), 1, 1, s_span)
             s_index = torch.tensor(s_rows, device=dev)
             s_slice = s_rows == list(range(len(s_rows)))  # rows 0..k-1: a view instead of a gather
-        shape, lin, ln = (C,), F.linear, F.layer_norm
-        x = step.wte[torch.tensor(toks, device=dev)] + step.wpe[pos_i]  # (T, C)
-        for i, (l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb) in enumerate(step.layers):
-            qkv = lin(ln(x, shape, l1w, l1b, eps1), aw, ab).view(T, 3, nh, hd)
-            kv = self.cache.kv[i]
+
+        def attend(qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            qkv = qkv.view(T, 3, nh, hd)
             kv[rows_i, :, :, pos_i] = qkv[:, 1:]
-            y = torch.empty(T, nh, hd, device=dev, dtype=x.dtype)
+            y = torch.empty(T, nh, hd, device=dev, dtype=qkv.dtype)
             if singles:
                 kvs = kv[: len(s_rows), :, :, :s_span] if s_slice else kv[s_index, :, :, :s_span]
                 q = qkv[s_at, 0].unsqueeze(2)  # (S, nh, 1, hd)
@@ -199,9 +197,12 @@ class GPTBackend:
                 q = qkv[at : at + n, 0].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
                 k, v = kv[row : row + 1, 0, :, :end], kv[row : row + 1, 1, :, :end]
                 y[at : at + n] = _attend(step, q, k, v, mask).squeeze(0).transpose(0, 1)
-            x = x + lin(y.view(T, C), pw, pb)
-            x = x + lin(F.gelu(lin(ln(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
-        return ln(x[ends], shape, *step.ln_f)
+            return y.view(T, C)
+
+        x = step.wte[torch.tensor(toks, device=dev)] + step.wpe[pos_i]  # (T, C)
+        for w, kv in zip(step.layers, self.cache.kv):
+            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+        return F.layer_norm(x[ends], (C,), *step.ln_f)
 
 
 def _attend(step: Decoder, q, k, v, mask) -> torch.Tensor:
