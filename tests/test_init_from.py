@@ -107,7 +107,8 @@ def test_save_pretrained_gpt2_folder_gives_the_hf_models_logits(tmp_path):
 
 
 def test_other_architectures_are_refused_in_one_line(tmp_path):
-    cfg = transformers.LlamaConfig(
+    # (Llama folders were refused here until the llama arch: now they load, tests/test_llama_arch.py.)
+    cfg = transformers.Qwen2Config(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -116,14 +117,14 @@ def test_other_architectures_are_refused_in_one_line(tmp_path):
         vocab_size=320,
         max_position_embeddings=BLOCK,
     )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "qwen2")
     with pytest.raises(BadInput) as err:
-        load_base(str(tmp_path / "llama"), 320, param="instruct.init_from")
+        load_base(str(tmp_path / "qwen2"), 320, param="instruct.init_from")
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith(
-        f"instruct.init_from: {tmp_path / 'llama' / 'config.json'} is a Hugging Face "
-        "LlamaForCausalLM config (model_type 'llama'); gptforge's GPT starts only from GPT-2"
+        f"instruct.init_from: {tmp_path / 'qwen2' / 'config.json'} is a Hugging Face "
+        "Qwen2ForCausalLM config (model_type 'qwen2'); gptforge's GPT starts only from GPT-2 and Llama"
     )
 
 

@@ -167,13 +167,17 @@ def test_dtype_flag_loads_the_weights_in_that_dtype(tmp_path, monkeypatch, capsy
 def test_int8_weights_round_each_row_to_its_own_scale():
     from gptforge.modeling.llama_decoding import Int8Weight
 
-    w = torch.randn(48, 64, dtype=torch.float64) * torch.linspace(0.01, 3.0, 48, dtype=torch.float64)[:, None]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, dtype=torch.float64, generator=g)
+    w = w * torch.linspace(0.01, 3.0, 48, dtype=torch.float64)[:, None]
     packed = Int8Weight(w, torch.float32)
     scale = w.abs().amax(dim=1) / 127  # the formula: symmetric, the row's largest |w| maps to 127
     assert packed.q.dtype == torch.int8 and packed.q.abs().max() == 127
     torch.testing.assert_close(packed.scale.double(), scale, rtol=1e-7, atol=0)
     error = (packed.dequantized().double() - w).abs()
-    assert (error <= scale[:, None] / 2 * (1 + 1e-6)).all()  # round to nearest: at most half a step
+    # Round to nearest: at most half a step, plus the float32 rounding of w, scale and q * scale
+    # (a few ulps of |w|: the bound without it failed on 1 draw in several).
+    assert (error <= scale[:, None] / 2 + 4 * w.abs() * 2.0**-24).all()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])

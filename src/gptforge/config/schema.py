@@ -50,10 +50,20 @@ class ModelConfig(Section):
     # loss and sampling only ever see the tokenizer's real vocabulary.
     vocab_size: int = Field(50304, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    bias: bool = True
+    # Biases in the linears (and LayerNorms); null: the architecture's own (gpt2 yes, llama no).
+    bias: Optional[bool] = None
     # math (reference) | sdpa (PyTorch's fused kernels) | triton (our FlashAttention-2, kernels/:
     # CUDA only, no attention dropout; generation runs it through sdpa)
     attention: Literal["math", "sdpa", "triton"] = "sdpa"
+    # gpt2: learned positions, LayerNorm, GELU MLP, tied head (GPT-2). llama: rotary positions,
+    # RMSNorm, SwiGLU, grouped-query attention (Llama, SmolLM2, Qwen); exports as LlamaForCausalLM.
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    # The keys below are llama's (docs/pretraining.md); gpt2 refuses values other than their defaults.
+    n_kv_head: Optional[int] = Field(None, gt=0, description="llama: key/value heads (null: n_head)")
+    rope_theta: float = Field(10000.0, gt=0, description="llama: the rotary embedding's base")
+    ffn_hidden: Optional[int] = Field(None, gt=0, description="llama: SwiGLU width (null: 8/3 n_embd, to 64)")
+    norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm's epsilon")
+    tie_embeddings: bool = Field(True, description="the head is the token embedding (gpt2: always)")
 
     @model_validator(mode="after")
     def _shape(self):
@@ -63,7 +73,17 @@ class ModelConfig(Section):
                 object.__setattr__(self, key, value)
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd ({self.n_embd}) is not divisible by model.n_head ({self.n_head})")
+        if self.arch == "gpt2":
+            changed = [k for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"model.{changed[0]} is a llama key; set model.arch: llama or leave it at its default")
+        elif self.n_head % (self.n_kv_head or self.n_head):
+            raise ValueError(f"model.n_head ({self.n_head}) is not a multiple of model.n_kv_head ({self.n_kv_head})")
         return self
+
+
+# What model.arch gpt2 requires of the llama keys (their defaults).
+LLAMA_DEFAULTS = dict(n_kv_head=None, rope_theta=10000.0, ffn_hidden=None, norm_eps=1e-5, tie_embeddings=True)
 
 
 class HellaswagSource(Section):

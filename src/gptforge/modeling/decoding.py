@@ -94,6 +94,8 @@ class Decoder:
         a plain nn.Linear / nn.LayerNorm (not, say, a peft LoRA layer that adds its adapter in
         forward) and no module has hooks. Otherwise generate decodes through the modules."""
         tr = model.transformer
+        if model.config.arch != "gpt2":  # llama decodes through the modules (rotary, grouped kv heads)
+            return False
         linears = [m for b in tr.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
         norms = [m for b in tr.h for m in (b.ln_1, b.ln_2)] + [tr.ln_f]
         if any(type(m) is not nn.Linear for m in linears) or any(type(m) is not nn.LayerNorm for m in norms):
@@ -179,7 +181,7 @@ def generate(
         done = torch.zeros(B, dtype=torch.bool, device=idx.device) if eot_id is not None else None
         if top_k is not None:
             top_k = min(top_k, cfg.n_vocab)
-        head = model.transformer.wte.weight[: cfg.n_vocab]
+        head = model.lm_head.weight[: cfg.n_vocab]
         # Not under autocast: there the full head's logits are bfloat16, not float32. A new
         # int8 copy costs about what 10 tokens save: not made for fewer new tokens than that.
         screen = (

@@ -3,6 +3,10 @@
 The architecture and parameter names follow nanoGPT (karpathy/nanoGPT), so its checkpoints and
 its reading order carry over: token + position embeddings, pre-LayerNorm blocks
 (ln_1 -> attn -> ln_2 -> mlp, tanh-GELU), final ln_f, and an lm_head tied to the token embedding.
+`arch: llama` keeps that shape and those names with today's parts (`llama_layers`): no position
+embedding but rotary queries and keys, RMSNorm, a SwiGLU MLP (c_fc holds gate and up), grouped-query
+attention (c_attn holds q, then n_kv_head keys and values), no biases, an optionally untied head;
+`hf_llama` converts it to and from transformers' LlamaForCausalLM.
 
 Vocabulary: the embedding/head has `vocab_size` rows (50304 = GPT-2's 50257 padded to a multiple
 of 64, which keeps the head matmul on fast kernel paths); only ids below `n_vocab` are real. The
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from gptforge.errors import BadInput
+from gptforge.modeling.llama_layers import RMSNorm, SwiGLU, repeat_kv, rotary, rotate
 
 EOT_ID = 50256  # GPT-2's <|endoftext|>; also its bos/eos in Hugging Face configs
 
@@ -54,14 +59,39 @@ class GPTConfig:
     attention: str = (
         "sdpa"  # "math" (reference) | "sdpa" (fused kernels, FlashAttention-2 on CUDA) | "triton" (kernels/)
     )
+    # "gpt2" or "llama" (rotary positions, RMSNorm, SwiGLU, grouped-query attention: `llama_layers`).
+    # Checkpoints written before the llama keys existed read as gpt2 (`from_dict`).
+    arch: str = "gpt2"
+    n_kv_head: int | None = None  # key/value heads; None: n_head (resolved in __post_init__)
+    rope_theta: float = 10000.0
+    ffn_hidden: int | None = None  # the MLP's width; None: 4 n_embd (gpt2), llama_layers.swiglu_width (llama)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
 
     def __post_init__(self):
-        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_vocab"):
+        if self.arch not in ("gpt2", "llama"):
+            raise BadInput(f"model config: arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.ffn_hidden is None:
+            from gptforge.modeling.llama_layers import swiglu_width
+
+            width = 4 * self.n_embd if self.arch == "gpt2" else swiglu_width(self.n_embd)
+            object.__setattr__(self, "ffn_hidden", width)
+        if self.arch == "gpt2" and (
+            self.n_kv_head != self.n_head or self.ffn_hidden != 4 * self.n_embd or not self.tie_embeddings
+        ):
+            raise BadInput("model config: gpt2 has n_kv_head = n_head, a 4 n_embd MLP and a tied head")
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_vocab", "n_kv_head", "ffn_hidden"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise BadInput(f"model config: {key} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise BadInput(f"model config: n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise BadInput(f"model config: n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head})")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise BadInput(f"model config: rotary embeddings need an even head size, got {self.head_dim}")
         if self.vocab_size < self.n_vocab:
             raise BadInput(
                 f"model config: vocab_size ({self.vocab_size}) is smaller than the tokenizer's "
@@ -88,7 +118,7 @@ class GPTConfig:
     def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in _ADDED_WITH_LLAMA]
         if unknown or missing:
             parts = ([f"unknown keys {', '.join(unknown)}"] if unknown else []) + (
                 [f"missing keys {', '.join(missing)}"] if missing else []
@@ -109,9 +139,19 @@ class GPTConfig:
             vocab_size=m.vocab_size,
             n_vocab=n_vocab,
             dropout=m.dropout,
-            bias=m.bias,
+            bias=m.bias if m.bias is not None else m.arch == "gpt2",
             attention=m.attention,
+            arch=m.arch,
+            n_kv_head=m.n_kv_head,
+            rope_theta=m.rope_theta,
+            ffn_hidden=m.ffn_hidden,
+            norm_eps=m.norm_eps,
+            tie_embeddings=m.tie_embeddings,
         )
+
+
+# Keys a config.json written before the llama architecture lacks: they take their defaults (gpt2's).
+_ADDED_WITH_LLAMA = ("arch", "n_kv_head", "rope_theta", "ffn_hidden", "norm_eps", "tie_embeddings")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +175,7 @@ class KVCache:
             raise BadInput(f"KV cache of {max_len} positions is longer than model.block_size={config.block_size}")
         # Keys and values of a layer share one (B, 2, n_head, max_len, head_dim) buffer, so that
         # a decode step stores both with a single copy (decoding.Decoder); k and v are views of it.
-        shape = (batch_size, 2, config.n_head, max_len, config.head_dim)
+        shape = (batch_size, 2, config.n_kv_head, max_len, config.head_dim)
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.k = [kv[:, 0] for kv in self.kv]
         self.v = [kv[:, 1] for kv in self.kv]
@@ -159,28 +199,40 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention over one projection to queries, keys and values. gpt2: as many key/value
+    heads as query heads. llama: `n_kv_head` key/value heads each shared by n_head/n_kv_head query
+    heads (grouped-query attention), queries and keys rotated by their positions (`rope`)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        hd = config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.backend = config.attention
 
-    def forward(self, x, mask=None, kv_cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, mask=None, kv_cache: KVCache | None = None, layer: int = 0, rope=None):
         """`mask` (T, S) bool, True = may attend; None means plain causal (T == S) or, for a
-        single query after a cache prefix, no mask at all (it may see every key)."""
+        single query after a cache prefix, no mask at all (it may see every key). `rope`: the
+        (cos, sin) of these T positions (llama), None for gpt2."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        hd, nkv = C // self.n_head, self.n_kv_head
+        q, k, v = self.c_attn(x).split([C, nkv * hd, nkv * hd], dim=2)
+        q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)  # (B, nh, S, hd) with S = pos + T
+            k, v = kv_cache.update(layer, k, v)  # (B, nkv, S, hd) with S = pos + T
         S = k.size(2)
+        if nkv != self.n_head and self.backend != "sdpa":  # each key/value head serves n_head/nkv queries
+            k, v = repeat_kv(k, self.n_head // nkv), repeat_kv(v, self.n_head // nkv)
         if self.backend == "triton":
             y = _triton_attention(q, k, v, mask, kv_cache)
         elif self.backend == "sdpa":
@@ -193,6 +245,7 @@ class CausalSelfAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
                 is_causal=mask is None and T == S and T > 1,
+                enable_gqa=nkv != self.n_head,
             )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
@@ -218,16 +271,29 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+def norm(config: GPTConfig) -> nn.Module:
+    """The block's and the final normalization: LayerNorm (gpt2) or RMSNorm (llama)."""
+    if config.arch == "llama":
+        return RMSNorm(config.n_embd, config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+
+
 class Block(nn.Module):
+    """Pre-norm residual block, one for both architectures: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = norm(config)
+        self.mlp = (
+            SwiGLU(config.n_embd, config.ffn_hidden, config.bias, config.dropout)
+            if config.arch == "llama"
+            else MLP(config)
+        )
 
-    def forward(self, x, mask=None, kv_cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), mask, kv_cache, layer)
+    def forward(self, x, mask=None, kv_cache=None, layer=0, rope=None):
+        x = x + self.attn(self.ln_1(x), mask, kv_cache, layer, rope)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -236,7 +302,7 @@ def _triton_attention(q, k, v, mask, kv_cache) -> torch.Tensor:
     """Our FlashAttention-2 kernel (kernels/flash_attention.py), imported here so that the model
     needs triton only when this backend is chosen. It computes full causal self-attention (T == S);
     cached decoding brings masks and a cache, and `decoding.generate` runs it through sdpa instead."""
-    if kv_cache is not None or mask is not None:
+    if kv_cache is not None or mask is not None:  # (k, v arrive with as many heads as q: repeat_kv)
         raise BadInput(
             "attention 'triton' computes full causal sequences only (no KV cache, no explicit mask); "
             "generation switches such models to sdpa"
@@ -262,21 +328,22 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
-            )
+        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if config.arch == "gpt2":  # learned positions; llama rotates queries and keys instead
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        layers.update(
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=norm(config),
         )
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # True: training forwards recompute each block's activations in the backward pass
         # (less memory for ~a third more compute); set by fine-tuning's gradient_checkpointing.
         self.gradient_checkpointing = False
-        # Weight tying (GPT-2): one matrix is both the input embedding and the output head.
-        self.lm_head.weight = self.transformer.wte.weight
+        # Weight tying (GPT-2, SmolLM2): one matrix is both the input embedding and the output head.
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         # The residual projections add into the stream once per block (twice per layer): scale
         # their init by 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth
@@ -292,9 +359,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.LayerNorm):
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(module.weight)
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
     # -- sizes ------------------------------------------------------------------------------
@@ -304,8 +371,10 @@ class GPT(nn.Module):
         convention): the token embedding stays in because, tied to lm_head, its weights do
         matmul work in every forward pass."""
         n = sum(p.numel() for p in self.parameters())  # the tied matrix is counted once
-        if non_embedding:
+        if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:  # an untied wte is a lookup, no matmul
+            n -= self.transformer.wte.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -322,6 +391,8 @@ class GPT(nn.Module):
         if not 0 < block_size <= self.config.block_size:
             raise BadInput(f"cannot crop block_size {self.config.block_size} to {block_size}")
         self.config = dataclasses.replace(self.config, block_size=block_size)
+        if "wpe" not in self.transformer:  # rotary positions: nothing to cut
+            return
         wpe = self.transformer.wpe
         wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
         wpe.num_embeddings = block_size
@@ -346,14 +417,19 @@ class GPT(nn.Module):
         mask = None
         if T > 1 and (pos > 0 or self.config.attention == "math"):
             mask = _causal_mask(T, pos + T, idx.device)
-        # wpe rows by slicing, not an index tensor: a view, nothing allocated per decode step.
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos : pos + T])
+        rope = None
+        if "wpe" in self.transformer:
+            # wpe rows by slicing, not an index tensor: a view, nothing allocated per decode step.
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe.weight[pos : pos + T])
+        else:  # llama: the positions' rotations, made once here and shared by every layer
+            x = self.transformer.drop(self.transformer.wte(idx))
+            rope = rotary(pos, T, self.config.head_dim, self.config.rope_theta, x)
         for i, block in enumerate(self.transformer.h):
             if self.gradient_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
                 # Recompute the block in the backward pass instead of keeping its activations.
-                x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, None, i, rope, use_reentrant=False)
             else:
-                x = block(x, mask, kv_cache, i)
+                x = block(x, mask, kv_cache, i, rope)
         if kv_cache is not None:
             kv_cache.pos = pos + T
         return self.transformer.ln_f(x)
@@ -396,7 +472,7 @@ class GPT(nn.Module):
         """(B, n_vocab) logits for the last position, for generation: the head is the first
         n_vocab rows of wte (a contiguous view), so nothing is computed for the padding."""
         x = self.hidden_states(idx, kv_cache)[:, -1, :]
-        return head_logits(x, self.transformer.wte.weight[: self.config.n_vocab])
+        return head_logits(x, self.lm_head.weight[: self.config.n_vocab])
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

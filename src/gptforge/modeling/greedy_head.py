@@ -81,7 +81,7 @@ class GreedyHead:
         """The screen of `model`'s head, kept on the model (so it lives as long as the model)
         until the head changes: another tensor, or an in-place update (its version counter).
         With build=False, only an up-to-date copy already made is returned."""
-        return cls.for_weight(model, model.transformer.wte.weight[: model.config.n_vocab], build)
+        return cls.for_weight(model, model.lm_head.weight[: model.config.n_vocab], build)
 
     @classmethod
     def for_weight(cls, owner, weight: torch.Tensor, build: bool = True) -> GreedyHead | None:

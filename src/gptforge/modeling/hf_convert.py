@@ -77,7 +77,12 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def to_hf(model: GPT):
-    """A transformers GPT2LMHeadModel with our weights (eval mode, same device and dtype)."""
+    """A transformers GPT2LMHeadModel (arch gpt2) or LlamaForCausalLM (arch llama, `hf_llama`) with
+    our weights (eval mode, same device and dtype)."""
+    if model.config.arch == "llama":
+        from gptforge.modeling.hf_llama import llama_to_hf
+
+        return llama_to_hf(model)
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel(hf_config(model.config))
@@ -92,8 +97,13 @@ def to_hf(model: GPT):
 
 def from_hf(hf_model, attention: str = "sdpa") -> GPT:
     """Our GPT from a transformers GPT2LMHeadModel (vocabulary padded with zero rows to a
-    multiple of 64; the padding is masked out of the logits anyway)."""
+    multiple of 64; the padding is masked out of the logits anyway), or from a LlamaForCausalLM
+    (`hf_llama.llama_from_hf`, arch llama)."""
     c = hf_model.config
+    if c.model_type == "llama":
+        from gptforge.modeling.hf_llama import llama_from_hf
+
+        return llama_from_hf(hf_model, attention=attention)
     if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise BadInput(f"Hugging Face model uses activation {c.activation_function!r}; GPT-2's tanh GELU is needed")
     if abs(c.layer_norm_epsilon - 1e-5) > 1e-12:
@@ -172,10 +182,10 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
       cache). Membership, not a prefix: a folder named `gpt2-run` is a folder, and `./gpt2`
       names a folder called `gpt2`;
     - a folder whose config.json is a gptforge model config (`save_model` output): `load_model`;
-    - a folder whose config.json is a Hugging Face one with `"model_type": "gpt2"`
-      (`save_pretrained` output, a hub snapshot, `gptforge export` output): read with
-      transformers' GPT2LMHeadModel and converted with `from_hf`, as the hub sizes are. Other
-      Hugging Face architectures are refused with a one-line BadInput: they cannot become our GPT (the
+    - a folder whose config.json is a Hugging Face one with `"model_type": "gpt2"` or `"llama"`
+      (`save_pretrained` output, a hub snapshot such as SmolLM2's, `gptforge export` output): read
+      with transformers' GPT2LMHeadModel / LlamaForCausalLM and converted with `from_hf` (a llama
+      folder becomes an `arch: llama` GPT, in float32). Other Hugging Face architectures are refused with a one-line BadInput: they cannot become our GPT (the
       fine-tuning stages keep them as transformers models: `gptforge.modeling.hf_causal`).
 
     `param` is the config key (`pretrain.init_from`) that every error names; `missing` is advice
@@ -198,7 +208,8 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
             return load_model(folder), f"checkpoint {folder}"
         except BadInput as e:
             raise BadInput(f"{param}: {e}") from None
-    return _load_hf_gpt2(folder, hf_type, param=param, attention=attention), f"Hugging Face GPT-2 folder {folder}"
+    kind = "Llama" if hf_type[0] == "llama" else "GPT-2"
+    return _load_hf_gpt2(folder, hf_type, param=param, attention=attention), f"Hugging Face {kind} folder {folder}"
 
 
 def _hf_model_type(path: Path) -> tuple[str, str] | None:
@@ -217,27 +228,34 @@ def _hf_model_type(path: Path) -> tuple[str, str] | None:
 def _load_hf_gpt2(folder: Path, hf_type: tuple[str, str], *, param: str, attention: str) -> GPT:
     model_type, arch = hf_type
     config = folder / CONFIG_FILE
-    if model_type != "gpt2":
+    if model_type not in ("gpt2", "llama"):
         raise BadInput(
             f"{param}: {config} is a Hugging Face {arch} config (model_type {model_type!r}); gptforge's GPT "
-            "starts only from GPT-2 folders (model_type 'gpt2'); the fine-tuning stages take any causal LM"
+            "starts only from GPT-2 and Llama folders (model_type 'gpt2', 'llama'); the fine-tuning stages "
+            "take any causal LM"
         )
     if not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
         raise BadInput(
             f"{param}: {config} is a Hugging Face {arch} config, but {folder} holds no weights "
             f"({' or '.join(HF_WEIGHT_FILES[::2])})"
         )
+    kind = "Llama" if model_type == "llama" else "GPT-2"
     try:
-        from transformers import GPT2LMHeadModel
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
-        # local_files_only: a folder never reaches for the hub, even for a missing file.
-        hf, info = GPT2LMHeadModel.from_pretrained(str(folder), local_files_only=True, output_loading_info=True)
+        cls = LlamaForCausalLM if model_type == "llama" else GPT2LMHeadModel
+        # local_files_only: a folder never reaches for the hub, even for a missing file. float32:
+        # training keeps master weights in float32 (a bf16 folder is widened exactly).
+        hf, info = cls.from_pretrained(
+            str(folder), local_files_only=True, output_loading_info=True, dtype=torch.float32
+        )
     except Exception as e:  # damaged weights, shapes that disagree with config.json, ...
-        raise BadInput(f"{param}: cannot read the Hugging Face GPT-2 folder {folder} ({_reason(e, 200)})") from None
+        raise BadInput(f"{param}: cannot read the Hugging Face {kind} folder {folder} ({_reason(e, 200)})") from None
     # transformers fills tensors the files lack with random values and only logs it: refuse instead.
-    absent = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")  # the head is tied to wte
+    tied = {"lm_head.weight"} if hf.config.tie_word_embeddings else set()
+    absent = sorted(k for k in info.get("missing_keys", ()) if k not in tied)
     if absent:
-        raise BadInput(f"{param}: the Hugging Face GPT-2 folder {folder} lacks tensors {few(absent)}")
+        raise BadInput(f"{param}: the Hugging Face {kind} folder {folder} lacks tensors {few(absent)}")
     try:
         return from_hf(hf, attention=attention)
     except BadInput as e:

@@ -33,13 +33,24 @@ def empty_model(config: GPTConfig, device="cpu") -> GPT:
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
-    model.lm_head.weight = model.transformer.wte.weight  # re-tie: to_empty made new storage
+    tie(model)  # to_empty made new storage
     return model
 
 
+def tie(model: GPT) -> None:
+    """Make lm_head's weight the token embedding again, when the config ties them."""
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+
+
+def _tied_head(model: GPT) -> set[str]:
+    """{"lm_head.weight"} when it is wte's weight (saved once, under the embedding's name)."""
+    return {"lm_head.weight"} if model.config.tie_embeddings else set()
+
+
 def _own_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    # lm_head.weight is wte.weight: save it once, under the embedding's name.
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = _tied_head(model)
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in tied}
 
 
 def save_model(model: GPT, folder: str | Path) -> Path:
@@ -110,14 +121,15 @@ def _load_shards(shards: Path, config: GPTConfig, map_location) -> GPT:
     except Exception as e:  # DCP raises CheckpointException (wrapping each rank's error) and others
         raise BadInput(f"{shards}: not a readable sharded checkpoint ({' '.join(str(e).split())[:200]})") from None
     model.load_state_dict(state["model"], strict=True)
-    model.lm_head.weight = model.transformer.wte.weight
+    tie(model)
     return model
 
 
 def load_checked(model: GPT, state: dict[str, torch.Tensor], origin) -> None:
-    """Load `state` (our names, lm_head left out: it is tied to wte) into `model`; missing,
+    """Load `state` (our names, lm_head left out when it is tied to wte) into `model`; missing,
     unexpected or misshapen tensors are a one-line BadInput that starts with `origin`."""
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = _tied_head(model)
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -128,8 +140,9 @@ def load_checked(model: GPT, state: dict[str, torch.Tensor], origin) -> None:
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items() if state[k].shape != s]
     if wrong:
         raise BadInput(f"{origin}: wrong tensor shapes: {few(wrong)}")
+    head = {"lm_head.weight": state["transformer.wte.weight"]} if tied else {}
     with torch.no_grad():
-        model.load_state_dict({**state, "lm_head.weight": state["transformer.wte.weight"]}, strict=True)
+        model.load_state_dict({**state, **head}, strict=True)
 
 
 def few(items: list[str], n: int = 3) -> str:
