@@ -185,8 +185,9 @@ def load_pretrained(init_from: str, *, param: str, attention: str = "sdpa", miss
     - a folder whose config.json is a Hugging Face one with `"model_type": "gpt2"` or `"llama"`
       (`save_pretrained` output, a hub snapshot such as SmolLM2's, `gptforge export` output): read
       with transformers' GPT2LMHeadModel / LlamaForCausalLM and converted with `from_hf` (a llama
-      folder becomes an `arch: llama` GPT, in float32). Other Hugging Face architectures are refused with a one-line BadInput: they cannot become our GPT (the
-      fine-tuning stages keep them as transformers models: `gptforge.modeling.hf_causal`).
+      folder becomes an `arch: llama` GPT, in float32). Other Hugging Face architectures are
+      refused with a one-line BadInput: they cannot become our GPT (the fine-tuning stages keep
+      them as transformers models: `gptforge.modeling.hf_causal`).
 
     `param` is the config key (`pretrain.init_from`) that every error names; `missing` is advice
     put first in the message for a folder that does not exist ("run `gptforge pretrain` first,
