@@ -25,6 +25,8 @@ def folders(tmp_path_factory):
     return {
         "tiny": gpt,
         "llama": make_tiny_causal_lm(root / "llama", "llama", max_positions=1024),
+        # gptforge's own llama arch (grouped kv heads): served through its LlamaForCausalLM form
+        "ours-llama": tiny_gpt(root / "ours-llama", seed=2, arch="llama", n_kv_head=1, bias=False),
         "spam": tiny_classifier(root / "spam", gpt),
         "root": root,
     }

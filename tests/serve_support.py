@@ -19,12 +19,13 @@ from process_support import free_port, stop_process, wait_http
 PARAMS = REPO / "params.yaml"  # tokenizer.path: the embedded GPT-2 tokenizer
 
 
-def tiny_gpt(folder: Path, *, seed: int = 0, block_size: int = 1024) -> Path:
+def tiny_gpt(folder: Path, *, seed: int = 0, block_size: int = 1024, **arch) -> Path:
+    """`arch`: GPTConfig's llama keys (arch="llama", n_kv_head=1, ...) for a llama-arch checkpoint."""
     from gptforge.modeling.gpt import GPT, GPTConfig
     from gptforge.modeling.weights import save_model
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=block_size))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=block_size, **arch))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

@@ -127,6 +127,28 @@ def test_gptforge_gpt_exports_as_gguf_gpt2(tmp_path, gpt2_tokenizer_dir):
     assert "### Instruction:\n{{ .Prompt }}" in modelfile and 'PARAMETER stop "<|endoftext|>"' in modelfile
 
 
+def test_gptforge_llama_arch_exports_as_gguf_llama(tmp_path, gpt2_tokenizer_dir):
+    """A checkpoint of `model.arch: llama` (grouped-query, untied head) goes out through its
+    LlamaForCausalLM export: GGUF's llama architecture, the logits within 1e-2."""
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
+    torch.manual_seed(0)
+    config = GPTConfig(
+        n_layer=2, n_head=4, n_embd=64, block_size=64, arch="llama", n_kv_head=2, bias=False, tie_embeddings=False
+    )
+    ours = GPT(config).eval()
+    save_model(ours, tmp_path / "ckpt")
+    out = export_gguf(tmp_path / "ckpt", tmp_path / "llama.gguf", "f16", str(gpt2_tokenizer_dir))
+    model, gguf_tok = _read_back(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 2
+    assert model.config.tie_word_embeddings is False
+    ids = torch.tensor([gguf_tok("the cat sat on the mat and the dog").input_ids])
+    with torch.no_grad():
+        want, _ = ours(ids)
+    assert _relative_error(want[..., :50257], _logits(model, ids)) < 1e-2
+
+
 @pytest.mark.parametrize("template", ["alpaca", "phi3"])
 def test_modelfile_prompts_as_training_rendered_the_instruction(template):
     """A model without a chat template: Ollama fills .Prompt with the user's message and

@@ -33,7 +33,12 @@ KEY = "test-key-123"
 @pytest.fixture(scope="module")
 def server(folders):
     srv = Server(
-        [f"tiny={folders['tiny']}", f"llama={folders['llama']}", f"spam={folders['spam']}"],
+        [
+            f"tiny={folders['tiny']}",
+            f"llama={folders['llama']}",
+            f"spam={folders['spam']}",
+            f"ours-llama={folders['ours-llama']}",
+        ],
         folders["root"],
         "--api-key",
         KEY,
@@ -91,7 +96,7 @@ def encode(text: str) -> list[int]:
 
 def test_models_completions_chat_and_usage(client):
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny", "llama", "spam"}
+    assert set(models) == {"tiny", "llama", "spam", "ours-llama"}
     assert models["tiny"].model_extra["kind"] == "generate" and models["spam"].model_extra["kind"] == "classify"
     assert models["tiny"].model_extra["context_length"] == 1024
 
@@ -152,7 +157,7 @@ def test_errors_are_the_clients_own_exceptions(server, client):
 # -- greedy answers equal `gptforge generate`, alone and in a full batch ----------------------
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama"])
+@pytest.mark.parametrize("model", ["tiny", "llama", "ours-llama"])
 def test_greedy_answers_equal_generate_alone_and_among_eight_others(folders, server, client, model):
     n = 40
     expected = cli_generate(folders[model], PROMPT, n)

@@ -74,8 +74,15 @@ def build_scheduler(spec: EngineSpec):
         from gptforge.serve.gpt_backend import GPTBackend
 
         model = load_model(spec.path, map_location=device)
-        backend = GPTBackend(model, spec.max_batch)
-        info = {"context": backend.context, "n_vocab": model.config.n_vocab, "stop_ids": []}
+        if model.config.arch == "llama":  # served as its LlamaForCausalLM, through the lean Llama decoder
+            from gptforge.modeling.hf_convert import to_hf
+            from gptforge.serve.hf_backend import HFBackend
+
+            backend = HFBackend(to_hf(model), spec.max_batch, model.config.block_size)
+            info = {"context": model.config.block_size, "n_vocab": model.config.n_vocab, "stop_ids": []}
+        else:
+            backend = GPTBackend(model, spec.max_batch)
+            info = {"context": backend.context, "n_vocab": model.config.n_vocab, "stop_ids": []}
     else:
         from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm, stop_ids
         from gptforge.serve.hf_backend import HFBackend
