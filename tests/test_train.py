@@ -4,6 +4,7 @@ tests/test_train_distributed.py."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -71,6 +72,10 @@ def test_run_writes_metrics_plots_and_a_loadable_final_model(tmp_path, shards, s
     steps = losses(tmp_path / "plots.csv")
     assert sorted(steps) == list(range(12))
     assert steps[11] < steps[0]  # it learns: the corpus is 17 words
+    with open(tmp_path / "plots.csv") as f:  # train_s: the steps' seconds before each row, rising
+        seconds = [float(r["train_s"]) for r in csv.DictReader(f)]
+    assert seconds[0] == 0 and all(b > a for a, b in zip(seconds[:12], seconds[1:12]))
+    assert len(seconds) == 13 and seconds[12] > seconds[11]  # the whole-split row: after the last step
     model = load_model(tmp_path / "checkpoints/final")
     assert model.config.n_layer == 2 and model.config.n_vocab == 281
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())

@@ -337,7 +337,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
     pause = PausePoint.from_env(rt.master)
     while s.step < p.max_steps:
         step = s.step
-        row: dict[str, Any] = {"step": step}
+        row: dict[str, Any] = {"step": step, "train_s": round(s.train_seconds, 3)}
         if step % p.eval_interval == 0 and step != p.max_steps - 1:  # the last step gets the full eval
             row["val_loss"] = eval_loss(s.model, s.val_loader, p.eval_steps, rt)
             run.log_metrics({"val_loss": row["val_loss"]}, step=step)
@@ -370,6 +370,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         dt = time.perf_counter() - t0
         s.step, s.train_loss = step + 1, loss
         s.step_times.append(dt)
+        s.train_seconds += dt
         row.update(train_loss=loss, lr=lr)
         s.history.append(row)
         bar.update(1)
@@ -414,7 +415,7 @@ def finish(
     """Full validation split, HellaSwag, a sample, the final model and the stage's records."""
     cfg, p, rt = s.cfg, s.cfg.pretrain, s.rt
     val_loss = eval_loss(s.model, s.val_loader, max(1, s.val_loader.batches_per_epoch), rt)
-    s.history.append({"step": s.step, "val_loss": val_loss, "whole_split": True})
+    s.history.append({"step": s.step, "val_loss": val_loss, "whole_split": True, "train_s": round(s.train_seconds, 3)})
     # The final model is always whole: later stages read it as they read any. Under fsdp it is
     # gathered on every process when HellaSwag splits its examples among them, else on process 0.
     plain = s.plain_model(everywhere=s.hellaswag is not None)

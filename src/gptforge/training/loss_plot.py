@@ -1,5 +1,6 @@
 """The pretraining loss curve: `plots/pretrain.csv` (DVC's plot of the stage: step, train and
-val loss, learning rate) and its PNG for MLflow. matplotlib is imported only when drawing, and a
+val loss, learning rate, and train_s: the seconds of optimizer steps before the row's step, for
+curves against wall time, evaluations not counted) and its PNG for MLflow. matplotlib is imported only when drawing, and a
 machine without it (a bare GPU image) still gets the CSV."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from gptforge.io import atomic_file
 
 def write_plot_csv(path: str | os.PathLike, history: list[dict]) -> None:
     with atomic_file(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_loss", "lr"])
+        writer = csv.DictWriter(f, fieldnames=["step", "train_loss", "val_loss", "lr", "train_s"])
         writer.writeheader()
         for row in history:
             writer.writerow({k: row.get(k, "") for k in writer.fieldnames})

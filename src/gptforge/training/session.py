@@ -73,6 +73,7 @@ class Session:
     hellaswag_result: dict | None = None
     history: list = field(default_factory=list)  # rows of plots/pretrain.csv
     step_times: list = field(default_factory=list)
+    train_seconds: float = 0.0  # the optimizer steps' wall time in this process (evaluations not counted)
     sharded: bool = False  # pretrain.strategy fsdp on several processes
 
     def plain_model(self, everywhere: bool = True) -> GPT | None:
