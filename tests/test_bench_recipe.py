@@ -1,6 +1,6 @@
 """benchmarks/bench_recipe.py, the pretraining-recipe benchmark that docs/results/recipe_tiny.* come
-from: its pure parts on made-up records (parsing the combinations and seeds, timing the evals from
-the progress bar, the eval at a fixed wall time, the medians over seeds). No run is started here."""
+from: its pure parts on made-up records (parsing the combinations and seeds, the evals and their
+training seconds from the csv, the eval at a fixed wall time, the medians over seeds). No run is started here."""
 
 from __future__ import annotations
 
@@ -63,35 +63,20 @@ def test_seeds_are_distinct_integers(bench):
             bench.parse_seeds(bad)
 
 
-def test_each_step_is_timed_by_the_first_bar_draw_that_shows_it_even_across_chunks(bench):
-    clock = bench.BarClock()
-    clock.feed("12:00:00 INFO gptforge: pretraining 7.23M parameters\n\rpretrain:   0%|   | 0/200 [00:00<?", 10.0)
-    clock.feed(", ?step/s]\rpretrain:  0%|   | 1/200 [00:01<01:00, 1.0step/s]\rpretrain:  1%|   | 2/2", 11.0)
-    clock.feed("00 [00:02<01:00, 1.0step/s, loss=10.8]", 12.5)  # the draw of 2 arrived in two pieces
-    clock.feed("\rpretrain: 50%|#  | 100/200 [00:40<00:40]\rpretrain: 100%|##| 200/200 [01:20<00:00]\n", 90.0)
-    assert clock.marks == [(10.0, 0), (11.0, 1), (12.5, 2), (90.0, 100), (90.0, 200)]
-    assert bench.elapsed_at(clock.marks, 0) == 0.0
-    assert bench.elapsed_at(clock.marks, 2) == 2.5
-    assert bench.elapsed_at(clock.marks, 50) == 80.0  # not drawn: the first draw past it
-    assert bench.elapsed_at(clock.marks, 201) is None
-    assert bench.elapsed_at([], 0) is None
-
-
 def test_the_csv_rows_give_the_evals_with_the_whole_split_last_and_the_train_loss_every_10(bench):
-    marks = [(5.0, 0), (6.0, 10), (7.0, 19), (8.0, 20)]
-    rows = [{"step": str(s), "train_loss": f"{10 - s / 10:.4f}", "val_loss": "", "lr": "0.001"} for s in range(20)]
+    rows = [
+        {"step": str(s), "train_loss": f"{10 - s / 10:.4f}", "val_loss": "", "lr": "0.001", "train_s": str(s * 0.5)}
+        for s in range(20)
+    ]
     rows[0]["val_loss"], rows[10]["val_loss"] = "10.9", "9.9"
-    rows.append({"step": "20", "train_loss": "", "val_loss": "9.5", "lr": ""})
-    found, train = bench.read_curve(rows, marks)
+    rows.append({"step": "20", "train_loss": "", "val_loss": "9.5", "lr": "", "train_s": "10.25"})
+    found, train = bench.read_curve(rows)
     assert found == [
         {"step": 0, "val_loss": 10.9, "whole_split": False, "elapsed_s": 0.0},
-        {"step": 10, "val_loss": 9.9, "whole_split": False, "elapsed_s": 1.0},
-        {"step": 20, "val_loss": 9.5, "whole_split": True, "elapsed_s": 3.0},
+        {"step": 10, "val_loss": 9.9, "whole_split": False, "elapsed_s": 5.0},
+        {"step": 20, "val_loss": 9.5, "whole_split": True, "elapsed_s": 10.25},
     ]
     assert train == [[0, 10.0], [10, 9.0]]
-    for row in rows:
-        row["elapsed_s"] = str(int(row["step"]) * 2)  # a time column of pretrain's own wins
-    assert [e["elapsed_s"] for e in bench.read_curve(rows, marks)[0]] == [0.0, 20.0, 40.0]
 
 
 def test_the_eval_at_a_fixed_wall_time_is_the_latest_partial_one_not_after_it(bench):
