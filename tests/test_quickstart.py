@@ -80,6 +80,25 @@ def test_qwen_7b_config_is_full_fine_tuning_on_8_gpus_with_fsdp_and_the_plan_say
     assert rows["fsdp"][-1] == "yes" and rows["ddp"][-1] == rows["zero1"][-1] == "no"
 
 
+def test_llama_124m_config_is_the_gpt2_run_with_the_llama_arch_and_the_plan_counts_it(capsys):
+    import torch
+
+    from gptforge.cli import main
+    from gptforge.modeling.gpt import GPT, GPTConfig
+
+    gpt2, llama = (load_config(REPO / "configs" / f"{name}-124m-fineweb.yaml") for name in ("gpt2", "llama"))
+    assert llama.pretrain == gpt2.pretrain and llama.data == gpt2.data  # same tokens, same budget
+    m = llama.model
+    assert (m.arch, m.n_layer, m.n_head, m.n_embd, m.n_kv_head, m.block_size) == ("llama", 12, 12, 768, 4, 1024)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_model_config(m, 50257))
+    assert model.config.bias is False and model.config.ffn_hidden == 2048 and model.config.tie_embeddings
+    n = sum(p.numel() for p in model.parameters())
+    assert main(["plan", "--params", str(REPO / "configs" / "llama-124m-fineweb.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"gptforge GPT (llama, 12 layers, d=768, vocab 50304): {n / 1e6:.1f}M parameters" in out
+
+
 def test_quickstart_reads_only_embedded_samples():
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     cfg = load_config(REPO / "params.yaml")

@@ -175,7 +175,7 @@ def gpt_shape(cfg: Config) -> Shape:
     params = sum(t.numel() for t in model.parameters())
     block = max(sum(t.numel() for t in b.parameters()) for b in model.transformer.h)
     return Shape(
-        f"gptforge GPT ({m.n_layer} layers, d={m.n_embd}, vocab {m.vocab_size})",
+        f"gptforge GPT ({m.arch}, {m.n_layer} layers, d={m.n_embd}, vocab {m.vocab_size})",
         params,
         params,
         4 * params,

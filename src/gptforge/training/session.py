@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gptforge.config.schema import Config
+from gptforge.config.schema import LLAMA_DEFAULTS, Config
 from gptforge.errors import BadInput
 from gptforge.modeling.gpt import GPT
 from gptforge.modeling.weights import save_model, write_model_config
@@ -97,7 +97,7 @@ def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
         keys.update({k: getattr(cfg.pretrain, k) for k in MUON_KEYS})
     blob = json.dumps(
         {
-            "model": cfg.model.model_dump(mode="json"),
+            "model": _model_keys(cfg),
             "pretrain": keys,
             "world": world,
             "shards": [s["sha256"] for s in manifest["shards"]],
@@ -105,6 +105,17 @@ def fingerprint(cfg: Config, manifest: dict, world: int) -> str:
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _model_keys(cfg: Config) -> dict:
+    """The model section as the fingerprint reads it: a gpt2 run's as it was before the llama keys
+    existed (so its checkpoints resume across that change), every key for llama."""
+    model = cfg.model.model_dump(mode="json")
+    if cfg.model.arch == "gpt2":
+        for key in ("arch", *LLAMA_DEFAULTS):
+            model.pop(key)
+        model["bias"] = True if model["bias"] is None else model["bias"]
+    return model
 
 
 def find_resume(cfg: Config, out_dir: Path, fp: str) -> Path | None:
