@@ -1,7 +1,7 @@
 """The pretraining loss curve: `plots/pretrain.csv` (DVC's plot of the stage: step, train and
 val loss, learning rate, and train_s: the seconds of optimizer steps before the row's step, for
-curves against wall time, evaluations not counted) and its PNG for MLflow. matplotlib is imported only when drawing, and a
-machine without it (a bare GPU image) still gets the CSV."""
+curves against wall time, evaluations not counted) and its PNG for MLflow. matplotlib is
+imported only when drawing, and a machine without it (a bare GPU image) still gets the CSV."""
 
 from __future__ import annotations
 
