@@ -5,8 +5,8 @@ when pyzmq is installed.
 
     python benchmarks/bench_channel.py [--messages 2000] [--repeats 7]
 
-The message is what the engine sends after a step of 16 rows: ("tokens", 16 (id, token) pairs,
-the scheduler's Stats); the echo is what the API side sends most ("cancel", id). Both pickled,
+The message is what the engine sends after a step of 16 rows: `Drawn` (16 (id, token) pairs,
+the scheduler's Stats); the echo is what the API side sends most (`Cancel`). Both pickled,
 as the engine does (`Connection.send`, pyzmq's `send_pyobj`): messages between two processes of
 one server over a channel no other process can reach. Per channel: the round trip's median over
 `--repeats` runs of `--messages` ping-pongs each (after one warm-up run), in microseconds. A model
@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gptforge.serve.engine_core import Stats  # noqa: E402
+from gptforge.serve.messages import Cancel, Drawn, Stats  # noqa: E402
 
-MESSAGE = ("tokens", [(i, 1000 + i) for i in range(16)], Stats(16, 1234, 5678, 910, 112, 1 << 20))
+MESSAGE = Drawn([(i, 1000 + i) for i in range(16)], Stats(16, 1234, 5678, 910, 112, 1 << 20))
 
 
 def _pipe_echo(conn) -> None:
@@ -38,7 +38,7 @@ def _pipe_echo(conn) -> None:
         message = conn.recv()
         if message is None:
             return
-        conn.send(("cancel", 7))
+        conn.send(Cancel(7))
 
 
 def _zmq_echo(address: str) -> None:
@@ -50,7 +50,7 @@ def _zmq_echo(address: str) -> None:
         message = sock.recv_pyobj()
         if message is None:
             return
-        sock.send_pyobj(("cancel", 7))
+        sock.send_pyobj(Cancel(7))
 
 
 def ping_pong(send, recv, messages: int, repeats: int) -> list[float]:

@@ -18,14 +18,16 @@ import time
 import pytest
 import torch
 
+from gptforge.serve.backend import Backend
 from gptforge.serve.engine import Engine, QueueFull, Request
 from gptforge.serve.engine_core import ThreadCore
-from gptforge.serve.scheduler import Job, Sampling, Scheduler, pick_tokens, pick_tokens_per_row
+from gptforge.serve.sampling import Sampling, pick_tokens, pick_tokens_per_row
+from gptforge.serve.scheduler import Job, Scheduler
 
 VOCAB = 16
 
 
-class Script:
+class Script(Backend):
     """Row i of the batch continues with `plan[request]` token by token."""
 
     def __init__(self, plans: dict[tuple, list[int]], context: int = 64, max_batch: int = 4):

@@ -10,9 +10,11 @@ import torch
 
 from gptforge.modeling.decoding import generate
 from gptforge.modeling.gpt import GPT, GPTConfig
+from gptforge.serve.engine_core import step
 from gptforge.serve.gpt_backend import GPTBackend
 from gptforge.serve.prefix_cache import PrefixCache
-from gptforge.serve.scheduler import Job, Sampling, Scheduler
+from gptforge.serve.sampling import Sampling
+from gptforge.serve.scheduler import Job, Scheduler
 
 VOCAB = 96
 
@@ -58,13 +60,13 @@ def run_all(
     arrivals = dict(arrivals or {})
     for job in jobs:
         scheduler.add(job)
-    step = 0
+    steps = 0
     while scheduler.has_work or arrivals:
-        for job in arrivals.pop(step, []):
+        for job in arrivals.pop(steps, []):
             scheduler.add(job)
-        scheduler.step()
-        step += 1
-        assert step < 1000
+        step(scheduler)  # the engine core's step: schedule, the model and the sampler, update
+        steps += 1
+        assert steps < 1000
     return {job.id: job.fed for job in jobs + [j for js in (arrivals or {}).values() for j in js]}
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
-from gptforge.serve.engine_core import Stats
-from gptforge.serve.scheduler import Sampling
+from gptforge.serve.messages import Add, Cancel, Drawn, Failed, Stats
+from gptforge.serve.sampling import Sampling
 
 __all__ = ["Engine", "Event", "QueueFull", "Request", "Sampling"]
 
@@ -118,7 +118,7 @@ class Engine:
             raise QueueFull(f"{self.waiting} requests are waiting (the queue holds {self.max_queue}); retry later")
         request = Request(prompt_ids, sampling, stop_ids, on_cancel=self._cancel)
         self.open[request.id] = request
-        self.core.send(("add", request.id, list(prompt_ids), asdict(sampling), set(stop_ids)))
+        self.core.send(Add(request.id, list(prompt_ids), sampling, frozenset(stop_ids)))
         return request
 
     def start(self) -> None:
@@ -148,21 +148,19 @@ class Engine:
     def _cancel(self, request_id: int) -> None:
         self.open.pop(request_id, None)
         if self.lost is None:
-            self.core.send(("cancel", request_id))
+            self.core.send(Cancel(request_id))
 
-    def _receive(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "tokens":
-            _, drawn, self.stats = message
+    def _receive(self, message: Drawn | Failed) -> None:
+        if isinstance(message, Drawn):
+            self.stats = message.stats
             now = time.perf_counter()
-            for request_id, token in drawn:
+            for request_id, token in message.tokens:
                 request = self.open.get(request_id)
                 if request is not None and not request.done:  # ended here at a stop string, or cancelled
                     self._advance(request, token, now)
-        elif kind == "failed":
-            _, request_ids, error = message
-            print(f"gptforge serve: step failed: {error}", flush=True)
-            for request_id in request_ids:
+        elif isinstance(message, Failed):
+            print(f"gptforge serve: step failed: {message.reason}", flush=True)
+            for request_id in message.job_ids:
                 request = self.open.get(request_id)
                 if request is not None:
                     self._end(request, "error")

@@ -1,11 +1,12 @@
-"""Where the scheduler (`serve.scheduler`) runs: its loop, and the in-process runner of it.
+"""Where the scheduler (`serve.scheduler`) runs: one engine step, its loop, and the in-process
+runner of the loop.
 
-The loop takes messages from the API side ("add" a job, "cancel" one, "stop"), runs one
-scheduler step whenever there is work, and sends back what each step drew:
-
-    ("tokens", [(job id, token), ...], stats)   after every step (stats: `Stats`)
-    ("failed", [job ids], "Error: message")     a step raised: those jobs end with an error,
-                                                the loop goes on with the next requests
+`step` is vLLM V1's EngineCore.step: the scheduler's plan, the backend's forward over it (or its
+greedy decode of a lone row), the sampler on the logits of the rows that draw
+(`serve.sampling.pick_tokens`), and the tokens back to the scheduler. The loop takes the API
+side's messages (`serve.messages`: `Add` a job, `Cancel` one, `Stop`), runs a step whenever there
+is work, and sends back `Drawn` (each job's token and the `Stats`) after every step, or `Failed`
+when a step raised (those jobs end with an error; the loop goes on with the next requests).
 
 Two runners carry these messages. `ThreadCore` (here) runs the loop in a thread of the API's
 own process: tests of the scheduling rules on a scripted backend use it, and it is what
@@ -22,25 +23,33 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 from gptforge.runtime.pause import PausePoint
-from gptforge.serve.scheduler import Job, Sampling, Scheduler
+from gptforge.serve.messages import Add, Cancel, Drawn, Failed, Ready, Stats, Stop
+from gptforge.serve.sampling import pick_tokens
+from gptforge.serve.scheduler import Job, Plan, Scheduler
 
 STOP_SECONDS = 20.0  # the stop bound gptforge's stages keep (runtime.signals): the engine gets as long
 
 
-@dataclass
-class Stats:
-    """The scheduler's counters after a step, for /metrics and the tests."""
+def step(scheduler: Scheduler) -> list[tuple[Job, int]]:
+    """One engine step: schedule, run the model, sample, update. The tokens drawn, by job."""
+    plan = scheduler.schedule()
+    if not plan.segments:
+        return []
+    return scheduler.update(plan, execute(scheduler.backend, plan))
 
-    running: int = 0
-    steps: int = 0
-    prefilled_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_cache_bytes: int = 0
+
+def execute(backend, plan: Plan) -> list[int]:
+    """The plan run on `backend`: the next token of each drawing job, in `plan.drawing`'s order."""
+    if plan.lone_greedy_decode:  # one greedy row: no logits needed
+        return [backend.decode_greedy(plan.segments[0][1][0])]
+    logits = backend.forward(plan.segments)
+    if not plan.drawing:
+        return []
+    picked = logits if len(plan.drawing_segments) == len(plan.segments) else logits[plan.drawing_segments]
+    return pick_tokens(picked, plan.drawing)
 
 
 def stats_of(scheduler: Scheduler) -> Stats:
@@ -55,29 +64,27 @@ def stats_of(scheduler: Scheduler) -> Stats:
     )
 
 
-def serve_loop(scheduler: Scheduler, receive: Callable[[bool], list], send: Callable[[tuple], None]) -> None:
-    """Run `scheduler` until a "stop" message. `receive(block)` returns the messages waiting
+def serve_loop(scheduler: Scheduler, receive: Callable[[bool], list], send: Callable[[object], None]) -> None:
+    """Run `scheduler` until a `Stop` message. `receive(block)` returns the messages waiting
     (blocking for at least one when `block`); `send(message)` hands one back."""
     pause = PausePoint.from_env()
     while True:
         for message in receive(not scheduler.has_work):
-            kind = message[0]
-            if kind == "add":
-                _, job_id, prompt_ids, sampling, stop_ids = message
-                scheduler.add(Job(job_id, prompt_ids, Sampling(**sampling), stop_ids))
-            elif kind == "cancel":
-                scheduler.cancel(message[1])
-            elif kind == "stop":
+            if isinstance(message, Add):
+                scheduler.add(Job(message.job_id, message.prompt_ids, message.sampling, message.stop_ids))
+            elif isinstance(message, Cancel):
+                scheduler.cancel(message.job_id)
+            elif isinstance(message, Stop):
                 return
         if not scheduler.has_work:
             continue
         try:
-            drawn = scheduler.step()
+            drawn = step(scheduler)
         except Exception as e:  # a model error ends these requests, not the server
             jobs = scheduler.drop_all()
-            send(("failed", [j.id for j in jobs], f"{type(e).__name__}: {e}"))
+            send(Failed([j.id for j in jobs], f"{type(e).__name__}: {e}"))
             continue
-        send(("tokens", [(job.id, token) for job, token in drawn], stats_of(scheduler)))
+        send(Drawn([(job.id, token) for job, token in drawn], stats_of(scheduler)))
         pause.after(scheduler.steps)
 
 
@@ -85,14 +92,14 @@ class ThreadCore:
     """The loop in a thread of this process; messages go through a queue one way and the event
     loop's `call_soon_threadsafe` the other."""
 
-    def __init__(self, scheduler: Scheduler, info: dict | None = None):
-        self.scheduler, self.info = scheduler, info or {}
+    def __init__(self, scheduler: Scheduler, info: Ready | None = None):
+        self.scheduler, self.info = scheduler, info
         self.max_batch, self.context = scheduler.max_batch, scheduler.context
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def start(
-        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None], on_lost: Callable[[str], None]
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[object], None], on_lost: Callable[[str], None]
     ) -> None:
         def receive(block: bool) -> list:
             messages = []
@@ -113,11 +120,11 @@ class ThreadCore:
         self._thread = threading.Thread(target=run, name="gptforge-engine", daemon=True)
         self._thread.start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message) -> None:
         self._inbox.put(message)
 
     async def stop(self) -> None:
-        self._inbox.put(("stop",))
+        self._inbox.put(Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, STOP_SECONDS)
 

@@ -13,11 +13,11 @@ event loop (`loop.add_reader`), so no thread of its own waits on it.
 
     python -m gptforge.serve.engine_process FD
 
-The child gets the socket as FD, reads an `EngineSpec`, loads the model, answers
-("ready", {"context", "n_vocab", "stop_ids"}) or ("error", "one line"), then serves. It ignores
+The child gets the socket as FD, reads an `EngineSpec`, loads the model, answers `Ready`
+(context, n_vocab, stop_ids) or `LoadFailed` (one line), then serves (`serve.messages`). It ignores
 SIGINT and SIGTERM (a Ctrl-C in the terminal, or a stop sent to the process group, reaches both
 processes; the API process decides when the engine stops, after its in-flight answers, and says
-so with a "stop" message) and exits when the socket closes, so it never outlives the API
+so with a `Stop` message) and exits when the socket closes, so it never outlives the API
 process. The API process treats the socket's end as the engine's
 death: every open stream gets an error event and the server stops with a non-zero exit.
 """
@@ -36,6 +36,7 @@ from typing import Callable
 
 from gptforge.errors import BadInput
 from gptforge.serve.engine_core import STOP_SECONDS
+from gptforge.serve.messages import LoadFailed, Ready, Stop
 
 READY_SECONDS = 600.0  # loading a model from a slow disk; the child's own errors come at once
 
@@ -56,7 +57,7 @@ class EngineSpec:
 
 
 def build_scheduler(spec: EngineSpec):
-    """(scheduler, info) for `spec`: the model loaded, its backend, the prefix cache."""
+    """(scheduler, Ready) for `spec`: the model loaded, its backend, the prefix cache."""
     import torch
 
     from gptforge.serve.prefix_cache import PrefixCache
@@ -79,10 +80,10 @@ def build_scheduler(spec: EngineSpec):
             from gptforge.serve.hf_backend import HFBackend
 
             backend = HFBackend(to_hf(model), spec.max_batch, model.config.block_size)
-            info = {"context": model.config.block_size, "n_vocab": model.config.n_vocab, "stop_ids": []}
+            info = Ready(model.config.block_size, model.config.n_vocab, [])
         else:
             backend = GPTBackend(model, spec.max_batch)
-            info = {"context": backend.context, "n_vocab": model.config.n_vocab, "stop_ids": []}
+            info = Ready(backend.context, model.config.n_vocab, [])
     else:
         from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm, stop_ids
         from gptforge.serve.hf_backend import HFBackend
@@ -92,7 +93,7 @@ def build_scheduler(spec: EngineSpec):
         model.to(device)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         backend = HFBackend(model, spec.max_batch, context, weights=spec.quantize or "native")
-        info = {"context": context, "n_vocab": int(model.config.vocab_size), "stop_ids": stop_ids(tok, model)}
+        info = Ready(context, int(model.config.vocab_size), stop_ids(tok, model))
     cache = PrefixCache(int(spec.prefix_cache_mb * (1 << 20)))
     return Scheduler(backend, prefill_chunk=spec.prefill_chunk, prefix_cache=cache), info
 
@@ -109,9 +110,9 @@ def main(fd: int) -> int:
         return 0
     except Exception as e:  # noqa: BLE001 - one line for the API process to print
         message = str(e) if isinstance(e, BadInput) else f"{type(e).__name__}: {e}"
-        conn.send(("error", " ".join(message.split())))
+        conn.send(LoadFailed(" ".join(message.split())))
         return 2
-    conn.send(("ready", info))
+    conn.send(info)
     from gptforge.serve.engine_core import serve_loop
 
     def receive(block: bool) -> list:
@@ -132,15 +133,15 @@ def main(fd: int) -> int:
 class ProcessCore:
     """The API side's handle on an engine process (`start_engine_process` makes one)."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, spec: EngineSpec):
+    def __init__(self, proc: subprocess.Popen, conn: Connection, info: Ready, spec: EngineSpec):
         self.proc, self.conn, self.info, self.spec = proc, conn, info, spec
-        self.max_batch, self.context = spec.max_batch, info["context"]
+        self.max_batch, self.context = spec.max_batch, info.context
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_lost: Callable[[str], None] | None = None
         self._closed = False
 
     def start(
-        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None], on_lost: Callable[[str], None]
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[object], None], on_lost: Callable[[str], None]
     ) -> None:
         self._loop, self._on_lost = loop, on_lost
         fd = self.conn.fileno()
@@ -172,7 +173,7 @@ class ProcessCore:
         )
         self._on_lost(f"the engine process of {self.spec.name} stopped ({how})")
 
-    def send(self, message: tuple) -> None:
+    def send(self, message) -> None:
         if self._closed:
             return
         try:
@@ -187,7 +188,7 @@ class ProcessCore:
             if self._loop is not None:
                 self._loop.remove_reader(self.conn.fileno())
             try:
-                self.conn.send(("stop",))
+                self.conn.send(Stop())
             except OSError:
                 pass
         try:
@@ -227,7 +228,7 @@ def start_engine_process(spec: EngineSpec) -> Callable[[], ProcessCore]:
         try:
             if not conn.poll(READY_SECONDS):
                 raise BadInput(f"{spec.name}: the engine process did not load the model in {READY_SECONDS:.0f} s")
-            kind, payload = conn.recv()
+            answer = conn.recv()
         except (EOFError, OSError):
             code = proc.wait()
             raise BadInput(f"{spec.name}: the engine process exited while loading (exit code {code})") from None
@@ -236,11 +237,11 @@ def start_engine_process(spec: EngineSpec) -> Callable[[], ProcessCore]:
             proc.wait()
             conn.close()
             raise
-        if kind == "error":
+        if isinstance(answer, LoadFailed):
             proc.wait()
             conn.close()
-            raise BadInput(payload)
-        return ProcessCore(proc, conn, payload, spec)
+            raise BadInput(answer.reason)
+        return ProcessCore(proc, conn, answer, spec)
 
     def abandon() -> None:
         if proc.poll() is None:

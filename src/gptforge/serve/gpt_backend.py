@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from gptforge.errors import BadInput
 from gptforge.modeling.decoding import Decoder, GreedyHead, gpt2_block
 from gptforge.modeling.gpt import GPT, KVCache
+from gptforge.serve.backend import Backend
 
 
-class GPTBackend:
+class GPTBackend(Backend):
     """Rows of gptforge GPT decoding, each in its own slot of one KV buffer."""
 
     def __init__(self, model: GPT, max_batch: int):
@@ -50,7 +51,7 @@ class GPTBackend:
         device, dtype = model.transformer.wte.weight.device, model.transformer.wte.weight.dtype
         self.cache = KVCache(cfg, max_batch, cfg.block_size, device=device, dtype=dtype)
         self.step = Decoder(model, self.cache)  # its weights, gathered once
-        self.head = model.transformer.wte.weight[: cfg.n_vocab]
+        self.head = model.lm_head.weight[: cfg.n_vocab]
         self.screen = GreedyHead.for_model(model)  # one greedy row: generate's exact int8 screen
         self.positions: list[int] = []  # per live row: positions written so far
         self.device = device

@@ -45,6 +45,7 @@ import inspect
 import torch
 
 from gptforge.errors import BadInput
+from gptforge.serve.backend import Backend
 
 # Padding is accepted in a group prefill while the padded token count stays within this factor
 # of the real token count; past it, the prompts are split into groups of similar length.
@@ -76,7 +77,7 @@ class _Row:
         self.length, self.cache, self.merged, self.slot = length, cache, False, -1
 
 
-class HFBackend:
+class HFBackend(Backend):
     """Rows of a transformers causal LM: decoding rows in one left-padded `DynamicCache`,
     prefilling rows in their own (see the module docstring)."""
 

@@ -176,17 +176,17 @@ def load_served(
         raise
     info = core.info
     if source.kind == "gptforge":
-        if info["n_vocab"] != tok.n_vocab:
+        if info.n_vocab != tok.n_vocab:
             core.kill()
             raise BadInput(
-                f"{source.spec}: a vocabulary of {info['n_vocab']}, the tokenizer "
+                f"{source.spec}: a vocabulary of {info.n_vocab}, the tokenizer "
                 f"{tok.n_vocab}: set tokenizer.path to the tokenizer it was trained with"
             )
         served = ServedLM(source.name, "gptforge", None, core.context, tok, {tok.eot_token}, template, created)
     else:
         from gptforge.modeling.hf_causal import stop_ids
 
-        ids = set(info["stop_ids"]) | set(stop_ids(tok))
+        ids = set(info.stop_ids) | set(stop_ids(tok))
         served = ServedLM(source.name, "hf", None, core.context, tok, ids, template, created)
     served.engine = Engine(core, served.decode, max_queue=max_queue, observe=observe)
     return served

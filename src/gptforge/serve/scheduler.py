@@ -1,8 +1,10 @@
-"""The engine side of `gptforge serve`: which rows run in the next model step, and the token
-each row draws. No threads, no event loop, no text: `serve.engine_core` runs `step()` in a loop
-(in the engine process, or in a thread), and the API side (`serve.engine`) turns tokens into text.
+"""The engine side of `gptforge serve`: which rows run in the next model step, and what the
+tokens they drew do to them. No threads, no event loop, no text, no model call: as vLLM V1's
+EngineCore.step does, `serve.engine_core.step` asks `schedule()` for a `Plan`, runs the backend and
+the sampler (`serve.sampling`) on it, and hands the tokens back to `update(plan, tokens)`; the API
+side (`serve.engine`) turns tokens into text.
 
-One step is one `backend.forward` over segments of rows (vLLM's chunked prefill):
+One step is one `backend.forward` over the plan's segments of rows (vLLM's chunked prefill):
 
 1. rows whose job ended (its last token was a stop id, it reached max_tokens or the context, or
    the API side cancelled it: a stop string, a client gone) leave the batch;
@@ -16,30 +18,20 @@ One step is one `backend.forward` over segments of rows (vLLM's chunked prefill)
 4. a row whose prompt is complete draws its next token with its own settings (greedy,
    temperature, top-k, top-p, its own seeded generator); a row still prefilling draws none.
 
-A finished prompt's full blocks go into the prefix cache (copied out of the row).
+A finished prompt's full blocks go into the prefix cache (copied out of the row) in `update`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from gptforge.serve.backend import Backend
 from gptforge.serve.prefix_cache import PrefixCache
+from gptforge.serve.sampling import Sampling
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens prefilled per step (`--prefill-chunk`); see docs/serving.md
-
-
-@dataclass
-class Sampling:
-    """One request's decoding settings (OpenAI's names). temperature 0 is greedy."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
 
 
 class Job:
@@ -64,10 +56,24 @@ class Job:
         return self.computed < len(self.prompt_ids)
 
 
+@dataclass
+class Plan:
+    """One step, as `Scheduler.schedule` planned it: the (row, tokens) segments to run, the jobs
+    that draw a token (in segment order) and which segments they are (a row still prefilling
+    runs but draws nothing)."""
+
+    segments: list[tuple[int, list[int]]]
+    drawing: list[Job]
+    drawing_segments: list[int]
+    lone_greedy_decode: bool = False  # one row, decoding, greedy: `Backend.decode_greedy`
+
+
 class Scheduler:
     """Rows of `backend` (`serve.gpt_backend`, `serve.hf_backend`), stepped together."""
 
-    def __init__(self, backend, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self, backend: Backend, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: PrefixCache | None = None
+    ):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.backend = backend
@@ -105,8 +111,8 @@ class Scheduler:
         self.backend.keep([])
         return jobs
 
-    def step(self) -> list[tuple[Job, int]]:
-        """One model step (the module's docstring); the tokens drawn, by job."""
+    def schedule(self) -> Plan:
+        """The next step (the module's docstring, 1-3); a plan without segments has nothing to run."""
         keep = [i for i, j in enumerate(self.rows) if not (j.ended or j.cancelled)]
         if len(keep) < len(self.rows):
             for i, job in enumerate(self.rows):
@@ -133,23 +139,21 @@ class Scheduler:
             job = self.waiting.pop(0)
             self._open(job)
             budget -= self._prefill(len(self.rows) - 1, job, budget, segments, drawing)
-        if not segments:
-            return []
-
-        if (
+        lone = (
             len(segments) == 1
             and len(segments[0][1]) == 1
-            and drawing
+            and bool(drawing)
             and drawing[0].sampling.temperature == 0
             and len(self.rows) == 1
-            and hasattr(self.backend, "decode_greedy")
-        ):
-            tokens = [self.backend.decode_greedy(segments[0][1][0])]  # one greedy row: no logits needed
-        else:
-            logits = self.backend.forward(segments)
-            rows_drawing = [i for i, (row, _) in enumerate(segments) if not self.rows[row].prefilling]
-            picked = logits if len(rows_drawing) == len(segments) else logits[rows_drawing]
-            tokens = pick_tokens(picked, drawing) if drawing else []
+        )
+        at = [i for i, (row, _) in enumerate(segments) if not self.rows[row].prefilling]
+        return Plan(segments, drawing, at, lone)
+
+    def update(self, plan: Plan, tokens: list[int]) -> list[tuple[Job, int]]:
+        """Each drawing job's token (in `plan.drawing`'s order) taken in: the job grows, ends at a
+        stop id, max_tokens or the context, and a prompt completed by the step goes into the
+        prefix cache. Returns the (job, token) pairs."""
+        drawing = plan.drawing
         self.steps += 1
         out = []
         for job, token in zip(drawing, tokens):
@@ -192,72 +196,3 @@ class Scheduler:
                 cache.store(
                     job.prompt_ids, job.computed, lambda a, b: self.backend.read_blocks(row, a, b, cache.block_size)
                 )
-
-
-def pick_tokens(logits: torch.Tensor, jobs: list) -> list[int]:
-    """Each row's next token under its job's settings: argmax for temperature 0 (the lowest
-    index on ties, as `decoding.generate`), else a draw from softmax(logits / temperature) cut
-    to the top_k most likely and to the smallest set whose probability reaches top_p.
-
-    The sampled rows are drawn together: one batched top-k, softmax and cumulative sum, and per
-    row one uniform number from its own generator, whose place in the row's cumulative
-    distribution is the token (inverse transform sampling). `pick_tokens_per_row` is the plain
-    form, one `torch.multinomial` per row: on this project's 2-core CPU a multinomial over
-    GPT-2's 50257 tokens took about 1 ms a row, more than the tiny models' whole decode step
-    at 16 rows (benchmarks/bench_serve.py's sampled loads)."""
-    sampled = [i for i, j in enumerate(jobs) if j.sampling.temperature > 0]
-    if len(sampled) < len(jobs):
-        out = logits.argmax(dim=-1).tolist()
-        if not sampled:
-            return out
-    else:
-        out = [0] * len(jobs)
-    rows = [jobs[i] for i in sampled]
-    vocab = logits.size(-1)
-    scores = logits[sampled].float() / torch.tensor([[j.sampling.temperature] for j in rows], device=logits.device)
-    ks = [min(j.sampling.top_k or vocab, vocab) for j in rows]
-    candidates = None  # the token id of each column, where the columns are not the vocabulary
-    if min(ks) < vocab:  # (a row without top_k beside one with it: max(ks) is the vocabulary, a full sort)
-        scores, candidates = torch.topk(scores, max(ks), dim=-1)  # sorted, most likely first
-        beyond = (
-            torch.arange(scores.size(1), device=scores.device)[None, :]
-            >= torch.tensor(ks, device=scores.device)[:, None]
-        )
-        scores = scores.masked_fill(beyond, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    top_p = torch.tensor([[j.sampling.top_p] for j in rows], device=probs.device)
-    if bool((top_p < 1.0).any()):
-        if candidates is None:
-            probs, candidates = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the more likely tokens
-        probs = probs.masked_fill(before >= top_p, 0.0)
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    u = torch.cat([torch.rand(1, generator=j.generator, dtype=torch.float64) for j in rows]).to(cdf.device)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp_(max=cdf.size(1) - 1)
-    tokens = (candidates.gather(1, choice) if candidates is not None else choice).view(-1).tolist()
-    for i, token in zip(sampled, tokens):
-        out[i] = token
-    return out
-
-
-def pick_tokens_per_row(logits: torch.Tensor, jobs: list) -> list[int]:
-    """`pick_tokens` row by row with `torch.multinomial`: the plain form of the same choice."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, job in enumerate(jobs):
-        s = job.sampling
-        if s.temperature == 0:
-            out.append(greedy[row])
-            continue
-        scores = logits[row].float() / s.temperature
-        if s.top_k is not None and s.top_k < scores.numel():
-            kth = torch.topk(scores, s.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if s.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_probs, 0) - sorted_probs
-            sorted_probs[before >= s.top_p] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=job.generator)))
-    return out
