@@ -23,7 +23,8 @@ from gptforge.synthesize.filters import DEFAULTS as FILTER_DEFAULTS
 class TokenizerConfig(Section):
     # None: tiktoken's `gpt2` encoding (downloads its BPE files on first use, then cached).
     # A folder with encoder.json + vocab.bpe (OpenAI's GPT-2 files), or a `.tiktoken` file;
-    # sample://gpt2_tokenizer is the embedded copy of OpenAI's files (the quickstart's).
+    # sample://gpt2_tokenizer is the embedded copy of OpenAI's files (the quickstart's). A Hugging
+    # Face model folder (tokenizer.json): its own tokenizer, to continue that model's pretraining.
     path: Optional[str] = None
 
     _path = field_validator("path", mode="before")(_resolve_sample)

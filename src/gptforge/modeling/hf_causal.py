@@ -179,13 +179,16 @@ class HFTokenizer:
 
     Text is encoded without the model's added specials (no BOS) and with special-token strings
     inside it split into ordinary pieces, as tiktoken's `disallowed_special=()` does: a record
-    that contains "<|im_end|>" cannot end a turn early. `eot_token` is the tokenizer's eos.
+    that contains "<|im_end|>" cannot end a turn early. `eot_token` is the tokenizer's eos, or
+    `eot_id` where given: pretraining's document separator (`<|endoftext|>` for SmolLM2, whose
+    instruct eos ends a chat turn instead).
     """
 
     tokenizer: Any
+    eot_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tokenizer.eos_token_id is None:
+        if self.eot_id is None and self.tokenizer.eos_token_id is None:
             raise BadInput(
                 f"{getattr(self.tokenizer, 'name_or_path', 'the tokenizer')}: no eos token "
                 "(generation and the training targets need one)"
@@ -193,7 +196,7 @@ class HFTokenizer:
 
     @property
     def eot_token(self) -> int:
-        return int(self.tokenizer.eos_token_id)
+        return int(self.eot_id if self.eot_id is not None else self.tokenizer.eos_token_id)
 
     @property
     def n_vocab(self) -> int:
@@ -207,6 +210,23 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_to_numpy(self, text: str, allowed_special=frozenset(), disallowed_special=()):
+        """tiktoken's `encode_to_numpy` as `prepare pretrain` calls it: uint32 ids, where the special
+        text it allows (only "<|endoftext|>", between documents) becomes `eot_token` and all other
+        text is ordinary."""
+        import re
+
+        import numpy as np
+
+        pieces = re.split("|".join(map(re.escape, allowed_special)), text) if allowed_special else [text]
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i:
+                ids.append(self.eot_token)
+            if piece:
+                ids += self.encode_ordinary(piece)
+        return np.asarray(ids, dtype=np.uint32)
 
 
 def stop_ids(tokenizer, model=None) -> list[int]:

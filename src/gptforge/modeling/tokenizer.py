@@ -3,6 +3,10 @@
 `tokenizer.path` may name a folder with OpenAI's `encoder.json` + `vocab.bpe` (what
 `tiktoken.get_encoding("gpt2")` downloads), or a `.tiktoken` rank file. With no path, tiktoken's
 own `gpt2` encoding is used, which needs the network (or tiktoken's cache) the first time.
+A Hugging Face model folder (a `tokenizer.json`, no `encoder.json`: SmolLM2's, a Llama's) gives
+its own tokenizer behind the same methods (`hf_causal.HFTokenizer`, documents separated by its
+`<|endoftext|>` where it has one), so `prepare pretrain` and `pretrain` continue a model on its
+own vocabulary (`pretrain.init_from` of that folder).
 """
 
 from __future__ import annotations
@@ -24,11 +28,34 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 
 def describe(path: str | None) -> str:
+    if path and _is_hf_folder(Path(path)):
+        return f"Hugging Face tokenizer from {path}"
     return f"gpt2 BPE from {path}" if path else "tiktoken:gpt2"
 
 
+def _is_hf_folder(p: Path) -> bool:
+    return p.is_dir() and (p / "tokenizer.json").is_file() and not (p / "encoder.json").is_file()
+
+
+def _hf_tokenizer(p: Path):
+    """A Hugging Face folder's tokenizer (see the module's docstring), read offline."""
+    from gptforge.modeling.hf_causal import HFTokenizer
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # a damaged tokenizer.json, an unknown tokenizer class, ...
+        raise BadInput(f"tokenizer.path {p}: cannot read its tokenizer ({' '.join(str(e).split())[:160]})") from None
+    separator = tok.get_vocab().get(EOT_TOKEN)
+    if separator is None and tok.eos_token_id is None:
+        raise BadInput(f"tokenizer.path {p}: neither {EOT_TOKEN} nor an eos token to separate documents with")
+    return HFTokenizer(tok, eot_id=separator)
+
+
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str | None = None) -> tiktoken.Encoding:
+def load_tokenizer(path: str | None = None):
+    """tiktoken's Encoding, or for a Hugging Face folder an `hf_causal.HFTokenizer` with its methods."""
     if path is None:
         try:
             return tiktoken.get_encoding("gpt2")
@@ -38,11 +65,16 @@ def load_tokenizer(path: str | None = None) -> tiktoken.Encoding:
                 "set tokenizer.path to a local folder with encoder.json and vocab.bpe"
             ) from None
     p = Path(path)
+    if _is_hf_folder(p):
+        return _hf_tokenizer(p)
     if p.is_dir():
         enc_json, bpe = p / "encoder.json", p / "vocab.bpe"
         missing = [f.name for f in (enc_json, bpe) if not f.is_file()]
         if missing:
-            raise BadInput(f"tokenizer.path {path}: missing {', '.join(missing)} (needs encoder.json and vocab.bpe)")
+            raise BadInput(
+                f"tokenizer.path {path}: missing {', '.join(missing)} "
+                "(needs encoder.json and vocab.bpe, or a Hugging Face tokenizer.json)"
+            )
         try:
             ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
                 vocab_bpe_file=str(bpe), encoder_json_file=str(enc_json)
