@@ -186,16 +186,11 @@ def _add_hparams(writer, arch: str, cfg) -> None:
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(_rope_theta(cfg)))
+    from gptforge.modeling.hf_llama import rope_theta
+
+    writer.add_rope_freq_base(rope_theta(cfg))
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-
-
-def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if (params.get("rope_type") or "default") != "default":
-        raise BadInput(f"rope scaling {params.get('rope_type')!r}: gptforge writes GGUF for plain rotary embeddings")
-    return params.get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
 
 
 def _add_tokenizer(writer, gguf, folder: Path, tokenizer, pre: str, n_vocab: int) -> None:

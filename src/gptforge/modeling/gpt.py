@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from gptforge.errors import BadInput
-from gptforge.modeling.llama_layers import RMSNorm, SwiGLU, repeat_kv, rotary, rotate
+from gptforge.modeling.llama_layers import RMSNorm, SwiGLU, repeat_kv, rotary, rotate, swiglu_width
 
 EOT_ID = 50256  # GPT-2's <|endoftext|>; also its bos/eos in Hugging Face configs
 
@@ -74,8 +74,6 @@ class GPTConfig:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.ffn_hidden is None:
-            from gptforge.modeling.llama_layers import swiglu_width
-
             width = 4 * self.n_embd if self.arch == "gpt2" else swiglu_width(self.n_embd)
             object.__setattr__(self, "ffn_hidden", width)
         if self.arch == "gpt2" and (

@@ -80,16 +80,18 @@ def to_hf(model: GPT):
     """A transformers GPT2LMHeadModel (arch gpt2) or LlamaForCausalLM (arch llama, `hf_llama`) with
     our weights (eval mode, same device and dtype)."""
     if model.config.arch == "llama":
-        from gptforge.modeling.hf_llama import llama_to_hf
+        from transformers import LlamaForCausalLM
 
-        return llama_to_hf(model)
-    from transformers import GPT2LMHeadModel
+        from gptforge.modeling.hf_llama import llama_hf_config, llama_hf_state_dict
 
-    hf = GPT2LMHeadModel(hf_config(model.config))
-    state = hf_state_dict(model)
+        kind, hf, state = "Llama", LlamaForCausalLM(llama_hf_config(model.config)), llama_hf_state_dict(model)
+    else:
+        from transformers import GPT2LMHeadModel
+
+        kind, hf, state = "GPT-2", GPT2LMHeadModel(hf_config(model.config)), hf_state_dict(model)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"transformers' GPT-2 layout changed: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"transformers' {kind} layout changed: missing {missing}, unexpected {unexpected}")
     hf.tie_weights()
     p = model.transformer.wte.weight
     return hf.to(device=p.device, dtype=p.dtype).eval()

@@ -94,19 +94,6 @@ def llama_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def llama_to_hf(model: GPT):
-    """A transformers LlamaForCausalLM with our weights (eval mode, same device and dtype)."""
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM(llama_hf_config(model.config))
-    missing, unexpected = hf.load_state_dict(llama_hf_state_dict(model), strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"transformers' Llama layout changed: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
-    p = model.transformer.wte.weight
-    return hf.to(device=p.device, dtype=p.dtype).eval()
-
-
 def llama_from_hf(hf_model, attention: str = "sdpa") -> GPT:
     """Our `arch: llama` GPT from a transformers LlamaForCausalLM (float32 weights); a config our
     model would compute differently (another activation, scaled rotary, biases on some projections
