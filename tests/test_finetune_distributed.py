@@ -154,7 +154,11 @@ def test_classify_under_ddp_and_fsdp_on_two_processes_has_the_one_process_metric
         "classify.init_from=../gpt",
         "classify.trainable=all",
         "classify.epochs=2",
-        "classify.lr=3e-3",
+        # 1e-3, not 3e-3: at 3e-3 the 40 steps run where fp32 rounding grows (Adam turns the
+        # rounding noise of the key bias, whose exact gradient is zero, into full-size steps): the
+        # batch split into two processes then moved val_loss by 1.2e-3 relative on an Intel Xeon
+        # (AVX-512) against 3e-6 at 1e-3, with the same tolerance below and a better test accuracy
+        "classify.lr=1e-3",
         "classify.weight_decay=0",
         "classify.batch_size=16",
         "classify.eval_interval=10",
