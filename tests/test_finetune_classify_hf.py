@@ -113,11 +113,19 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(
     from gptforge.cli import main
 
     out, steps = outputs(tmp_path), RecordingSteps()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from gptforge.training import parallelize
+
+    checkpointed, real = [], parallelize.checkpoint_activations  # wrapped layers, per call
+    monkeypatch.setattr(parallelize, "checkpoint_activations", lambda m: checkpointed.append(real(m)) or checkpointed[-1])
     cfg = make_cfg(llama, tokenizer=str(small_tokenizer), trainable="lora", gradient_checkpointing=True)
     clf.finetune_classify(cfg, steps=steps, data_dir=data_dir, run=FakeRun(), **out)
     s = steps.results["train"]  # its classifier merged by finish
     assert isinstance(s.classifier, clf_model.HFClassifier)
-    assert any(getattr(m, "gradient_checkpointing", False) for m in s.classifier.lm.modules())  # it was on
+    n_layers = len(s.classifier.lm.model.layers) if hasattr(s.classifier.lm, "model") else None
+    assert [len(layers) for layers in checkpointed] == [n_layers]  # it was on, for every decoder layer
+    assert not any(isinstance(m, CheckpointWrapper) for m in s.classifier.modules())  # and off once trained
     final = out["out_dir"] / "final"
 
     # Merged LoRA: exactly the blocks' Linear weights moved; embeddings, norms, lm_head did not.

@@ -194,12 +194,15 @@ def _state_bytes(rank: int, world: int, store: str, strategy: str, out: str) -> 
 
     from gptforge.training import sharding
     from gptforge.training.optim import adamw, zero1_adamw
+    from gptforge.training.parallelize import parallelize
+    from gptforge.training.runtime import Runtime
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MEMORY_MODEL))
     if strategy == "fsdp":
-        sharding.shard(model, device=torch.device("cpu"), precision="fp32", reshard_after_forward=True)
+        rt = Runtime(device=torch.device("cpu"), rank=rank, world_size=world, ddp=True)
+        parallelize(model, rt, strategy="fsdp", param="pretrain")
     build = zero1_adamw if strategy == "zero1" else adamw
     opt = build(model.parameters(), lr=1e-3, weight_decay=0.1, device_type="cpu")
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()

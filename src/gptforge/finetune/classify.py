@@ -65,7 +65,6 @@ from gptforge.finetune.classify_data import (
 from gptforge.finetune.common import (
     apply_lora,
     check_max_length,
-    enable_gradient_checkpointing,
     epoch_batches,
     load_base,
     load_hf_base,
@@ -111,8 +110,8 @@ def set_trainable(model: LastTokenClassifier, trainable: str) -> None:
 
 def build_classifier(cfg: Config, rt: Runtime) -> tuple[nn.Module, LastTokenClassifier, Any]:
     """(model to train, the classifier inside it, tokenizer): the base model from
-    `classify.init_from` with a fresh head, with `classify.trainable` and
-    `classify.gradient_checkpointing` applied. Our GPT comes with `tokenizer.path`'s tiktoken
+    `classify.init_from` with a fresh head, with `classify.trainable` applied
+    (`classify.gradient_checkpointing` is applied when `train` wraps it). Our GPT comes with `tokenizer.path`'s tiktoken
     tokenizer and on the CPU; any other Hugging Face causal LM with its own tokenizer (an
     `HFTokenizer`) and on `rt.device`. For `lora` the model to train is the peft wrapper;
     otherwise both are the same module."""
@@ -130,8 +129,6 @@ def build_classifier(cfg: Config, rt: Runtime) -> tuple[nn.Module, LastTokenClas
         classifier: LastTokenClassifier = GPTClassifier(backbone, c.n_classes, max_length=max_length)
     else:
         classifier = HFClassifier(backbone, c.n_classes, max_length=max_length, tokenizer=enc)
-    if c.gradient_checkpointing:
-        enable_gradient_checkpointing(backbone)
     if c.trainable == "lora":
         return apply_lora(classifier, c.lora, extra_trainable=["head"]), classifier, enc
     set_trainable(classifier, c.trainable)
@@ -185,7 +182,14 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     c = cfg.classify
     torch.manual_seed(c.seed)  # dropout streams
     # A Hugging Face backbone's output head is not used by the classifier: DDP must not wait for it.
-    s.wrapped = w = wrap(s.model, s.rt, c.strategy, param="classify", find_unused_parameters=True)
+    s.wrapped = w = wrap(
+        s.model,
+        s.rt,
+        c.strategy,
+        param="classify",
+        activation_checkpointing=c.gradient_checkpointing,
+        find_unused_parameters=True,
+    )
     optimizer = make_optimizer(w.module, c.lr, c.weight_decay, s.rt.device)
 
     def loss_fn(batch):

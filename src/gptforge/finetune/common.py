@@ -212,19 +212,6 @@ def model_positions(model: nn.Module) -> int:
     return int(positions)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in the backward pass: transformers' own switch for its models
-    (non-reentrant, which needs no input gradients under LoRA), ours for the GPT."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the old name is deprecated there)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False  # a cache is useless in training and clashes with recomputing
-    else:
-        model.gradient_checkpointing = True
-
-
 def check_max_length(max_length: int | None, model: nn.Module, param: str) -> int:
     """The sequence length to use: None -> the model's positions (`model_positions`); above
     them -> BadInput "`param` (N) is above the model's M positions" (positions past the last

@@ -8,7 +8,8 @@ processes is exactly the one-process gradient of the whole batch (a mean over it
 its target tokens), whatever the part sizes: the batch size keeps its meaning and the run
 follows the one-process run up to float rounding.
 
-`wrap` puts the model under the stage's strategy:
+`wrap` puts the model under the stage's strategy through gptforge.training.parallelize (the one
+way pretraining wraps its model too: activation checkpointing, then the strategy):
 - `ddp`: DistributedDataParallel, a whole copy on every process, gradients all-reduced;
 - `fsdp`: FSDP2 `fully_shard` on every transformer layer (the module kinds named in the models'
   `_no_split_modules`: our GPT's Block, Llama's and Qwen's decoder layers) and then the root, so
@@ -37,7 +38,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from gptforge.errors import BadInput
 from gptforge.training.runtime import Runtime
 
 TRACE_ENV = "GPTFORGE_BATCH_TRACE"
@@ -142,40 +142,29 @@ def wrap(
     *,
     loss: Callable[..., torch.Tensor] | None = None,
     param: str,
+    activation_checkpointing: bool = False,
     find_unused_parameters: bool = False,
 ) -> Wrapped:
-    """`model` (on `rt.device`) under `strategy` when there is more than one process; `loss`,
-    when given, runs inside the wrapped forward (`LossOf`)."""
+    """`model` (on `rt.device`) as gptforge.training.parallelize wraps it: activation
+    checkpointing, then `strategy` when there is more than one process; `loss`, when given, runs
+    inside the wrapped forward (`LossOf`)."""
+    from gptforge.training.parallelize import parallelize
+
     root: nn.Module = LossOf(model, loss) if loss is not None else model
     prefix = "model." if loss is not None else ""
-    if rt.world_size == 1:
-        return Wrapped(root, model, None)
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [rt.device.index] if rt.device.type == "cuda" else None
-        return Wrapped(DDP(root, device_ids=ids, find_unused_parameters=find_unused_parameters), model, "ddp")
-    if rt.precision == "fp16":
-        raise BadInput(
-            f"{param}.strategy fsdp keeps fp32 master weights and computes in bf16: use "
-            f"{param}.precision bf16 (fp16's loss scaling is not supported under fsdp)"
-        )
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    twin = meta_copy(model) if rt.master else None
-    kinds = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
-    layers = [m for m in model.modules() if type(m).__name__ in kinds]
-    if not layers:
-        raise BadInput(
-            f"{param}.strategy fsdp: {type(model).__name__} names no transformer layer to shard (no _no_split_modules)"
-        )
-    kw: dict = {}
-    if rt.device.type == "cuda" and rt.precision == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, **kw)
-    fully_shard(root, **kw, reshard_after_forward=False)  # embeddings and head: needed again first in backward
-    return Wrapped(root, model, "fsdp", twin, prefix)
+    several = rt.world_size > 1
+    # fsdp: process 0's meta twin of the model as it is, before any wrapping or sharding
+    twin = meta_copy(model) if several and strategy == "fsdp" and rt.master else None
+    module = parallelize(
+        model,
+        rt,
+        strategy=strategy,
+        param=param,
+        activation_checkpointing=activation_checkpointing,
+        root=root,
+        find_unused_parameters=find_unused_parameters,
+    )
+    return Wrapped(module, model, strategy if several else None, twin, prefix)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -193,7 +182,9 @@ def gathered(w: Wrapped) -> nn.Module | None:
     if w.strategy != "fsdp":
         import torch.distributed as dist
 
-        return w.model if not dist.is_initialized() or dist.get_rank() == 0 else None
+        from gptforge.training.parallelize import strip_activation_checkpointing
+
+        return strip_activation_checkpointing(w.model) if not dist.is_initialized() or dist.get_rank() == 0 else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(w.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -55,7 +55,6 @@ from gptforge.finetune.common import (
     History,
     apply_lora,
     check_max_length,
-    enable_gradient_checkpointing,
     epoch_batches,
     is_gpt,
     length_grouped_batches,
@@ -279,8 +278,6 @@ def setup(cfg: Config, data_dir: str | os.PathLike, run=NullRun()) -> Session:
 
     if source is None:  # load_hf_base placed a transformers model (a quantized one on its GPU)
         model.to(rt.device)
-    if c.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
     if c.method == "lora":
         torch.manual_seed(c.seed)  # the adapters' init: the same in every run and on every process
         model = apply_lora(model, c.lora, task_type=None if source is None else "CAUSAL_LM")
@@ -360,7 +357,9 @@ def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     """Epochs of AdamW over the trainable parameters; validation loss every eval_interval steps."""
     c = cfg.instruct
     torch.manual_seed(c.seed)  # dropout streams
-    s.wrapped = w = wrap(s.model, s.rt, c.strategy, loss=batch_loss, param=PARAM)
+    s.wrapped = w = wrap(
+        s.model, s.rt, c.strategy, loss=batch_loss, param=PARAM, activation_checkpointing=c.gradient_checkpointing
+    )
     optimizer = make_optimizer(w.module, c.lr, c.weight_decay, s.rt.device)
     shape = dict(pad_id=s.enc.eot_token, max_length=s.max_length, mask_prompt=c.mask_prompt)
     # Length-grouped batches put short answers together; a batch's mean loss would then give each

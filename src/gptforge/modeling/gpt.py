@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from gptforge.errors import BadInput
 from gptforge.modeling.llama_layers import RMSNorm, SwiGLU, repeat_kv, rotary, rotate, swiglu_width
@@ -336,9 +335,6 @@ class GPT(nn.Module):
         )
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # True: training forwards recompute each block's activations in the backward pass
-        # (less memory for ~a third more compute); set by fine-tuning's gradient_checkpointing.
-        self.gradient_checkpointing = False
         # Weight tying (GPT-2, SmolLM2): one matrix is both the input embedding and the output head.
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -422,12 +418,9 @@ class GPT(nn.Module):
         else:  # llama: the positions' rotations, made once here and shared by every layer
             x = self.transformer.drop(self.transformer.wte(idx))
             rope = rotary(pos, T, self.config.head_dim, self.config.rope_theta, x)
+        # (activation checkpointing wraps each block from outside: gptforge.training.parallelize)
         for i, block in enumerate(self.transformer.h):
-            if self.gradient_checkpointing and self.training and kv_cache is None and torch.is_grad_enabled():
-                # Recompute the block in the backward pass instead of keeping its activations.
-                x = torch.utils.checkpoint.checkpoint(block, x, mask, None, i, rope, use_reentrant=False)
-            else:
-                x = block(x, mask, kv_cache, i, rope)
+            x = block(x, mask, kv_cache, i, rope)
         if kv_cache is not None:
             kv_cache.pos = pos + T
         return self.transformer.ln_f(x)

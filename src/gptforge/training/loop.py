@@ -43,6 +43,7 @@ from gptforge.training import sharding
 from gptforge.training.loader import ShardLoader
 from gptforge.training.loss_plot import plot_losses, write_plot_csv
 from gptforge.training.optim import adamw, muon_adamw, zero1_adamw
+from gptforge.training.parallelize import check_strategy, parallelize
 from gptforge.training.runtime import Runtime, setup_runtime
 from gptforge.training.session import Session, check_resumable, find_resume, fingerprint, save_checkpoint
 
@@ -207,11 +208,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
         hellaswag = hs.load_examples(path, limit=p.hellaswag.limit)
 
     sharded = p.strategy == "fsdp" and rt.ddp
-    if sharded and rt.precision == "fp16":
-        raise BadInput(
-            "pretrain.strategy fsdp runs bf16 or fp32, not fp16 (its loss scaler does not take sharded "
-            "gradients): set pretrain.precision to bf16"
-        )
+    check_strategy(rt, p.strategy, "pretrain")
     resume_from = find_resume(cfg, out_dir, fp)
     if resume_from is not None:
         check_resumable(resume_from, sharded)
@@ -221,20 +218,21 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
         model = build_model(cfg, enc.n_vocab)
     else:
         model = empty_model(load_config(resume_from)) if sharded else load_model(resume_from)
-    model = model.to(rt.device)
-    model.gradient_checkpointing = p.activation_checkpointing
+    raw_model = model.to(rt.device)
     torch.manual_seed(p.seed + rt.rank)  # dropout streams; init above used the shared seed
-    if sharded:
-        sharding.shard(
-            model,
-            device=rt.device,
-            precision=rt.precision,
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            compile_blocks=rt.compile,
-        )
+    # Activation checkpointing, compile, then DDP or FSDP (which shards raw_model in place)
+    model = parallelize(
+        raw_model,
+        rt,
+        strategy=p.strategy,
+        param="pretrain",
+        activation_checkpointing=p.activation_checkpointing,
+        compile=rt.compile,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+    )
     if p.optimizer == "muon":  # the config refuses it with zero1 and fsdp
         optimizer = muon_adamw(
-            model,
+            raw_model,
             lr=p.lr,
             weight_decay=p.weight_decay,
             betas=p.betas,
@@ -246,14 +244,14 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     else:
         build = zero1_adamw if p.strategy == "zero1" and rt.ddp else adamw
         optimizer = build(
-            model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
+            raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=p.betas, device_type=rt.device.type
         )
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
         state = ckpt.load_state(resume_from)
         if sharded:  # weights and AdamW's state from every process's shards
-            sharding.load_sharded(resume_from / sharding.SHARDS_DIR, model, optimizer)
+            sharding.load_sharded(resume_from / sharding.SHARDS_DIR, raw_model, optimizer)
         else:
             optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -269,13 +267,6 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
             for folder in stale:
                 shutil.rmtree(folder)
 
-    raw_model = model
-    if rt.compile and not sharded:  # (fsdp compiled each block before sharding it)
-        model = torch.compile(model)
-    if rt.ddp and not sharded:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     return Session(
         cfg,
         rt,

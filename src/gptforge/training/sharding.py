@@ -1,9 +1,9 @@
 """`pretrain.strategy: fsdp`: the model's parameters, gradients and AdamW states split across the
 processes with PyTorch's FSDP2, and the sharded checkpoints that go with it.
 
-`shard(model, ...)` applies `fully_shard` from outside the model, as torchtitan's `parallelize`
-does: once on every transformer block, then on the root (embeddings, final LayerNorm and the
-tied lm_head). Each parameter becomes a DTensor holding 1/N of its rows on each process; a
+gptforge.training.parallelize applies `fully_shard` from outside the model, as torchtitan's
+`parallelize` does: once on every transformer block, then on the root (embeddings, final
+LayerNorm and the tied lm_head). Each parameter becomes a DTensor holding 1/N of its rows on each process; a
 block's whole weights exist only between the all-gather before its forward (and backward) and
 the free after it (`reshard_after_forward`; off, they stay gathered from forward to backward:
 ZeRO-2's memory, one all-gather less). Gradients are reduce-scattered, so each process keeps
@@ -29,26 +29,6 @@ import torch.distributed as dist
 
 from gptforge.modeling.gpt import GPT
 from gptforge.modeling.weights import SHARDS_DIR  # noqa: F401 - inside a step folder
-
-
-def shard(
-    model: GPT, *, device: torch.device, precision: str, reshard_after_forward: bool, compile_blocks: bool = False
-) -> GPT:
-    """Apply FSDP2 to `model` in place (every block, then the root) and return it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw: dict = {"reshard_after_forward": reshard_after_forward}
-    if device.type == "cuda" and precision in ("bf16", "fp16"):
-        low = torch.bfloat16 if precision == "bf16" else torch.float16
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        if compile_blocks:  # per block, before sharding: FSDP's hooks stay outside the compiled graphs
-            block.compile()
-        fully_shard(block, **kw)
-    # The root's own parameters (wte = lm_head, wpe, ln_f) are the first the backward needs
-    # (lm_head): kept gathered from the forward into it, as torchtitan does, one all-gather less.
-    fully_shard(model, **{**kw, "reshard_after_forward": False})
-    return model
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
