@@ -118,7 +118,9 @@ def test_lora_merges_round_trips_and_classifies_with_its_own_tokenizer(
     from gptforge.training import parallelize
 
     checkpointed, real = [], parallelize.checkpoint_activations  # wrapped layers, per call
-    monkeypatch.setattr(parallelize, "checkpoint_activations", lambda m: checkpointed.append(real(m)) or checkpointed[-1])
+    monkeypatch.setattr(
+        parallelize, "checkpoint_activations", lambda m: checkpointed.append(real(m)) or checkpointed[-1]
+    )
     cfg = make_cfg(llama, tokenizer=str(small_tokenizer), trainable="lora", gradient_checkpointing=True)
     clf.finetune_classify(cfg, steps=steps, data_dir=data_dir, run=FakeRun(), **out)
     s = steps.results["train"]  # its classifier merged by finish

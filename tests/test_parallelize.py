@@ -31,7 +31,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gptforge"
 def _gpt(arch: str) -> GPT:
     torch.manual_seed(0)
     extra = {"arch": "llama", "n_kv_head": 1} if arch == "llama" else {}
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, n_vocab=64, dropout=0.0, **extra))
+    return GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, n_vocab=64, dropout=0.0, **extra)
+    )
 
 
 def _llama():
@@ -63,7 +65,9 @@ def _count_forwards(model) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("make", [lambda: _gpt("gpt2"), lambda: _gpt("llama"), _llama], ids=["gpt2", "llama", "hf-llama"])
+@pytest.mark.parametrize(
+    "make", [lambda: _gpt("gpt2"), lambda: _gpt("llama"), _llama], ids=["gpt2", "llama", "hf-llama"]
+)
 def test_checkpointed_layers_recompute_and_give_the_plain_gradients(make):
     plain = make()
     recomputed = copy.deepcopy(plain)
