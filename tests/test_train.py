@@ -115,7 +115,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
 
     from gptforge.training import checkpoint as ckpt
 
-    real_save = session.save_model
+    real_save = ckpt.save_model
     calls = {"n": 0}
 
     def disk_fills_up(model, folder):
@@ -125,7 +125,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(model, folder)
 
-    monkeypatch.setattr(session, "save_model", disk_fills_up)
+    monkeypatch.setattr(ckpt, "save_model", disk_fills_up)
     cfg = small_cfg(small_tokenizer, "pretrain.max_steps=20")
     with pytest.raises(
         StageFailed,
@@ -135,7 +135,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, shards, 
         run_pretrain(cfg, shards, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]  # no temporary left
     assert ckpt.verify(tmp_path / "checkpoints/step_00000005") is None
-    monkeypatch.setattr(session, "save_model", real_save)
+    monkeypatch.setattr(ckpt, "save_model", real_save)
     resumed = run_pretrain(small_cfg(small_tokenizer, "pretrain.max_steps=20"), shards, tmp_path)
     assert math.isfinite(resumed["val_loss"])
 

@@ -1,4 +1,5 @@
-"""Training checkpoints: `root/step_{step:08d}/` folders that are whole or absent.
+"""Training checkpoints: `root/step_{step:08d}/` folders that are whole or absent, and the
+protocol that saves a pretraining session into one and resumes from it.
 
 A checkpoint holds `model.safetensors` and `config.json` (written by the caller's
 `write_model`, so this module does not depend on the model), `state.pt` (optimizer, data
@@ -7,6 +8,14 @@ loading a checkpoint never runs pickled code) and `checksums.json` (sha256 and s
 other file). The folder is built under a hidden temporary name and renamed into place, with
 checksums.json written last: a kill mid-write leaves no `step_*` folder, and disk damage
 after the fact is caught by `verify`, so a resume falls back to the newest intact checkpoint.
+
+The session's protocol (`find_resume`, `check_resumable`, `save_session`, `restore_session`): the
+checkpoint to continue from (`pretrain.resume`: the newest intact one made with the same
+fingerprint, gptforge.training.session's), and a step folder holding everything a resumed run
+needs to continue bit for bit: weights, optimizer and grad-scaler state, the data position, the
+step and every process's RNG states. Under ddp and zero1 process 0 writes it alone; under fsdp
+every process first writes its shards into one hidden folder that process 0 moves into the step
+folder it builds, between barriers.
 """
 
 from __future__ import annotations
@@ -19,13 +28,23 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_dir, sha256_file, write_json
+from gptforge.modeling.weights import save_model, write_model_config
+from gptforge.training import sharding
+
+if TYPE_CHECKING:
+    from gptforge.config.schema import Config
+    from gptforge.training.runtime import Runtime
+    from gptforge.training.session import Session
+
+log = logging.getLogger("gptforge")
 
 CHECKSUMS = "checksums.json"
 STATE = "state.pt"
@@ -238,3 +257,106 @@ def restore_rng(state: dict) -> None:
     if state.get("cuda") and torch.cuda.is_available():
         for device, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pretraining session: which step folder a run continues from, saving one and reading it back
+
+
+def find_resume(cfg: Config, out_dir: Path, fp: str) -> Path | None:
+    """The checkpoint to continue from, or None to start over (`pretrain.resume`)."""
+    resume = cfg.pretrain.resume
+    if resume == "never":
+        return None
+    if resume != "auto":
+        folder = Path(resume)
+        reason = verify(folder) if folder.is_dir() else f"{folder} is not a folder"
+        if reason:
+            raise BadInput(f"pretrain.resume: cannot resume from {folder}: {reason}")
+        return folder
+    folder = newest_good(out_dir)
+    if folder is None:
+        return None
+    made_by = load_state(folder).get("fingerprint")
+    if made_by != fp:
+        log.warning("not resuming from %s: it was made with other model/pretrain params or data", folder)
+        return None
+    return folder
+
+
+def check_resumable(folder: Path, sharded: bool) -> None:
+    """A sharded checkpoint resumes under fsdp only, a whole one under ddp/zero1 only."""
+    has_shards = (folder / sharding.SHARDS_DIR).is_dir()
+    if has_shards != sharded:
+        made, now = ("fsdp", "ddp/zero1") if has_shards else ("ddp/zero1", "fsdp")
+        raise BadInput(
+            f"pretrain.resume: {folder} was written under strategy {made} and this run is {now}: "
+            f"resume it under {made}, or start from its weights with pretrain.init_from"
+        )
+
+
+def _rng_states(s: Session) -> dict:
+    """Process 0's RNG states, and every process's when there are several (a collective): each
+    resumes its own dropout stream."""
+    mine = capture_rng()
+    if not s.rt.ddp:
+        return {"rng": mine}
+    every = [None] * s.rt.world_size
+    dist.all_gather_object(every, mine)
+    return {"rng": every[0], "rng_by_rank": every}
+
+
+def save_session(s: Session) -> Path | None:
+    """The session's step folder (`save_checkpoint`). Called on every process: under ddp and
+    zero1 process 0 writes it alone; under fsdp every process writes its shards into it first.
+    Returns the folder on process 0, None on the others."""
+    rng = _rng_states(s)
+    if not s.rt.master and not s.sharded:
+        return None
+    state = {
+        "step": s.step,
+        "scaler": s.scaler.state_dict(),
+        "loader": s.train_loader.state_dict(),
+        **rng,
+        "fingerprint": s.fingerprint,
+    }
+    keep_last = s.cfg.pretrain.keep_last
+    if not s.sharded:
+        state["optimizer"] = s.optimizer.state_dict()
+        return save_checkpoint(
+            s.out_dir, s.step, write_model=lambda d: save_model(s.raw_model, d), state=state, keep_last=keep_last
+        )
+    # Every process writes its shards to one hidden folder beside the step folders; process 0 then
+    # moves it into the step folder it builds, which appears whole (checksums included) or not at all.
+    shards = s.out_dir / f".shards_step_{s.step:08d}"
+    if s.rt.master:
+        for leftover in s.out_dir.glob(".shards_step_*"):  # a kill's, between the shards and the rename
+            shutil.rmtree(leftover, ignore_errors=True)
+    dist.barrier()
+    sharding.save_sharded(shards, s.raw_model, s.optimizer)
+    dist.barrier()
+    folder = None
+    if s.rt.master:
+
+        def write_model(d: Path) -> None:
+            write_model_config(s.raw_model, d)
+            os.replace(shards, d / sharding.SHARDS_DIR)
+
+        folder = save_checkpoint(s.out_dir, s.step, write_model=write_model, state=state, keep_last=keep_last)
+    dist.barrier()
+    return folder
+
+
+def restore_session(folder: Path, rt: Runtime, raw_model, optimizer, scaler, train_loader) -> int:
+    """Read a step folder back into a run being set up (under fsdp the shards of the weights and
+    AdamW's state into the sharded `raw_model` and `optimizer`, a collective) and return its step."""
+    state = load_state(folder)
+    if (folder / sharding.SHARDS_DIR).is_dir():
+        sharding.load_sharded(folder / sharding.SHARDS_DIR, raw_model, optimizer)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    train_loader.load_state_dict(state["loader"])
+    by_rank = state.get("rng_by_rank") or []  # each process's own stream, when it was saved
+    restore_rng(by_rank[rt.rank] if rt.rank < len(by_rank) else state["rng"])
+    return int(state["step"])

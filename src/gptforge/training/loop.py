@@ -7,7 +7,8 @@ on matrices only, or Muon for the blocks' matrices with AdamW for the rest (`pre
 linear warm-up then cosine decay to `min_lr`; gradient clipping; bf16/fp16 autocast; optional
 torch.compile. Checkpoints hold everything a resumed run needs to continue bit for bit: weights
 (safetensors), optimizer and grad-scaler state, the data position, the step and every RNG state
-(gptforge.training.session saves them and picks the one to resume).
+(gptforge.training.checkpoint saves them and picks the one to resume); the model is wrapped
+for training by gptforge.training.parallelize.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from gptforge.training.loss_plot import plot_losses, write_plot_csv
 from gptforge.training.optim import adamw, muon_adamw, zero1_adamw
 from gptforge.training.parallelize import check_strategy, parallelize
 from gptforge.training.runtime import Runtime, setup_runtime
-from gptforge.training.session import Session, check_resumable, find_resume, fingerprint, save_checkpoint
+from gptforge.training.session import Session, fingerprint
 
 log = logging.getLogger("gptforge")
 
@@ -209,9 +210,9 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
 
     sharded = p.strategy == "fsdp" and rt.ddp
     check_strategy(rt, p.strategy, "pretrain")
-    resume_from = find_resume(cfg, out_dir, fp)
+    resume_from = ckpt.find_resume(cfg, out_dir, fp)
     if resume_from is not None:
-        check_resumable(resume_from, sharded)
+        ckpt.check_resumable(resume_from, sharded)
     # A resumed run takes the architecture and weights from its checkpoint (no hub access); under
     # fsdp only the architecture here: each process reads its shards of the weights below.
     if resume_from is None:
@@ -249,16 +250,7 @@ def setup(cfg: Config, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     step = 0
     if resume_from is not None:
-        state = ckpt.load_state(resume_from)
-        if sharded:  # weights and AdamW's state from every process's shards
-            sharding.load_sharded(resume_from / sharding.SHARDS_DIR, raw_model, optimizer)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        train_loader.load_state_dict(state["loader"])
-        by_rank = state.get("rng_by_rank") or []  # each process's own stream, when it was saved
-        ckpt.restore_rng(by_rank[rt.rank] if rt.rank < len(by_rank) else state["rng"])
-        step = int(state["step"])
+        step = ckpt.restore_session(resume_from, rt, raw_model, optimizer, scaler, train_loader)
         log.info("resumed from %s at step %d", resume_from, step)
     elif out_dir.exists():
         stale = ckpt.list_checkpoints(out_dir)
@@ -384,7 +376,7 @@ def _steps(s: Session, run, stop, bar, flops_per_token: float, peak: float | Non
         if s.step % p.ckpt_interval == 0 or s.step == p.max_steps or stopping:
             if hasattr(s.optimizer, "consolidate_state_dict"):  # zero1: every process hands its share to 0
                 s.optimizer.consolidate_state_dict(to=0)
-            s.last_ckpt = save_checkpoint(s)
+            s.last_ckpt = ckpt.save_session(s)
         if rt.ddp:
             dist.barrier()
         if stopping:
