@@ -4,4 +4,5 @@ the promotion gate, and why."""
 
 from flows.stages import stage_flow
 
-register = stage_flow("register")
+register = stage_flow("register")  # every model of registry.names, or the one of registry.only
+register_report = stage_flow("register_report")  # the report over the per-model outcomes

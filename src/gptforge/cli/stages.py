@@ -1,5 +1,5 @@
 """The stage commands (`prepare ...`, `synthesize`, `pretrain`, `finetune ...`, `benchmark`,
-`evaluate`, `register`) and `gptforge pipeline`.
+`evaluate`, `evaluate-report`, `register`, `register-report`) and `gptforge pipeline`.
 
 A stage command runs its recipe at once and journals its records (the Prefect flow run with a
 task run per step, the MLflow run), which the folder's recorder delivers
@@ -113,15 +113,31 @@ def add_commands(sub) -> None:
     config_args(p)
     p.set_defaults(func=cmd_stage, stage="benchmark")
 
-    stage = STAGES["evaluate"]
-    p = sub.add_parser("evaluate", help=stage.summary, description=f"DVC stage evaluate: {stage.summary}.")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="evaluate")
-
-    stage = STAGES["register"]
-    p = sub.add_parser("register", help=stage.summary, description=f"DVC stage register: {stage.summary}.")
-    config_args(p)
-    p.set_defaults(func=cmd_stage, stage="register")
+    for command, name, dvc_name, more in (
+        (
+            "evaluate",
+            "evaluate",
+            "evaluate@NAME",
+            "-S evaluate.only=NAME picks one entry of evaluate.models (default: all).",
+        ),
+        ("evaluate-report", "evaluate_report", "evaluate_report", "Reads what evaluate@NAME wrote; evaluates nothing."),
+        (
+            "register",
+            "register",
+            "register@MODEL",
+            "-S registry.only=MODEL picks one entry of registry.names (default: all).",
+        ),
+        (
+            "register-report",
+            "register_report",
+            "register_report",
+            "Reads what register@MODEL wrote; registers nothing.",
+        ),
+    ):
+        stage = STAGES[name]
+        p = sub.add_parser(command, help=stage.summary, description=f"DVC stage {dvc_name}: {stage.summary}. {more}")
+        config_args(p)
+        p.set_defaults(func=cmd_stage, stage=name)
 
     p = sub.add_parser(
         "pipeline",

@@ -224,6 +224,9 @@ class EvaluateConfig(Section):
         "preference": "checkpoints/preference/final",
         "rl": "checkpoints/rl/final",
     }
+    # set by dvc.yaml's evaluate@NAME (-S evaluate.only=NAME): that entry alone, its results in
+    # metrics/evaluate/NAME.json and reports/evaluate/NAME/ (stage evaluate_report gathers them)
+    only: Optional[str] = None
     hellaswag: EvalSource = EvalSource()
     mmlu: EvalSource = EvalSource()
 
@@ -430,6 +433,9 @@ class RegistryConfig(Section):
     # preference, rl) in this quantization, logged with its version (`gptforge models gguf`
     # pulls it); None: no copy. f16 keeps the weights, q8_0 is about half of f16's bytes.
     gguf: Optional[str] = None
+    # set by dvc.yaml's register@MODEL (-S registry.only=MODEL): that model alone, its outcome in
+    # metrics/register/MODEL.json and reports/register/MODEL.json (stage register_report gathers them)
+    only: Optional[str] = None
 
     @field_validator("gguf")
     @classmethod

@@ -13,15 +13,21 @@ only when the stage runs, so importing the package stays cheap.
 The parts: `lm` (`GptforgeLM`: our GPT behind lm-eval's LM interface, and why it is not the
 `hf` model; `measured`: HFLM's throughput figures), `task_data` (which tasks, local HellaSwag
 and MMLU checked and written as task configs), `report` (results flattened and saved, the
-markdown report).
+markdown report), `collect` (one model's results on disk, `evaluate.only`, and stage
+`evaluate_report`, which writes the report from them).
+
+`evaluate.only=NAME` (dvc.yaml's evaluate@NAME, one stage per model) evaluates that entry alone
+and writes its results only (`metrics/evaluate/NAME.json`, `reports/evaluate/NAME/`); stage
+`evaluate_report` then writes the two files below over every model. Without it the stage does both.
 
 Outputs (`<model>` is the key in `evaluate.models`, `<task>` an lm-eval task or group name):
 - `metrics/evaluate.json`: `<model>.<task>.<metric>` (acc, acc_norm, ...), `..._stderr`,
   `<model>.<task>.n` (examples scored), `<model>.examples_per_sec` and `<model>.seconds` (the
   whole lm-eval call: data, prompts, scoring, metrics), `<model>.model_seconds` (inside the model's
   scoring and generation: `GptforgeLM.seconds`, or HFLM's as `lm.measured` times them);
-- `reports/evaluate/<model>/results.json` (lm-eval's results, samples removed) and
-  `samples_<task>.jsonl` (every request and response, lm-eval's `log_samples`);
+- `reports/evaluate/<model>/results.json` (lm-eval's results, samples removed),
+  `samples_<task>.jsonl` (every request and response, lm-eval's `log_samples`) and `summary.json`
+  (what the report reads of the run); `metrics/evaluate/<model>.json`, the model's rows unprefixed;
 - one MLflow run per model (`evaluate:<model>`, nested under the stage's run when there is
   one) with the `<task>.<metric>` metrics and those files; the stage's run gets the whole file;
 - `reports/evaluate.md`: every model x task x metric with ± stderr and n, the GPT-2 124M
@@ -42,8 +48,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from gptforge.errors import BadInput
-from gptforge.evaluate.report import flatten_results, save_results, write_report
+from gptforge.evaluate.collect import model_metrics_path, selected_models, write_aggregate, write_model_results
+from gptforge.evaluate.report import flatten_results, save_results
 from gptforge.evaluate.task_data import TaskPlan, load_task_objects, plan_tasks
+from gptforge.io import read_json
 from gptforge.runtime import mlflow_values, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
@@ -181,13 +189,14 @@ def evaluate(
     report_path="reports/evaluate.md",
     results_dir="reports/evaluate",
 ) -> dict:
-    """Stage `evaluate`: see the module docstring. Returns the flat metrics it wrote."""
+    """Stage `evaluate`: see the module docstring. Returns the flat metrics it wrote: with
+    `evaluate.only` (dvc.yaml's evaluate@NAME) that model's alone, unprefixed."""
     from gptforge.modeling.tokenizer import load_tokenizer
 
-    models = existing_models(cfg.evaluate.models)
+    only = cfg.evaluate.only
+    models = existing_models(selected_models(cfg.evaluate))
     device = resolve_device(cfg.evaluate.device)
     results_dir = Path(results_dir)
-    metrics: dict[str, float] = {}
     per_model: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="gptforge-lm-eval-") as tmp:
         plan = steps(plan_tasks, cfg, Path(tmp))
@@ -218,10 +227,12 @@ def evaluate(
                 }
                 model_run.log_metrics(mine)
                 model_run.log_artifact(results_dir / name, "lm_eval")
+            write_model_results(name, folder, info, mine, plan, results_dir, metrics_path)
             per_model[name] = info
-            metrics.update({f"{name}.{k}": v for k, v in mine.items()})
-        write_report(report_path, per_model, cfg, plan)
-    tracking.publish_metrics(run, metrics, metrics_path)
-    run.log_artifact(report_path)
-    run.log_artifact(results_dir)
-    return metrics
+        if only is None:  # the whole stage: the report over every model, as evaluate_report writes it
+            return write_aggregate(per_model, plan, cfg, run, metrics_path, report_path, results_dir)
+    mine = read_json(model_metrics_path(metrics_path, only), missing=" not written")
+    run.log_metrics(mine)
+    run.log_artifact(model_metrics_path(metrics_path, only))
+    run.log_artifact(results_dir / only)
+    return mine

@@ -100,15 +100,23 @@ def _fmt(v: float | None, digits: int = 4) -> str:
 
 
 def write_report(
-    path: str | Path, per_model: dict[str, dict], cfg, plan: TaskPlan, other_metrics: Mapping[str, str] = OTHER_METRICS
+    path: str | Path,
+    per_model: dict[str, dict],
+    cfg,
+    plan: TaskPlan,
+    other_metrics: Mapping[str, str] = OTHER_METRICS,
+    version: str | None = None,
 ) -> str:
-    import lm_eval
+    """reports/evaluate.md; `version`: lm-eval's, as the runs recorded it (None: the installed one)."""
+    if version is None:
+        import lm_eval
 
+        version = getattr(lm_eval, "__version__", "?")
     ev = cfg.evaluate
     lines = [
         "# Evaluation",
         "",
-        f"lm-evaluation-harness {getattr(lm_eval, '__version__', '?')} through gptforge's `LM` "
+        f"lm-evaluation-harness {version} through gptforge's `LM` "
         f"(`gptforge.evaluate`); num_fewshot: {'task default' if ev.num_fewshot is None else ev.num_fewshot}, "
         f"limit: {ev.limit if ev.limit is not None else 'none'} (per task; per subject for MMLU).",
         "",

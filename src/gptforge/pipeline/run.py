@@ -476,7 +476,8 @@ def _add_metrics_and_runs(
             for path in stage_metrics_files(known.get(s.name) or {}, root):
                 with contextlib.suppress(Exception):  # a stage may not have written it (yet)
                     values.update({k: v for k, v in read_json(path).items() if isinstance(v, (int, float))})
-            wanted = STAGES[s.name].headline if s.name in STAGES else ()
+            group = s.name.partition("@")[0]  # evaluate@NAME: the evaluate stage's
+            wanted = STAGES[group].headline if group in STAGES else ()
             picked = [k for k in wanted if k in values] or list(values)[:3]
             s.metrics = {k: values[k] for k in picked}
         if s.name in children:

@@ -159,16 +159,34 @@ STAGES: dict[str, Stage] = {
             "evaluate",
             "gptforge.evaluate:evaluate",
             ("tokenizer", "evaluate"),
-            "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md)",
+            "MMLU and HellaSwag (lm-eval) on every model the pipeline made (reports/evaluate.md; "
+            "evaluate.only: one of them, metrics/evaluate/NAME.json)",
+        ),
+        Stage(
+            "evaluate_report",
+            "gptforge.evaluate.collect:evaluate_report",
+            ("evaluate",),
+            "the evaluation report over every model's results (evaluate@NAME): reports/evaluate.md, "
+            "metrics/evaluate.json",
         ),
         Stage(
             "register",
             "gptforge.register:register",
             ("tokenizer", "registry"),
-            "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate",
-            headline=("classify.version", "classify.champion", "instruct.version"),
+            "version every model the pipeline made in the MLflow Model Registry, with lineage and a promotion gate "
+            "(registry.only: one of them)",
+            headline=("classify.version", "classify.champion", "instruct.version", "version", "champion"),
             report="reports/register.md",
             mlflow_in_process=True,
+        ),
+        Stage(
+            "register_report",
+            "gptforge.register.collect:register_report",
+            ("registry",),
+            "the registry report over every model's outcome (register@MODEL): reports/register.md, "
+            "metrics/register.json",
+            headline=("classify.version", "classify.champion", "instruct.version"),
+            report="reports/register.md",
         ),
         Stage(
             "benchmark",
@@ -309,6 +327,14 @@ def check_inputs(name: str, cfg: Config) -> None:
         source = cfg.flat()[param]
         if "://" not in source and not Path(source).exists():
             raise BadInput(f"{param}: local source not found: {source}")
+    if name == "evaluate":
+        from gptforge.evaluate.collect import selected_models
+
+        selected_models(cfg.evaluate)
+    if name == "register":
+        from gptforge.register.collect import selected_models
+
+        selected_models(cfg.registry)
     if name in ("index", "evaluate_qa"):
         from gptforge.synthesize.stage import selected_documents
 

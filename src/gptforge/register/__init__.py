@@ -21,10 +21,16 @@ Writes `metrics/register.json` (`<model>.version`, `<model>.new`, `<model>.champ
 language model whose tokenizer transformers cannot hold (a `.tiktoken` rank file: the tests'
 small tokenizers) is left out with a warning and a row in the report.
 `gptforge models list|promote` (models.py) reads and moves the aliases afterwards.
+
+`registry.only=MODEL` (dvc.yaml's register@MODEL, one stage per model) registers that model alone
+and writes its outcome only (`metrics/register/MODEL.json`, `reports/register/MODEL.json`:
+`collect.py`); stage `register_report` then writes the two files above over every model. Without
+it the stage does both.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from dataclasses import dataclass, field
@@ -69,12 +75,17 @@ class Registered:
 
 
 def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
-    """The metrics a version carries as tags: its stage's file whole, and its rows of
-    metrics/evaluate.json (`<model>.<task>.<metric>`), keyed `<file>.<key>` as DVC names them."""
-    import json
-
+    """The metrics a version carries as tags: its stage's file whole, and its evaluation
+    (metrics/evaluate/<model>.json, which evaluate@<model> writes; else its rows of
+    metrics/evaluate.json), keyed `<file>.<key>` as the gate names them
+    (`evaluate.<model>.<task>.<metric>`)."""
     found: dict[str, float] = {}
-    for file, prefix in ((MODELS[model][2], ""), ("evaluate", f"{model}.")):
+    own = metrics_dir / "evaluate" / f"{model}.json"
+    sources = [(MODELS[model][2], "", MODELS[model][2])]
+    sources.append(
+        (f"evaluate/{model}", "", f"evaluate.{model}") if own.is_file() else ("evaluate", f"{model}.", "evaluate")
+    )
+    for file, prefix, named in sources:
         path = metrics_dir / f"{file}.json"
         try:
             values = json.loads(path.read_text(encoding="utf-8"))
@@ -82,7 +93,7 @@ def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
             continue
         found.update(
             {
-                f"{file}.{k}": float(v)
+                f"{named}.{k}": float(v)
                 for k, v in values.items()
                 if k.startswith(prefix) and isinstance(v, (int, float)) and not isinstance(v, bool)
             }
@@ -201,8 +212,12 @@ def register(
     metrics_path="metrics/register.json",
     report_path="reports/register.md",
     metrics_dir="metrics",
+    records_dir="reports/register",
 ) -> dict:
-    """Stage `register`: see the module docstring. Returns the flat metrics it wrote."""
+    """Stage `register`: see the module docstring. Returns the flat metrics it wrote: with
+    `registry.only` (dvc.yaml's register@MODEL) that model's alone, unprefixed."""
+    from gptforge.register.collect import ABSENT, NOT_REGISTERED, OFF, REGISTERED, selected_models, write_model_outcome
+
     unknown = sorted(set(cfg.registry.names) - set(MODELS))
     if unknown:
         raise BadInput(f"registry.names.{unknown[0]}: unknown model; the pipeline makes {', '.join(MODELS)}")
@@ -214,25 +229,38 @@ def register(
     for model, conditions in cfg.registry.promote.items():  # malformed conditions fail before any work
         for key, text in conditions.items():
             gate.parse_condition(text, param=f"registry.promote.{model}.{key}")
+    names = selected_models(cfg.registry)
+    outcome = {"metrics_path": metrics_path, "records_dir": records_dir}
     results: list[Registered] = []
     skipped: dict[str, str] = {}  # model -> why it could not be registered
     if not isinstance(run, tracking.MlflowRun):
         log.warning(
             "register: tracking is disabled (tracking.enabled: false): the registry is MLflow's, nothing registered"
         )
+        for model in names:
+            write_model_outcome(model, OFF, **outcome)
     else:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient()
-        for model, name in cfg.registry.names.items():
+        for model, name in names.items():
             if not Path(MODELS[model][1]).is_dir():
                 log.info("register: skipping %s: %s not found", model, MODELS[model][1])
+                write_model_outcome(model, ABSENT, **outcome)
                 continue
             try:
                 results.append(steps(register_model, model, name, cfg, run, client, Path(metrics_dir)))
+                write_model_outcome(model, REGISTERED, results[-1], **outcome)
             except NotRegistrable as e:
                 log.warning("register: %s not registered: %s", model, e)
                 skipped[model] = str(e)
+                write_model_outcome(model, NOT_REGISTERED, why=str(e), **outcome)
+    if cfg.registry.only is not None:
+        path = Path(metrics_path).with_suffix("") / f"{cfg.registry.only}.json"
+        mine = json.loads(path.read_text(encoding="utf-8"))
+        run.log_metrics(mine)
+        run.log_artifact(path)
+        return mine
     metrics: dict[str, float] = {}
     for r in results:
         metrics.update(

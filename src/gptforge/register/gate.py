@@ -1,8 +1,11 @@
 """The promotion gate: a registered model version is promoted only when its metrics meet the
 conditions of `registry.promote.<model>`, e.g. `{classify.test_accuracy: ">= 0.95"}`. A metric is
 named as DVC names it, `<metrics file>.<key in it>`: the file is the longest dotted prefix `A`
-for which `<metrics_dir>/A.json` exists, the rest is a key of that (flat) JSON object, so
-`evaluate.instruct.hellaswag.acc_norm` is `metrics/evaluate.json["instruct.hellaswag.acc_norm"]`.
+for which `<metrics_dir>/A.json` exists (or `A` with its dots as folders: `evaluate.instruct` is
+also `metrics/evaluate/instruct.json`, which evaluate@instruct writes), the rest is a key of that
+(flat) JSON object, so `evaluate.instruct.hellaswag.acc_norm` is
+`metrics/evaluate/instruct.json["hellaswag.acc_norm"]`, or `metrics/evaluate.json["instruct.hellaswag.acc_norm"]`
+where there is no such file.
 A malformed condition is the user's error (BadInput); a missing file or key fails the gate with
 a reason, as an unmet condition does.
 """
@@ -52,7 +55,8 @@ def read_metric(key: str, metrics_dir: str | os.PathLike = "metrics") -> float:
     when no file, no such key, or not a finite number."""
     parts = key.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        path = Path(metrics_dir) / (".".join(parts[:cut]) + ".json")
+        candidates = [Path(metrics_dir) / (sep.join(parts[:cut]) + ".json") for sep in (".", "/")]
+        path = next((p for p in candidates if p.is_file()), candidates[0])
         if path.is_file():
             break
     else:

@@ -1,0 +1,88 @@
+"""One model's registration outcome on disk, and stage `register_report`, which gathers them.
+
+dvc.yaml runs one stage per model (`register@MODEL`: `gptforge register -S registry.only=MODEL`),
+so a target that wants one model registers it after that model's chain alone. Each writes
+`metrics/register/MODEL.json` (`version`, `new`, `champion`; empty when nothing was registered)
+and `reports/register/MODEL.json` (what happened: its row of the report). `register_report`
+(`gptforge register-report`) writes from them what one whole `gptforge register` writes:
+`metrics/register.json` (`<model>.version`, ...) and `reports/register.md`, in the order of
+`registry.names`. May import gptforge's shared modules; no MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from gptforge.errors import BadInput
+from gptforge.io import atomic_file, read_json
+from gptforge.runtime import tracking
+from gptforge.runtime.steps import DIRECT, Steps
+from gptforge.runtime.tracking import NullRun
+
+log = logging.getLogger("gptforge")
+
+REGISTERED, NOT_REGISTERED, ABSENT, OFF = "registered", "not registered", "no model folder", "tracking disabled"
+
+
+def selected_models(registry) -> dict[str, str]:
+    """The entries of `registry.names` this run registers (`registry.only`, else all); BadInput
+    when `only` names no entry."""
+    if registry.only is not None and registry.only not in registry.names:
+        raise BadInput(
+            f"registry.names has no entry {registry.only!r} (entries: {', '.join(registry.names) or 'none'})"
+        )
+    return {registry.only: registry.names[registry.only]} if registry.only is not None else dict(registry.names)
+
+
+def model_metrics(result) -> dict[str, int]:
+    """A Registered's figures, unprefixed (metrics/register/MODEL.json)."""
+    return {"version": int(result.version), "new": int(result.new), "champion": int(result.passed)}
+
+
+def write_model_outcome(model: str, status: str, result=None, why: str = "", *, metrics_path, records_dir) -> dict:
+    """metrics/register/MODEL.json and reports/register/MODEL.json; returns the figures."""
+    figures = model_metrics(result) if result is not None else {}
+    record = {"model": model, "status": status, "why": why, **({"result": asdict(result)} if result else {})}
+    for path, body in (
+        (Path(metrics_path).with_suffix("") / f"{model}.json", figures),
+        (Path(records_dir) / f"{model}.json", record),
+    ):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(body, indent=2) + "\n")
+    return figures
+
+
+def register_report(
+    cfg,
+    *,
+    steps: Steps = DIRECT,
+    run: NullRun = NullRun(),
+    metrics_path="metrics/register.json",
+    report_path="reports/register.md",
+    records_dir="reports/register",
+) -> dict:
+    """Stage `register_report`: see the module docstring. Returns the flat metrics it wrote."""
+    from gptforge.register import Registered, write_report
+
+    results, skipped = [], {}
+    for model in cfg.registry.names:
+        path = Path(records_dir) / f"{model}.json"
+        if not path.is_file():
+            log.info("register_report: no outcome of %s (%s): left out", model, path)
+            continue
+        record = read_json(path, missing=" not found")
+        if record.get("status") == REGISTERED:
+            results.append(Registered(**record["result"]))
+        elif record.get("status") == NOT_REGISTERED:
+            skipped[model] = record.get("why", "")
+    metrics: dict[str, float] = {}
+    for r in results:
+        metrics.update({f"{r.model}.{k}": v for k, v in model_metrics(r).items()})
+    write_report(report_path, results, skipped)
+    tracking.publish_metrics(run, metrics, metrics_path)
+    run.log_artifact(report_path)
+    return metrics
