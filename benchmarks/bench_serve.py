@@ -133,7 +133,7 @@ from serve_models import (  # noqa: E402
     tiny_model,
 )
 from serve_report import markdown, plot  # noqa: E402
-from serve_targets import issue30_targets, legacy_targets  # noqa: E402
+from serve_targets import figure_targets, headline_targets  # noqa: E402
 from servers import MODEL_NAME, note, run_session, serving  # noqa: E402
 
 from gptforge.config.load import load_config  # noqa: E402
@@ -403,7 +403,7 @@ def main() -> int:
     )
     if "levels" in measures and "error" in lv:
         result["levels_error"] = lv["error"]
-    result["targets"] = legacy_targets(summaries, direct)
+    result["targets"] = headline_targets(summaries, direct)
     result["same_text_as_generate"] = all(s["same_text_as_generate"] for s in summaries) if summaries else None
     if "user" in measures:
         result["user"] = out.get("user") or {"error": "not run"}
@@ -474,11 +474,9 @@ def main() -> int:
             "prefill_chunk": args.prefill_chunk,
             "models": {names[m]: out.get(f"long_{m}") or {"error": "not run"} for m in context_models},
         }
-    result["issue30_targets"] = issue30_targets(result)
-    judged = [t["met"] for t in result["issue30_targets"] if t["met"] is not None]
-    result["targets"]["issue30_all_met"] = (
-        bool(judged) and all(judged) and len(judged) == len(result["issue30_targets"])
-    )
+    result["figure_targets"] = figure_targets(result)
+    judged = [t["met"] for t in result["figure_targets"] if t["met"] is not None]
+    result["targets"]["all_figures_met"] = bool(judged) and all(judged) and len(judged) == len(result["figure_targets"])
     result.update(
         {
             "wall_s": round(time.perf_counter() - t_start, 1),

@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_serve_model import _guard, level_rows  # noqa: E402
+from bench_serve_model import level_rows  # noqa: E402
 from machine import describe  # noqa: E402
-from servers import note, serving  # noqa: E402
+from servers import note, recorded_failure, serving  # noqa: E402
 
 SIDES = (  # label, server kind, what it serves, gptforge serve flags
     ("gptforge bf16", "gptforge", "folder", ("--dtype", "bfloat16")),
@@ -95,7 +95,7 @@ def main() -> None:
             if label not in wanted:
                 continue
             path = folder if what == "folder" else files[what]
-            with _guard(result["sides"], label):
+            with recorded_failure(result["sides"], label):
                 with serving(kind, path, args, tmp, label.replace(" ", "-"), name="smollm2", extra=flags) as s:
                     if kind == "llama_cpp":
                         s.body_extra = {"repeat_penalty": 1.0}

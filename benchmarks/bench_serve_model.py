@@ -27,7 +27,6 @@ prompt through gptforge serve (its tokens over send-to-end-of-stream), `--rounds
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -44,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from machine import describe  # noqa: E402
 from serve_loads import completion_body, parse, parse_plain  # noqa: E402
 from serve_measures import run_generate_cli, timed_level, warm_up  # noqa: E402
-from servers import ServerFailed, note, serving  # noqa: E402
+from servers import note, recorded_failure, serving  # noqa: E402
 
 # A text prompt whose continuation by SmolLM2 runs past 64 tokens without an end of text, greedy
 # and sampled (checked by the `tokens per request` of the result: every answer at max_tokens).
@@ -189,7 +188,7 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             res = result["dtypes"][dtype] = {}
             flags = ("--dtype", dtype)
-            with _guard(res, "gptforge"):
+            with recorded_failure(res, "gptforge"):
                 with serving("gptforge", folder, args, tmp, f"gptforge-{dtype}", name="smollm2", extra=flags) as s:
                     res["gptforge"] = {
                         "startup_s": s.startup_s,
@@ -199,7 +198,7 @@ def main() -> None:
                     }
             res["transformers"] = {}
             for mode, path in (("greedy", folder), ("sampled", sampled_folder)):
-                with _guard(res["transformers"], mode):
+                with recorded_failure(res["transformers"], mode):
                     with serving("transformers", path, args, tmp, f"transformers-{dtype}-{mode}", extra=flags) as s:
                         res["transformers"][mode] = level_rows(s, args, mode, levels)
             res["ratios"] = ratios(res, levels)
@@ -208,16 +207,6 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-
-@contextlib.contextmanager
-def _guard(out: dict, key: str):
-    """A failed server or measure is recorded under `key`, and the others go on."""
-    try:
-        yield
-    except (Exception, ServerFailed) as e:  # noqa: BLE001
-        out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
-        note(f"{key} failed: {out[key]['error'][:300]}")
 
 
 def ratios(res: dict, levels: list[int]) -> dict:

@@ -291,7 +291,7 @@ def levels_markdown(result: dict) -> list[str]:
         f"The server's model step alone (its backend's decode + argmax in this process, no HTTP; median ms): "
         f"{_alone_row(result.get('server_step_alone_ms') or {'error': 'ceiling not run'})}.",
         "",
-        f"Targets (issue 18): aggregate at {t['top_clients']} clients / 1 client = {t['scaling']:.2f} (>= 6: "
+        f"Headline targets: aggregate at {t['top_clients']} clients / 1 client = {t['scaling']:.2f} (>= 6: "
         f"{_met(t['scaling_met'])}); {single}; worst p95 TTFT {t['worst_p95_ttft_ms']:.0f} ms (< 1000: "
         f"{_met(t['ttft_met'])}); errors {t['errors']} ({_met(t['errors_met'])}). Greedy text through the server "
         f"equals direct `generate`'s: {result['same_text_as_generate']}.",
@@ -463,12 +463,12 @@ def markdown(result: dict) -> str:
         f"{m['block_size']}, random weights, seed {s['seed']}, {m['params'] / 1e6:.1f}M parameters), GPT-2 tokenizer; "
         f"`tiny-2048`: the same with block 2048",
         "",
-        "## Targets (issue 30)",
+        "## Targets, one per figure",
         "",
         "| measure | figure | value | target | |",
         "|---|---|---:|---:|---|",
     ]
-    for t in result["issue30_targets"]:
+    for t in result["figure_targets"]:
         note_ = f" ({t['error'][:120]})" if t.get("error") and t["met"] is None else ""
         lines.append(
             f"| {t['measure']} | {t['what']} | {_f(t['value'], '.3f')} | {t['target']} | {_met(t['met'])}{note_} |"

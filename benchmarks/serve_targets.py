@@ -1,12 +1,12 @@
-"""The targets benchmarks/bench_serve.py judges its figures by: those of the levels (16 clients
-against 1, 1 client against direct `generate`, TTFT, errors: `legacy_targets`, from issue 18) and
-one row per figure of every measure (levels and ceiling, user, hf, prefix, long: `issue30_targets`,
-from issue 30), each with its value, its target and whether it holds."""
+"""The targets benchmarks/bench_serve.py judges its figures by: the headline ones of the levels
+(16 clients against 1, 1 client against direct `generate`, TTFT, errors: `headline_targets`) and
+one row per figure of every measure (levels and ceiling, user, hf, prefix, long:
+`figure_targets`), each with its value, its target and whether it holds."""
 
 from __future__ import annotations
 
 
-def legacy_targets(levels: list[dict], direct: dict) -> dict:
+def headline_targets(levels: list[dict], direct: dict) -> dict:
     """Issue 18's targets on the levels."""
     if not levels:
         return {}
@@ -31,7 +31,7 @@ def legacy_targets(levels: list[dict], direct: dict) -> dict:
     return t
 
 
-def issue30_targets(result: dict) -> list[dict]:
+def figure_targets(result: dict) -> list[dict]:
     """Issue 30's targets: one row per figure (value None where the measure did not run or failed)."""
     rows: list[dict] = []
 

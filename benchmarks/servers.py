@@ -77,6 +77,16 @@ class ServerFailed(SystemExit):
     wait_healthy; the measures here catch it, report it and go on)."""
 
 
+@contextlib.contextmanager
+def recorded_failure(out: dict, key: str):
+    """A failed server or measure is recorded under `key`, and the others go on."""
+    try:
+        yield
+    except (Exception, ServerFailed) as e:  # noqa: BLE001
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        note(f"{key} failed: {out[key]['error'][:300]}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
