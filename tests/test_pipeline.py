@@ -74,6 +74,10 @@ def test_markdown_names_failed_stage_and_links():
 def test_unknown_stage_is_named_with_a_suggestion():
     with pytest.raises(BadInput, match=r"unknown stage 'pretrian' \(did you mean 'pretrain'\?\); stages in dvc.yaml"):
         check_stage_names(["pretrian"], ["prepare_pretrain", "pretrain"])
+    # a foreach group's entry (evaluate@instruct) is DVC's to check; a plain stage has none
+    check_stage_names(["evaluate@instruct"], {"evaluate": {"foreach": "${evaluate.models}"}})
+    with pytest.raises(BadInput, match="unknown stage 'pretrain@x'"):
+        check_stage_names(["pretrain@x"], {"pretrain": {"cmd": "gptforge pretrain"}})
 
 
 def test_cli_unknown_stage_fails_before_any_work(repo_copy):
@@ -85,8 +89,8 @@ def test_cli_unknown_stage_fails_before_any_work(repo_copy):
         "prepare_base, synthesize, index, evaluate_qa, prepare_pretrain, prepare_classify, "
         "prepare_instruct, prepare_preference, pretrain, finetune_classify, "
         "finetune_instruct, finetune_instruct_variant, finetune_preference, train_reward, "
-        "finetune_rl, evaluate, "
-        "register, benchmark"
+        "finetune_rl, evaluate, evaluate_report, "
+        "register, register_report, benchmark"
     ]
     assert "Traceback" not in out.stderr and snapshot(repo_copy) == before
 

@@ -287,6 +287,9 @@ STAGES = [
 # repo: a synthesized document set and its index). Listed, not silent: the gap is in the note
 # of issue 32.
 NOT_YET_STOP_TESTED = {"index", "evaluate_qa"}
+# The reports over the per-model stages' files (evaluate@NAME, register@MODEL): they read JSON
+# and write markdown in well under a second, no work a stop could interrupt.
+NOTHING_TO_STOP = {"evaluate_report", "register_report"}
 
 
 def test_every_stage_is_in_the_table():
@@ -294,8 +297,8 @@ def test_every_stage_is_in_the_table():
     or named in NOT_YET_STOP_TESTED."""
     from gptforge.pipeline.stages import STAGES as TABLE
 
-    assert sorted(STAGES) == sorted(set(TABLE) - NOT_YET_STOP_TESTED)
-    assert NOT_YET_STOP_TESTED <= set(TABLE)
+    assert sorted(STAGES) == sorted(set(TABLE) - NOT_YET_STOP_TESTED - NOTHING_TO_STOP)
+    assert NOT_YET_STOP_TESTED | NOTHING_TO_STOP <= set(TABLE)
 
 
 def _stop_turned_into(error_type: type[Exception]) -> Exception:

@@ -48,10 +48,15 @@ def dvc_stages(root: Path = Path(".")) -> dict[str, dict]:
     return dict(stages)
 
 
-def check_stage_names(names: Sequence[str], known: Sequence[str]) -> None:
+def check_stage_names(names: Sequence[str], known: Sequence[str] | Mapping[str, Any]) -> None:
+    """Each name a stage of dvc.yaml, or GROUP@KEY of a foreach stage (evaluate@instruct: DVC
+    itself says whether the params give GROUP that KEY)."""
     import difflib
 
     for name in names:
+        group, at, _ = name.partition("@")
+        if at and isinstance(known, Mapping) and "foreach" in (known.get(group) or {}):
+            continue
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""

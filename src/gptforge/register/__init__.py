@@ -33,11 +33,21 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptforge.errors import BadInput, StageFailed
-from gptforge.io import atomic_file
+from gptforge.register.collect import (
+    ABSENT,
+    CHALLENGER,
+    CHAMPION,
+    NOT_REGISTERED,
+    OFF,
+    REGISTERED,
+    Registered,
+    selected_models,
+    write_model_outcome,
+    write_report,
+)
 from gptforge.runtime import run_context, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
@@ -53,25 +63,11 @@ MODELS = {
     "reward": ("train_reward", "checkpoints/reward/final", "reward"),
     "rl": ("finetune_rl", "checkpoints/rl/final", "rl"),
 }
-CHAMPION, CHALLENGER = "champion", "challenger"
 PROMPT_EXAMPLE = "Once upon a time"
 
 
 class NotRegistrable(Exception):
     """A model the registry cannot hold as an MLflow model (the stage warns and goes on)."""
-
-
-@dataclass
-class Registered:
-    """What happened to one model."""
-
-    model: str
-    name: str
-    version: str
-    new: bool
-    passed: bool
-    reasons: list[str] = field(default_factory=list)
-    gguf: str = ""  # the version's GGUF files (an artifact URI), or why there are none; "" when off
 
 
 def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
@@ -184,26 +180,6 @@ def _versions(client, name: str) -> list:
     return sorted(versions, key=lambda v: int(v.version), reverse=True)
 
 
-def write_report(path: str | Path, results: list[Registered], skipped: dict[str, str]) -> None:
-    lines = [
-        "# Registered models",
-        "",
-        "| model | registered name | version | new | alias | gate | GGUF |",
-        "| --- | --- | ---: | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
-            f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} | {r.gguf} |"
-        )
-    for model, why in skipped.items():
-        lines.append(f"| {model} | | | not registered | | {why} | |")
-    if not results and not skipped:
-        lines.append("| (none: no model folder found, or tracking disabled) | | | | | | |")
-    with atomic_file(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def register(
     cfg,
     *,
@@ -216,8 +192,6 @@ def register(
 ) -> dict:
     """Stage `register`: see the module docstring. Returns the flat metrics it wrote: with
     `registry.only` (dvc.yaml's register@MODEL) that model's alone, unprefixed."""
-    from gptforge.register.collect import ABSENT, NOT_REGISTERED, OFF, REGISTERED, selected_models, write_model_outcome
-
     unknown = sorted(set(cfg.registry.names) - set(MODELS))
     if unknown:
         raise BadInput(f"registry.names.{unknown[0]}: unknown model; the pipeline makes {', '.join(MODELS)}")

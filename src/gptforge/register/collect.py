@@ -4,7 +4,8 @@ dvc.yaml runs one stage per model (`register@MODEL`: `gptforge register -S regis
 so a target that wants one model registers it after that model's chain alone. Each writes
 `metrics/register/MODEL.json` (`version`, `new`, `champion`; empty when nothing was registered)
 and `reports/register/MODEL.json` (what happened: its row of the report). `register_report`
-(`gptforge register-report`) writes from them what one whole `gptforge register` writes:
+(`gptforge register-report`) writes from them what one whole `gptforge register` writes
+(`Registered` and `write_report` live here for both):
 `metrics/register.json` (`<model>.version`, ...) and `reports/register.md`, in the order of
 `registry.names`. May import gptforge's shared modules; no MLflow.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gptforge.errors import BadInput
@@ -25,6 +26,40 @@ from gptforge.runtime.tracking import NullRun
 log = logging.getLogger("gptforge")
 
 REGISTERED, NOT_REGISTERED, ABSENT, OFF = "registered", "not registered", "no model folder", "tracking disabled"
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+@dataclass
+class Registered:
+    """What happened to one model."""
+
+    model: str
+    name: str
+    version: str
+    new: bool
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    gguf: str = ""  # the version's GGUF files (an artifact URI), or why there are none; "" when off
+
+
+def write_report(path: str | Path, results: list[Registered], skipped: dict[str, str]) -> None:
+    lines = [
+        "# Registered models",
+        "",
+        "| model | registered name | version | new | alias | gate | GGUF |",
+        "| --- | --- | ---: | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.model} | `{r.name}` | {r.version} | {'yes' if r.new else 'no (same weights)'} | "
+            f"{CHAMPION if r.passed else CHALLENGER} | {'; '.join(r.reasons)} | {r.gguf} |"
+        )
+    for model, why in skipped.items():
+        lines.append(f"| {model} | | | not registered | | {why} | |")
+    if not results and not skipped:
+        lines.append("| (none: no model folder found, or tracking disabled) | | | | | | |")
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def selected_models(registry) -> dict[str, str]:
@@ -66,8 +101,6 @@ def register_report(
     records_dir="reports/register",
 ) -> dict:
     """Stage `register_report`: see the module docstring. Returns the flat metrics it wrote."""
-    from gptforge.register import Registered, write_report
-
     results, skipped = [], {}
     for model in cfg.registry.names:
         path = Path(records_dir) / f"{model}.json"
