@@ -49,11 +49,25 @@ STAGES = [
     "train_reward",
     "finetune_rl",
     "evaluate",
+    "evaluate_report",
     "register",
+    "register_report",
     "benchmark",
 ]
-# As dvc.yaml names them: the instruct variant of stage_params (tests/cli_support.py) is a foreach entry.
-DVC_STAGES = [s if s != "finetune_instruct_variant" else "finetune_instruct_variant@tiny" for s in STAGES]
+# The per-model stages of the quickstart's models (evaluate.models) and of the registry's.
+EVALUATED = ("pretrain", "instruct")
+REGISTERED = ("pretrain", "classify", "instruct", "preference", "reward", "rl")
+# As dvc.yaml names them: the instruct variant of stage_params (tests/cli_support.py), evaluate and
+# register are foreach groups, one stage per entry.
+ENTRIES = {
+    "finetune_instruct_variant": ["tiny"],
+    "evaluate": list(EVALUATED),
+    "register": list(REGISTERED),
+}
+DVC_STAGES = [f"{s}@{key}" if s in ENTRIES else s for s in STAGES for key in ENTRIES.get(s, [None])]
+# One stage flow run (and MLflow run, by its gptforge.stage tag) per DVC stage: a flow's name
+# once per entry of its group.
+STAGE_RUNS = [s.partition("@")[0] for s in DVC_STAGES]
 EXPERIMENT = "deploy-test"
 ARTIFACTS = Path(os.environ.get("GPTFORGE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 
@@ -158,7 +172,7 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
             "/flow_runs/filter", json={"flow_runs": {"parent_task_run_id": {"any_": [t["id"] for t in trackers]}}}
         ).json()
         flows = {f["id"]: f["name"] for f in api.post("/flows/filter", json={}).json()}
-        assert sorted(flows[f["flow_id"]] for f in subflows) == sorted(s.replace("_", "-") for s in STAGES)
+        assert sorted(flows[f["flow_id"]] for f in subflows) == sorted(s.replace("_", "-") for s in STAGE_RUNS)
         assert all(f["state"]["type"] == "COMPLETED" for f in subflows)
         [summary] = api.post(
             "/artifacts/filter",
@@ -175,7 +189,7 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
         [parent] = client.search_runs([exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'")
         assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow_run_id"] == pipe["id"]
         children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-        assert sorted(c.data.tags["gptforge.stage"] for c in children) == sorted(STAGES)
+        assert sorted(c.data.tags["gptforge.stage"] for c in children) == sorted(STAGE_RUNS)
         for child in children:
             assert child.info.status == "FINISHED" and child.data.metrics, child.data.tags["gptforge.stage"]
             assert client.list_artifacts(child.info.run_id), child.data.tags["gptforge.stage"]
@@ -197,7 +211,7 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
             [exp.experiment_id], "tags.`gptforge.stage` = 'pipeline'", order_by=["attributes.start_time DESC"]
         )
         assert len(runs) == 2
-        assert runs[0].data.metrics["stages_ran"] == 0 and runs[0].data.metrics["stages_up_to_date"] == len(STAGES)
+        assert runs[0].data.metrics["stages_ran"] == 0 and runs[0].data.metrics["stages_up_to_date"] == len(DVC_STAGES)
         assert stage_outputs(repo) == outputs
         # Reported, not asserted: both include the worker's polling and each flow run's start-up,
         # which a loaded machine stretches; what "up to date" means is checked just above.
@@ -314,12 +328,13 @@ def check_stale_stages_rerun(repo: Path, client, names: dict, env: dict) -> None
     )
     third = dvc(repo, "repro", env=env)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert ran_stages(third.stdout) == [
-        "prepare_classify",
-        "finetune_classify",
-        "evaluate",
-        "register",
-    ]  # and what depends on it
+    # and what depends on it: the report of the classifier's test metrics, every registration
+    # (registry.promote is a param of each) and the registry's report; no evaluation re-runs
+    assert sorted(ran_stages(third.stdout)) == sorted(
+        ["prepare_classify", "finetune_classify", "evaluate_report"]
+        + [f"register@{m}" for m in REGISTERED]
+        + ["register_report"]
+    ), third.stdout
     metrics = json.loads((repo / "metrics/prepare_classify.json").read_text())
     assert metrics["val"] == int(24 * 0.2)
     assert client.get_model_version_by_alias(names["classify"], "champion").version == "1"
@@ -329,9 +344,9 @@ def check_stale_stages_rerun(repo: Path, client, names: dict, env: dict) -> None
 
     set_params(repo, **{"classify.lr": 1e-4})
     fourth = dvc(repo, "repro", env=env)
-    assert fourth.returncode == 0 and ran_stages(fourth.stdout) == ["finetune_classify", "evaluate", "register"], (
-        fourth.stdout
-    )
+    assert fourth.returncode == 0 and sorted(ran_stages(fourth.stdout)) == sorted(
+        ["finetune_classify", "evaluate_report", "register@classify", "register_report"]
+    ), fourth.stdout
 
     shown = dvc(repo, "metrics", "show", "--json", env=env)
     assert shown.returncode == 0 and "prepare_classify.json" in shown.stdout

@@ -27,7 +27,7 @@ def dvc(repo: Path, *args: str, env: dict, timeout: float = 400) -> subprocess.C
 
 
 def ran_stages(output: str) -> list[str]:
-    return re.findall(r"Running stage '(\w+)'", output)
+    return re.findall(r"Running stage '([\w@.-]+)'", output)  # foreach entries too: register@classify
 
 
 def check_registry(repo: Path, client, names: dict, env: dict) -> None:
