@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -359,16 +360,12 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tokens/s" in gen.stderr.strip().splitlines()[-1]
 
-    # evaluate's other DVC deps (the classifier's, the preference and RL stages' metrics, the
-    # preference and RL models' folders) stand in: this test is about the instruct model
-    (repo_copy / "metrics/classify.json").write_text(json.dumps({"test_accuracy": 0.5}))
-    (repo_copy / "metrics/preference.json").write_text(json.dumps({"val_reward_accuracy": 0.5}))
-    (repo_copy / "metrics/rl.json").write_text(json.dumps({"heldout_reward": 0.5}))
-    (repo_copy / "checkpoints/preference").mkdir(parents=True)
-    (repo_copy / "checkpoints/rl").mkdir(parents=True)
-    ev = dvc(repo_copy, "repro", "--single-item", "evaluate", env=env)
+    # The instruct model's evaluation (evaluate@instruct) needs nothing of the classifier, DPO or
+    # RL stages: with the instruct chain done, it is the one stage that runs
+    ev = dvc(repo_copy, "repro", "evaluate@instruct", env=env)
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    evaluated = json.loads((repo_copy / "metrics/evaluate.json").read_text())
+    assert re.findall(r"Running stage '([^']+)'", ev.stdout) == ["evaluate@instruct"]
+    evaluated = json.loads((repo_copy / "metrics/evaluate/instruct.json").read_text())
     # the score as transformers' own logits of the fine-tuned folder give it, request by request
     model, tok = load(final)
     direct = scores_from_samples(
@@ -376,8 +373,8 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
         lambda context, continuation: (raw_loglikelihood(model, *lm_eval_pair(tok, context, continuation)), None),
         tol=1e-3,
     )
-    assert evaluated["instruct.hellaswag.n"] == direct["hellaswag"]["n"] == 4
-    assert evaluated["instruct.hellaswag.acc_norm"] == pytest.approx(direct["hellaswag"]["acc_norm"])
+    assert evaluated["hellaswag.n"] == direct["hellaswag"]["n"] == 4
+    assert evaluated["hellaswag.acc_norm"] == pytest.approx(direct["hellaswag"]["acc_norm"])
     again = dvc(repo_copy, "repro", "finetune_instruct", env=env)
     assert again.returncode == 0 and "Running stage" not in again.stdout
 
