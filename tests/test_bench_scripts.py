@@ -91,3 +91,29 @@ def test_bench_rag_times_the_index_build_and_queries():
     r = run_script("bench_rag.py", "--chunks", "300", "--queries", "20", "--rounds", "2")
     assert r["chunks"] == 300 and r["queries"] == 20 and r["rounds"] == 2
     assert r["gptforge_build_s"] > 0 and r["gptforge"]["p50_ms"] > 0 and len(r["gptforge"]["p50_ms_rounds"]) == 2
+
+
+@pytest.mark.slow  # two worktrees, each benchmark twice in its own interpreter: ~40 s here
+def test_compare_commits_runs_each_side_on_its_own_code_in_turn(tmp_path):
+    r = run_script(
+        "compare_commits.py",
+        "--before",
+        "HEAD",  # (a clone may be shallow: HEAD against itself, each in a worktree of its own)
+        "--rounds",
+        "1",
+        "--benchmarks",
+        "generate,train_step",
+        "--generate-args=--new-tokens 8 --repeats 1",
+        "--train-step-args=--steps 2 --warmup 1",
+        "--out",
+        str(tmp_path / "ab.json"),
+    )
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert r["commits"] == {"before": head, "after": head}
+    for figure in ("generate: ours tok/s (batch 1)", "train step: median ms"):
+        assert len(r["figures"][figure]["before"]) == len(r["figures"][figure]["after"]) == 1
+        assert all(v > 0 for side in r["figures"][figure].values() for v in side)
+    assert json.loads((tmp_path / "ab.json").read_text())["figures"] == r["figures"]
+    assert "| train step: median ms |" in (tmp_path / "ab.md").read_text()
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "compare_commits_" not in worktrees  # removed at the end
