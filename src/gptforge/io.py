@@ -54,9 +54,15 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iter
         raise
 
 
-def write_json(path: str | os.PathLike, obj, indent: int = 2) -> None:
+def entry_path(path: str | os.PathLike, name: str) -> Path:
+    """One entry's file of a per-entry stage beside the whole stage's: metrics/evaluate.json ->
+    metrics/evaluate/NAME.json."""
+    return Path(path).with_suffix("") / f"{name}.json"
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 2, default=None) -> None:
     with atomic_file(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, sort_keys=False)
+        json.dump(obj, f, indent=indent, sort_keys=False, default=default)
         f.write("\n")
 
 

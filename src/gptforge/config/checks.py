@@ -1,8 +1,8 @@
 """The field checks the config sections share: a source (`hf://`, `https://`, a local path, an
 embedded `sample://NAME` resolved to its path), the instruct source's `synthetic://NAME`, the entry
-names of a foreach stage's mapping (`NAME_PATTERN`) and the train/val/test split fractions.
-
-Used as pydantic validators by `schema` and `data_schema`.
+names of a foreach stage's mapping (`NAME_PATTERN`) and the train/val/test split fractions. Used as
+pydantic validators by `schema` and `data_schema`; and `only_entries`, the entry of such a mapping
+that one `STAGE@NAME` of dvc.yaml runs (its section's `only`), which the stages call.
 """
 
 from __future__ import annotations
@@ -73,3 +73,15 @@ def _check_splits(value: list[float]) -> list[float]:
     if value[0] <= 0:
         raise ValueError(f"the train fraction must be > 0, got {value}")
     return value
+
+
+def only_entries(entries, only: str | None, param: str) -> list[str]:
+    """The names of `entries` (a foreach stage's mapping, `param` its dotted name) one run takes:
+    `only` alone (dvc.yaml's STAGE@NAME sets it), else all; BadInput when `only` names no entry."""
+    if only is None:
+        return list(entries)
+    if only not in entries:
+        from gptforge.errors import BadInput
+
+        raise BadInput(f"{param} has no entry {only!r} (entries: {', '.join(entries) or 'none'})")
+    return [only]

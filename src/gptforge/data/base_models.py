@@ -20,6 +20,7 @@ import logging
 import os
 from pathlib import Path
 
+from gptforge.config.checks import only_entries
 from gptforge.errors import BadInput, SourceUnreachable
 from gptforge.io import atomic_dir
 from gptforge.runtime.steps import DIRECT, Steps
@@ -100,12 +101,9 @@ def prepare_base(
 ) -> dict:
     """Fetch `base.models[base.only]` (every entry when `base.only` is null) into `out_root/NAME`:
     dvc.yaml's prepare_base@NAME runs `gptforge prepare base -S base.only=NAME`."""
-    models, name = cfg.base.models, cfg.base.only
-    if name is not None and name not in models:
-        known = ", ".join(models) or "none"
-        raise BadInput(f"base.models has no entry {name!r} (entries: {known})")
+    models = cfg.base.models
     metrics: dict[str, float] = {}
-    for key in [name] if name is not None else list(models):
+    for key in only_entries(models, cfg.base.only, "base.models"):
         got = steps(fetch, models[key], Path(out_root) / key, param=f"base.models.{key}")
         publish_metrics(run, got, Path(metrics_dir) / f"{key}.json")
         metrics.update({f"{key}.{k}": v for k, v in got.items()})

@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from gptforge.errors import BadInput
-from gptforge.evaluate.collect import model_metrics_path, selected_models, write_aggregate, write_model_results
+from gptforge.evaluate.collect import selected_models, write_aggregate, write_model_results
 from gptforge.evaluate.report import flatten_results, save_results
 from gptforge.evaluate.task_data import TaskPlan, load_task_objects, plan_tasks
-from gptforge.io import read_json
+from gptforge.io import entry_path, read_json
 from gptforge.runtime import mlflow_values, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
@@ -231,8 +231,8 @@ def evaluate(
             per_model[name] = info
         if only is None:  # the whole stage: the report over every model, as evaluate_report writes it
             return write_aggregate(per_model, plan, cfg, run, metrics_path, report_path, results_dir)
-    mine = read_json(model_metrics_path(metrics_path, only), missing=" not written")
+    mine = read_json(entry_path(metrics_path, only), missing=" not written")
     run.log_metrics(mine)
-    run.log_artifact(model_metrics_path(metrics_path, only))
+    run.log_artifact(entry_path(metrics_path, only))
     run.log_artifact(results_dir / only)
     return mine

@@ -12,15 +12,15 @@ May import `gptforge.evaluate.report` and gptforge's shared modules; no torch, n
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Mapping
 
+from gptforge.config.checks import only_entries
 from gptforge.errors import BadInput
 from gptforge.evaluate.report import write_report
 from gptforge.evaluate.task_data import TaskPlan
-from gptforge.io import atomic_file, read_json
+from gptforge.io import entry_path, read_json, write_json
 from gptforge.runtime import tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
@@ -31,16 +31,8 @@ SUMMARY = "summary.json"
 
 
 def selected_models(ev) -> dict[str, str]:
-    """The entries of `evaluate.models` this run evaluates (`evaluate.only`, else all); BadInput
-    when `only` names no entry."""
-    if ev.only is not None and ev.only not in ev.models:
-        raise BadInput(f"evaluate.models has no entry {ev.only!r} (entries: {', '.join(ev.models) or 'none'})")
-    return {ev.only: ev.models[ev.only]} if ev.only is not None else dict(ev.models)
-
-
-def model_metrics_path(metrics_path: str | Path, name: str) -> Path:
-    """metrics/evaluate.json -> metrics/evaluate/NAME.json"""
-    return Path(metrics_path).with_suffix("") / f"{name}.json"
+    """The entries of `evaluate.models` this run evaluates (`evaluate.only`, else all)."""
+    return {name: ev.models[name] for name in only_entries(ev.models, ev.only, "evaluate.models")}
 
 
 def write_model_results(
@@ -59,12 +51,8 @@ def write_model_results(
         "tasks": {"names": list(plan.names), "local": dict(plan.local), "hub": dict(plan.hub)},
         "lm_eval_version": getattr(lm_eval, "__version__", "?"),
     }
-    with atomic_file(results_dir / name / SUMMARY, "w", encoding="utf-8") as f:
-        f.write(json.dumps(summary, indent=2, default=str) + "\n")
-    path = model_metrics_path(metrics_path, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(dict(mine), indent=2) + "\n")
+    write_json(results_dir / name / SUMMARY, summary, default=str)
+    write_json(entry_path(metrics_path, name), dict(mine))
 
 
 def write_aggregate(

@@ -47,6 +47,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from gptforge.config.checks import only_entries
 from gptforge.config.schema import Config, variant_paths
 from gptforge.data.sources import read_records
 from gptforge.errors import BadInput
@@ -529,14 +530,10 @@ def finetune_instruct_variant(
     """Stage finetune_instruct_variant@NAME (`-S instruct_variants.only=NAME`; every entry when
     null): the instruct recipe with `instruct_variants.models[NAME]` over the instruct section,
     into `variant_paths(NAME)`. The quickstart's SmolLM2 LoRA beside the tiny GPT's SFT."""
-    variants, name = cfg.instruct_variants, cfg.instruct_variants.only
-    if name is not None and name not in variants.models:
-        raise BadInput(
-            f"instruct_variants.models has no entry {name!r} (entries: {', '.join(variants.models) or 'none'})"
-        )
+    variants = cfg.instruct_variants
     metrics: dict[str, float] = {}
-    for key in [name] if name is not None else list(variants.models):
+    for key in only_entries(variants.models, variants.only, "instruct_variants.models"):
         sub = cfg.model_copy(update={"instruct": cfg.instruct_variant(key)})
         got = finetune_instruct(sub, steps=steps, run=run, data_dir=data_dir, **variant_paths(key))
-        metrics.update(got if name is not None else {f"{key}.{k}": v for k, v in got.items()})
+        metrics.update(got if variants.only is not None else {f"{key}.{k}": v for k, v in got.items()})
     return metrics

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from gptforge.errors import BadInput, StageFailed
+from gptforge.io import entry_path
 from gptforge.register.collect import (
     ABSENT,
     CHALLENGER,
@@ -207,12 +208,13 @@ def register(
     outcome = {"metrics_path": metrics_path, "records_dir": records_dir}
     results: list[Registered] = []
     skipped: dict[str, str] = {}  # model -> why it could not be registered
+    figures: dict[str, dict] = {}  # model -> its metrics/register/MODEL.json
     if not isinstance(run, tracking.MlflowRun):
         log.warning(
             "register: tracking is disabled (tracking.enabled: false): the registry is MLflow's, nothing registered"
         )
         for model in names:
-            write_model_outcome(model, OFF, **outcome)
+            figures[model] = write_model_outcome(model, OFF, **outcome)
     else:
         from mlflow.tracking import MlflowClient
 
@@ -220,20 +222,19 @@ def register(
         for model, name in names.items():
             if not Path(MODELS[model][1]).is_dir():
                 log.info("register: skipping %s: %s not found", model, MODELS[model][1])
-                write_model_outcome(model, ABSENT, **outcome)
+                figures[model] = write_model_outcome(model, ABSENT, **outcome)
                 continue
             try:
                 results.append(steps(register_model, model, name, cfg, run, client, Path(metrics_dir)))
-                write_model_outcome(model, REGISTERED, results[-1], **outcome)
+                figures[model] = write_model_outcome(model, REGISTERED, results[-1], **outcome)
             except NotRegistrable as e:
                 log.warning("register: %s not registered: %s", model, e)
                 skipped[model] = str(e)
-                write_model_outcome(model, NOT_REGISTERED, why=str(e), **outcome)
+                figures[model] = write_model_outcome(model, NOT_REGISTERED, why=str(e), **outcome)
     if cfg.registry.only is not None:
-        path = Path(metrics_path).with_suffix("") / f"{cfg.registry.only}.json"
-        mine = json.loads(path.read_text(encoding="utf-8"))
+        mine = figures[cfg.registry.only]
         run.log_metrics(mine)
-        run.log_artifact(path)
+        run.log_artifact(entry_path(metrics_path, cfg.registry.only))
         return mine
     metrics: dict[str, float] = {}
     for r in results:

@@ -12,13 +12,12 @@ and `reports/register/MODEL.json` (what happened: its row of the report). `regis
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gptforge.errors import BadInput
-from gptforge.io import atomic_file, read_json
+from gptforge.config.checks import only_entries
+from gptforge.io import atomic_file, entry_path, read_json, write_json
 from gptforge.runtime import tracking
 from gptforge.runtime.steps import DIRECT, Steps
 from gptforge.runtime.tracking import NullRun
@@ -63,13 +62,8 @@ def write_report(path: str | Path, results: list[Registered], skipped: dict[str,
 
 
 def selected_models(registry) -> dict[str, str]:
-    """The entries of `registry.names` this run registers (`registry.only`, else all); BadInput
-    when `only` names no entry."""
-    if registry.only is not None and registry.only not in registry.names:
-        raise BadInput(
-            f"registry.names has no entry {registry.only!r} (entries: {', '.join(registry.names) or 'none'})"
-        )
-    return {registry.only: registry.names[registry.only]} if registry.only is not None else dict(registry.names)
+    """The entries of `registry.names` this run registers (`registry.only`, else all)."""
+    return {m: registry.names[m] for m in only_entries(registry.names, registry.only, "registry.names")}
 
 
 def model_metrics(result) -> dict[str, int]:
@@ -81,13 +75,8 @@ def write_model_outcome(model: str, status: str, result=None, why: str = "", *, 
     """metrics/register/MODEL.json and reports/register/MODEL.json; returns the figures."""
     figures = model_metrics(result) if result is not None else {}
     record = {"model": model, "status": status, "why": why, **({"result": asdict(result)} if result else {})}
-    for path, body in (
-        (Path(metrics_path).with_suffix("") / f"{model}.json", figures),
-        (Path(records_dir) / f"{model}.json", record),
-    ):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(body, indent=2) + "\n")
+    for path, body in ((entry_path(metrics_path, model), figures), (Path(records_dir) / f"{model}.json", record)):
+        write_json(path, body)
     return figures
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from gptforge.config.checks import only_entries
 from gptforge.errors import BadInput, SourceUnreachable, StageFailed
 from gptforge.io import atomic_dir, atomic_file
 from gptforge.runtime.steps import DIRECT, Steps
@@ -123,9 +124,7 @@ def selected_documents(s) -> list[str]:
     when there are none or `only` names no entry."""
     if not s.documents:
         raise BadInput("synthesize.documents is empty: add NAME: FOLDER_OR_FILE (of .md, .txt, .pdf)")
-    if s.only is not None and s.only not in s.documents:
-        raise BadInput(f"synthesize.documents has no entry {s.only!r} (entries: {', '.join(s.documents)})")
-    return [s.only] if s.only is not None else list(s.documents)
+    return only_entries(s.documents, s.only, "synthesize.documents")
 
 
 def synthesize_one(
