@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # dvc runs each stage's `gptforge ...` cmd through a shell: it must find the venv's scripts.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run lint test test-quick test-load install clean
+.PHONY: run lint test test-quick test-load install clean image docker-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ test-quick: lint
 # The timing-heavy modules five times in a row beside a CPU-bound process (docs/testing.md).
 test-load: $(STAMP)
 	$(BIN)/python tests/under_load.py --rounds 5
+
+# The container image for this host (docker/build.sh: GPU where nvidia-smi answers, else CPU) and
+# the end-to-end check of the containerized worker (docker/check.py; the host's python3, no venv).
+image:
+	docker/build.sh
+
+docker-check:
+	$(PYTHON) docker/check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -11,6 +11,16 @@ set -euo pipefail
 # made before it existed lacks it (docs/synthesize.md).
 mkdir -p /workspace/gptforge/data/synthetic 2>/dev/null || true
 
+# dvc.lock lives on the `state` volume (/state) where one is mounted, so that the next flow-run
+# container compares its stages with what the last one ran (metrics/, plots/ and reports/ are
+# volumes of their own). The first container seeds it from the image's copy.
+if [[ -d /state && -w /state && -w /workspace/gptforge && ! -L /workspace/gptforge/dvc.lock ]]; then
+    if [[ ! -e /state/dvc.lock && -f /workspace/gptforge/dvc.lock ]]; then
+        cp /workspace/gptforge/dvc.lock /state/dvc.lock
+    fi
+    ln -sfn /state/dvc.lock /workspace/gptforge/dvc.lock
+fi
+
 if [[ $# -gt 0 && "$1" != "worker" ]]; then
     exec "$@"
 fi
@@ -28,7 +38,8 @@ args=(worker start --pool "$pool" --type "$type")
 
 # A Docker pool the worker has to create gets gptforge's job template (GPU request, image,
 # network, volumes) instead of the bare default; an existing pool keeps its own template.
-# The image, network and MLflow URI of this compose project are written into its defaults.
+# The image, network, volume names and MLflow URI of this compose project are written into its
+# defaults.
 if [[ "$type" == "docker" && -f "${GPTFORGE_POOL_TEMPLATE:-}" ]]; then
     template="$(mktemp --suffix=.json)"
     python - "$GPTFORGE_POOL_TEMPLATE" "$template" <<'PY'
@@ -44,6 +55,12 @@ if os.environ.get("GPTFORGE_IMAGE"):
     props["image"]["default"] = os.environ["GPTFORGE_IMAGE"]
 if os.environ.get("GPTFORGE_NETWORK"):
     props["networks"]["default"] = [os.environ["GPTFORGE_NETWORK"]]
+# The compose file names its volumes PREFIX-dvc-cache, PREFIX-data, ... (default gptforge).
+prefix = os.environ.get("GPTFORGE_VOLUME_PREFIX")
+if prefix:
+    props["volumes"]["default"] = [
+        prefix + v[len("gptforge"):] if v.startswith("gptforge-") else v for v in props["volumes"]["default"]
+    ]
 env = props["env"].setdefault("default", {})
 if os.environ.get("MLFLOW_TRACKING_URI"):
     env["MLFLOW_TRACKING_URI"] = os.environ["MLFLOW_TRACKING_URI"]

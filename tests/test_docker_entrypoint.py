@@ -113,3 +113,25 @@ def test_entrypoint_process_worker_gets_no_docker_template(stub_path, tmp_path):
     assert result.returncode == 0, result.stderr
     assert prefect_args == ["worker", "start", "--pool", "gpu-local", "--type", "process"]
     assert template is None
+
+
+def test_entrypoint_cpu_pool_takes_the_projects_volume_names(stub_path, tmp_path):
+    """The CPU worker (compose's cpu-worker): pool `cpu`, docker/cpu-pool.json without a device
+    request, and the volume names of the compose project (GPTFORGE_VOLUME_PREFIX, as the check's)."""
+    result, prefect_args, template = run_entrypoint(
+        stub_path,
+        tmp_path,
+        PREFECT_API_URL="http://prefect-server:4200/api",
+        PREFECT_WORK_POOL="cpu",
+        GPTFORGE_POOL_TEMPLATE=str(ROOT / "docker" / "cpu-pool.json"),
+        GPTFORGE_VOLUME_PREFIX="gptforge-check",
+    )
+    assert result.returncode == 0, result.stderr
+    assert prefect_args[:6] == ["worker", "start", "--pool", "cpu", "--type", "docker"]
+    props = template["variables"]["properties"]
+    assert props["image"]["default"] == "gptforge-cpu:latest"
+    assert "device_requests" not in props["container_create_kwargs"]["default"]
+    volumes = props["volumes"]["default"]
+    assert "gptforge-check-dvc-cache:/workspace/gptforge/.dvc/cache" in volumes
+    assert "gptforge-check-state:/state" in volumes
+    assert all(v.startswith("gptforge-check-") for v in volumes), volumes
