@@ -139,9 +139,7 @@ def ensure_engine() -> None:
         )
     say("no Docker engine answers: starting dockerd (log: /var/log/gptforge-dockerd.log)")
     with open("/var/log/gptforge-dockerd.log", "ab") as log:
-        subprocess.Popen(
-            ["dockerd", "--storage-driver=overlay2"], stdout=log, stderr=log, start_new_session=True
-        )
+        subprocess.Popen(["dockerd", "--storage-driver=overlay2"], stdout=log, stderr=log, start_new_session=True)
     wait_for(
         "dockerd to answer `docker info`",
         lambda: subprocess.run(["docker", "info"], capture_output=True).returncode == 0,
@@ -208,8 +206,21 @@ def start_stack(stack: Stack) -> str:
     wait_for("a worker of pool `cpu` online", lambda: online_workers(), 180, 2)
     with timed("deploy pipeline/cpu from a container of the image"):
         run(
-            ["docker", "run", "--rm", "--network", NAME, "-e", "PREFECT_API_URL=http://prefect-server:4200/api",
-             IMAGE, "prefect", "--no-prompt", "deploy", "--name", "pipeline/cpu"],
+            [
+                "docker",
+                "run",
+                "--rm",
+                "--network",
+                NAME,
+                "-e",
+                "PREFECT_API_URL=http://prefect-server:4200/api",
+                IMAGE,
+                "prefect",
+                "--no-prompt",
+                "deploy",
+                "--name",
+                "pipeline/cpu",
+            ],
             timeout=300,
         )
     return prefect("GET", "/deployments/name/pipeline/cpu")["id"]
@@ -272,7 +283,9 @@ def task_run_count(run_ids: list[str]) -> int:
 def state_reason(run_id: str) -> str:
     """The state message, or the flow run's last log lines, for the report of a failed run."""
     s = state(run_id)
-    logs = prefect("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC", "limit": 3})
+    logs = prefect(
+        "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC", "limit": 3}
+    )
     last = " / ".join(log["message"].splitlines()[0] for log in logs)
     return f"{s.get('type')}: {s.get('message') or ''} {('(logs: ' + last + ')') if last else ''}".strip()
 
@@ -295,13 +308,21 @@ def killed_run(deployment: str) -> str:
     """Run the part, kill its container once pretraining has written a checkpoint."""
     with timed("run 1: killed mid-pretraining"):
         run_id = create_run(deployment)
-        container, image = wait_for("the worker to start the flow-run container", lambda: flow_run_container(run_id)[0] and flow_run_container(run_id), 300)
+        container, image = wait_for(
+            "the worker to start the flow-run container",
+            lambda: flow_run_container(run_id)[0] and flow_run_container(run_id),
+            300,
+        )
         say(f"  flow run {run_id} in container {container[:12]} of image {image}")
 
         def has_checkpoint():
             if state(run_id).get("type") in TERMINAL:
                 raise CheckFailed("run 1 ended before pretraining wrote a checkpoint to kill it after")
-            out = subprocess.run(["docker", "exec", container, "sh", "-c", "ls checkpoints/pretrain 2>/dev/null"], capture_output=True, text=True)
+            out = subprocess.run(
+                ["docker", "exec", container, "sh", "-c", "ls checkpoints/pretrain 2>/dev/null"],
+                capture_output=True,
+                text=True,
+            )
             return [n for n in out.stdout.split() if n.startswith("step_")]
 
         steps = wait_for("pretraining's first checkpoint (checkpoints/pretrain/step_*)", has_checkpoint, 600, 0.5)
@@ -335,7 +356,9 @@ def check_resumed(stack: Stack, statuses: dict) -> None:
     if statuses.get("pretrain") != "ran":
         raise CheckFailed(f"run 2: pretrain {statuses.get('pretrain')}, expected ran (resumed)")
     if statuses.get("prepare_pretrain") not in ("restored", "up to date"):
-        raise CheckFailed(f"run 2: prepare_pretrain {statuses.get('prepare_pretrain')}, expected restored from the DVC cache")
+        raise CheckFailed(
+            f"run 2: prepare_pretrain {statuses.get('prepare_pretrain')}, expected restored from the DVC cache"
+        )
     logs = run(stack.compose + ["logs", "--no-color", "cpu-worker"], env=stack.env)
     resumed = [line for line in logs.splitlines() if "resumed from" in line]
     if not resumed:
@@ -381,18 +404,30 @@ def check_prefect(run_ids: list[str]) -> None:
 def check_mlflow() -> str:
     experiment = http("GET", MLFLOW + "/api/2.0/mlflow/experiments/get-by-name?experiment_name=gptforge")
     eid = experiment["experiment"]["experiment_id"]
-    runs = http("POST", MLFLOW + "/api/2.0/mlflow/runs/search", {"experiment_ids": [eid], "max_results": 200}).get("runs", [])
+    runs = http("POST", MLFLOW + "/api/2.0/mlflow/runs/search", {"experiment_ids": [eid], "max_results": 200}).get(
+        "runs", []
+    )
     with_metrics = [r for r in runs if r["data"].get("metrics")]
     if not with_metrics:
         raise CheckFailed("MLflow: no run with metrics")
     alias = http("GET", MLFLOW + f"/api/2.0/mlflow/registered-models/alias?name={CHAMPION}&alias=champion")
     version = alias["model_version"]
-    files = artifact_files(version["run_id"], "")
-    weights = [f for f in files if f.endswith(".safetensors")]
-    if not weights:
-        raise CheckFailed(f"MLflow: run {version['run_id']} of {CHAMPION} v{version['version']} has no checkpoint artifact ({files[:5]})")
-    say(f"  MLflow: {len(runs)} runs ({len(with_metrics)} with metrics); {CHAMPION} version {version['version']} "
-        f"@champion from run {version['run_id']}, artifacts {weights[:2]}")
+    if version.get("status") != "READY":
+        raise CheckFailed(f"MLflow: {CHAMPION} v{version['version']} is {version.get('status')}")
+    # The checkpoints: the training stages' runs carry their weights as artifacts.
+    checkpoints = {}
+    for r in runs:
+        if r["info"].get("run_name") in ("pretrain", "finetune_instruct"):
+            files = artifact_files(r["info"]["run_id"], "")
+            # (run 1's pretrain run was killed before it logged any: one run of each stage will do)
+            checkpoints.setdefault(r["info"]["run_name"], []).extend(f for f in files if f.endswith(".safetensors"))
+    if not checkpoints or not all(checkpoints.values()):
+        raise CheckFailed(f"MLflow: checkpoint artifacts of the training runs: {checkpoints}")
+    say(
+        f"  MLflow: {len(runs)} runs ({len(with_metrics)} with metrics); {CHAMPION} version {version['version']} "
+        f"@champion, READY, from run {version['run_id']}; checkpoints "
+        + "; ".join(f"{k}: {v[0]}" for k, v in checkpoints.items())
+    )
     return version["run_id"]
 
 
@@ -408,8 +443,20 @@ def artifact_files(run_id: str, path: str, depth: int = 0) -> list[str]:
 
 
 def check_dvc_cache() -> None:
-    out = run(["docker", "run", "--rm", "--entrypoint", "sh", "-v", f"{NAME}-dvc-cache:/c", IMAGE, "-c",
-               "find /c/files -type f | wc -l; find /c/runs -type f | wc -l"])
+    out = run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--entrypoint",
+            "sh",
+            "-v",
+            f"{NAME}-dvc-cache:/c",
+            IMAGE,
+            "-c",
+            "find /c/files -type f | wc -l; find /c/runs -type f | wc -l",
+        ]
+    )
     files, runs = (int(x) for x in out.split())
     if files == 0 or runs == 0:
         raise CheckFailed(f"the DVC cache volume holds {files} files and {runs} run-cache entries")
@@ -419,9 +466,16 @@ def check_dvc_cache() -> None:
 def check_serve(stack: Stack) -> None:
     with timed("serve-cpu: /health and a chat completion from the champion"):
         stack("up", "-d", "serve-cpu")
-        wait_for("serve-cpu's /health", lambda: urllib.request.urlopen(SERVE + "/health", timeout=5).status == 200, 300, 2)
+        wait_for(
+            "serve-cpu's /health", lambda: urllib.request.urlopen(SERVE + "/health", timeout=5).status == 200, 300, 2
+        )
         model = http("GET", SERVE + "/v1/models")["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "Name a primary color."}], "max_tokens": 24, "temperature": 0}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Name a primary color."}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
         reply = http("POST", SERVE + "/v1/chat/completions", body, timeout=120)
         answer = reply["choices"][0]["message"]["content"]
         if not isinstance(answer, str) or reply["usage"]["completion_tokens"] < 1:
@@ -464,7 +518,14 @@ def main() -> int:
     except CheckFailed as e:
         if stack is not None:
             with contextlib.suppress(CheckFailed):
-                say("the worker's last lines:\n" + "\n".join(run(stack.compose + ["logs", "--no-color", "--tail", "30", "cpu-worker"], env=stack.env).splitlines()[-30:]))
+                say(
+                    "the worker's last lines:\n"
+                    + "\n".join(
+                        run(
+                            stack.compose + ["logs", "--no-color", "--tail", "30", "cpu-worker"], env=stack.env
+                        ).splitlines()[-30:]
+                    )
+                )
         print(f"docker-check: FAILED: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -11,15 +11,6 @@ set -euo pipefail
 # made before it existed lacks it (docs/synthesize.md).
 mkdir -p /workspace/gptforge/data/synthetic 2>/dev/null || true
 
-# dvc.lock lives on the `state` volume (/state) where one is mounted, so that the next flow-run
-# container compares its stages with what the last one ran (metrics/, plots/ and reports/ are
-# volumes of their own). The first container seeds it from the image's copy.
-if [[ -d /state && -w /state && -w /workspace/gptforge && ! -L /workspace/gptforge/dvc.lock ]]; then
-    if [[ ! -e /state/dvc.lock && -f /workspace/gptforge/dvc.lock ]]; then
-        cp /workspace/gptforge/dvc.lock /state/dvc.lock
-    fi
-    ln -sfn /state/dvc.lock /workspace/gptforge/dvc.lock
-fi
 
 if [[ $# -gt 0 && "$1" != "worker" ]]; then
     exec "$@"

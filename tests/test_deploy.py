@@ -107,7 +107,7 @@ def deployed_repo(repo_copy, tmp_path, small_tokenizer, sms_file, alpaca_file, p
     )
     env = cli_env(PREFECT_API_URL=prefect_api)
     prefect = str(BIN / "prefect")
-    for pool, kind in (("local", "process"), ("gpu", "docker")):
+    for pool, kind in (("local", "process"), ("gpu", "docker"), ("cpu", "docker")):
         subprocess.run(
             [prefect, "work-pool", "create", pool, "--type", kind, "--overwrite"],
             cwd=repo_copy,
@@ -132,7 +132,7 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
     # The pipeline and every stage flow, on each pool (deployment name = pool name; synthesize,
     # index and evaluate_qa too, which the quickstart's pipeline does not run: no documents); the
     # nightly schedule is there, off.
-    for pool in ("local", "gpu"):
+    for pool in ("local", "gpu", "cpu"):
         deployed = [
             d["entrypoint"].rsplit(":", 1)[1] for d in deployments if d["name"] == pool and d["work_pool_name"] == pool
         ]
@@ -140,6 +140,9 @@ def test_pipeline_on_a_worker_then_dvc_repro_runs_stale_stages_only(
     gpu_pipeline = next(d for d in deployments if d["name"] == "gpu" and d["entrypoint"].endswith(":pipeline"))
     assert gpu_pipeline["job_variables"]["container_create_kwargs"]["device_requests"][0]["driver"] == "nvidia"
     assert [s["active"] for s in gpu_pipeline["schedules"]] == [False]
+    # The CPU containers' deployments take the pool's template as it is (docker/cpu-pool.json).
+    cpu_pipeline = next(d for d in deployments if d["name"] == "cpu" and d["entrypoint"].endswith(":pipeline"))
+    assert cpu_pipeline["job_variables"] == {}
 
     env = cli_env(
         PREFECT_API_URL=prefect_api,

@@ -59,7 +59,9 @@ def test_build_without_an_engine_says_how_to_start_one(tmp_path):
 
 def test_build_with_a_base_image_that_does_not_exist_names_it(tmp_path):
     # The engine answers; the image is neither here nor pullable.
-    env = stand_in_docker(tmp_path, 'case "$1" in info) exit 0 ;; image|pull) exit 1 ;; esac\necho "unexpected: $*" >&2; exit 3\n')
+    env = stand_in_docker(
+        tmp_path, 'case "$1" in info) exit 0 ;; image|pull) exit 1 ;; esac\necho "unexpected: $*" >&2; exit 3\n'
+    )
     result = run([str(BUILD), "--cpu", "--base", "nosuch/base:1.0"], env)
     assert result.returncode == 2, result.stderr
     assert last_line(result) == "docker/build.sh: BASE_IMAGE nosuch/base:1.0 does not exist here and cannot be pulled"

@@ -48,6 +48,7 @@ from gptforge.pipeline.dvc import (
     dvc_stages,
     stage_metrics_files,
 )
+from gptforge.pipeline.kept_lock import kept_dvc_lock
 from gptforge.runtime import locks, mlflow_values, tracking
 from gptforge.runtime.steps import DIRECT, Steps
 
@@ -335,21 +336,22 @@ def run_pipeline(
     with locks.hold("pipeline", "a gptforge pipeline", root):
         locks.check_dvc_idle(root)
         cfg = apply_params(params, overrides, root / DEFAULT_PARAMS)
-        return _run(
-            stages,
-            known,
-            cfg,
-            overrides=overrides,
-            pull=pull,
-            push=push,
-            force=force,
-            steps=steps,
-            env=env,
-            tags=tags,
-            late_tags=late_tags,
-            root=root,
-            start=start,
-        )
+        with kept_dvc_lock(root):
+            return _run(
+                stages,
+                known,
+                cfg,
+                overrides=overrides,
+                pull=pull,
+                push=push,
+                force=force,
+                steps=steps,
+                env=env,
+                tags=tags,
+                late_tags=late_tags,
+                root=root,
+                start=start,
+            )
 
 
 def _wait_for_stage_records(root: Path, timeout: float = 120.0) -> None:
