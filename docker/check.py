@@ -256,20 +256,25 @@ def flow_run_container(run_id: str) -> tuple[str, str]:
     return (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
 
 
-def summary_statuses(run_id: str) -> dict[str, str]:
-    """Each stage's status from the pipeline's `pipeline-summary` artifact (a markdown table)."""
+def summary_rows(run_id: str) -> list[tuple[str, str, str]]:
+    """(stage, status, duration) from the pipeline's `pipeline-summary` artifact (a markdown table)."""
     body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"any_": ["pipeline-summary"]}}}
     artifacts = prefect("POST", "/artifacts/filter", body)
     if not artifacts:
         raise CheckFailed(f"flow run {run_id} left no pipeline-summary artifact")
-    statuses = {}
+    rows = []
     for line in artifacts[0]["data"].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 2 and cells[0].startswith("`"):
-            # "| `pretrain` | <icon> ran | ..." (gptforge.pipeline.run.PipelineReport.markdown)
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            # "| `pretrain` | <icon> ran | 12.3 s | ..." (gptforge.pipeline.run.PipelineReport.markdown)
             known = [s for s in ("up to date", "restored", "ran", "failed", "not run") if cells[1].endswith(s)]
-            statuses[cells[0].strip("`")] = known[0] if known else cells[1]
-    return statuses
+            rows.append((cells[0].strip("`"), known[0] if known else cells[1], cells[2]))
+    return rows
+
+
+def summary_statuses(run_id: str) -> dict[str, str]:
+    """Each stage's status from the pipeline's summary."""
+    return {stage: status for stage, status, _ in summary_rows(run_id)}
 
 
 def subflows(run_id: str) -> list[dict]:
@@ -347,8 +352,11 @@ def completed_run(deployment: str, label: str) -> tuple[str, dict]:
         time.sleep(2)
     if s["type"] != "COMPLETED":
         raise CheckFailed(f"{label}: flow run {run_id} {state_reason(run_id)}")
-    statuses = summary_statuses(run_id)
+    rows = summary_rows(run_id)
+    statuses = {stage: status for stage, status, _ in rows}
     say(f"  flow run {run_id} Completed in a container of {image or '(too quick to see)'}: {statuses}")
+    ran = [f"{stage} {seconds}" for stage, status, seconds in rows if status == "ran"]
+    say(f"  stages run in the container: {', '.join(ran) or 'none'}")
     return run_id, statuses
 
 
