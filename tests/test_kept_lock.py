@@ -42,3 +42,35 @@ def test_a_missing_folder_is_bad_input(tmp_path, monkeypatch):
     monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(BadInput, match="GPTFORGE_DVC_LOCK_DIR=.*not a writable folder"), kept_dvc_lock(tmp_path):
         pass
+
+
+def test_each_lock_update_is_kept_while_repro_runs(tmp_path, monkeypatch):
+    """A container killed mid-stage never reaches the `finally`: the stages finished before the
+    kill must already be in the kept lock, and a lock caught mid-write is never copied."""
+    import time
+
+    from gptforge.pipeline import kept_lock
+
+    state, work = tmp_path / "state", tmp_path / "work"
+    state.mkdir()
+    work.mkdir()
+    monkeypatch.setenv(LOCK_DIR_ENV, str(state))
+    monkeypatch.setattr(kept_lock, "POLL_SECONDS", 0.05)
+    kept = state / "dvc.lock"
+
+    def kept_soon(text: str) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if kept.is_file() and kept.read_text() == text:
+                return True
+            time.sleep(0.02)
+        return False
+
+    with kept_dvc_lock(work):
+        (work / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare: {cmd: a}\n")
+        assert kept_soon("schema: '2.0'\nstages:\n  prepare: {cmd: a}\n")
+        (work / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare: {cmd: a\n")  # half-written
+        time.sleep(0.5)
+        assert kept.read_text() == "schema: '2.0'\nstages:\n  prepare: {cmd: a}\n"
+        (work / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare: {cmd: a}\n  train: {cmd: b}\n")
+        assert kept_soon("schema: '2.0'\nstages:\n  prepare: {cmd: a}\n  train: {cmd: b}\n")
