@@ -75,9 +75,7 @@ def kept_dvc_lock(root: Path) -> Iterator[None]:
     if kept.is_file():
         _copy(kept, lock)
     stop = threading.Event()
-    watcher = threading.Thread(
-        target=_watch, args=(lock, kept, stop, POLL_SECONDS), name="kept-dvc-lock", daemon=True
-    )
+    watcher = threading.Thread(target=_watch, args=(lock, kept, stop, POLL_SECONDS), name="kept-dvc-lock", daemon=True)
     watcher.start()
     try:
         yield
