@@ -255,6 +255,25 @@ def test_a_hugging_face_policy_stays_one_and_its_folder_is_the_reference(world, 
     assert metrics["steps"] == 1 and "heldout_reward_before" in metrics
 
 
+def test_bf16_lora_on_a_hugging_face_policy_samples_and_trains(world, tmp_path):
+    """A bf16 base with peft's fp32 adapters: trl samples outside the trainer's autocast, where
+    the two dtypes met in one matmul and the stage died ("expected m1 and m2 to have the same
+    dtype") until sampling ran under the accelerator's autocast too."""
+    from hf_models import make_tiny_causal_lm
+
+    llama = make_tiny_causal_lm(tmp_path / "llama")
+    cfg = config(
+        world, f"rl.init_from={llama}", "rl.template=chat", "rl.method=lora", "rl.precision=bf16", "rl.max_prompts=2"
+    )
+    s = RL.setup(cfg, world / "data")
+    params = dict(s.models.policy.named_parameters())
+    # the case itself: bf16 linears of the base under fp32 adapters
+    assert {p.dtype for n, p in params.items() if "lora_" in n} == {torch.float32}
+    assert any(p.dtype == torch.bfloat16 for n, p in params.items() if n.endswith("base_layer.weight"))
+    s = RL.train(s, cfg)
+    assert s.trainer.state.global_step == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The rewards against their formulas
 

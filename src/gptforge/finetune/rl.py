@@ -113,6 +113,13 @@ def trainer_class(algorithm: str, prompt_ids: Mapping[str, list[int]]):
         def _tokenize_prompts(self, prompts):
             return [list(prompt_ids[p]) for p in prompts], None, {}
 
+        def _generate_single_turn(self, *args, **kwargs):
+            # trl samples outside the trainer's autocast: a bf16 model with fp32 LoRA weights
+            # (peft keeps adapters in fp32) fails there ("expected m1 and m2 to have the same
+            # dtype"). Under the accelerator's autocast they meet in bf16, as in training.
+            with self.accelerator.autocast():
+                return super()._generate_single_turn(*args, **kwargs)
+
     return PretokenizedTrainer
 
 
