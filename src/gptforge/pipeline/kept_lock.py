@@ -50,10 +50,10 @@ def _stat(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-def _watch(lock: Path, kept: Path, stop: threading.Event, poll: float) -> None:
+def _watch(lock: Path, kept: Path, stop: threading.Event, poll: float, copied: tuple[int, int] | None) -> None:
     """Copy `lock` to `kept` each time it changed and then stood still for one poll (DVC writes
     it in place: a file caught mid-write is not copied)."""
-    copied, seen = _stat(lock), None
+    seen = None
     while not stop.wait(poll):
         now = _stat(lock)
         if now is not None and now == seen and now != copied and _parses(lock):
@@ -75,7 +75,9 @@ def kept_dvc_lock(root: Path) -> Iterator[None]:
     if kept.is_file():
         _copy(kept, lock)
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(lock, kept, stop, POLL_SECONDS), name="kept-dvc-lock", daemon=True)
+    watcher = threading.Thread(
+        target=_watch, args=(lock, kept, stop, POLL_SECONDS, _stat(lock)), name="kept-dvc-lock", daemon=True
+    )
     watcher.start()
     try:
         yield
