@@ -280,3 +280,28 @@ def test_pipeline_refuses_an_overlay_as_params_yaml(tmp_path):
         ):
             apply_params(params, [], target)
     assert target.read_bytes() == before
+
+
+def _starts_from_hub(path: Path) -> bool:
+    from gptforge.pipeline.run import PRETRAIN_OUT, _inside, start_folders
+
+    return not any(_inside(folder, PRETRAIN_OUT) for folder in start_folders(load_config(path)).values())
+
+
+HUB_CONFIGS = [p for p in OVERLAYS if _starts_from_hub(p)]
+
+
+def test_some_named_configs_start_from_hub_weights():
+    assert {p.name for p in HUB_CONFIGS} >= {"qwen2.5-0.5b-lora.yaml", "smollm2-135m-cpu.yaml"}
+
+
+@pytest.mark.parametrize("path", HUB_CONFIGS, ids=[p.name for p in HUB_CONFIGS])
+def test_a_named_config_that_starts_from_hub_weights_pretrains_nothing(path):
+    # register@pretrain and evaluate@NAME of checkpoints/pretrain depend on the pretrained
+    # folder: a config whose stages all start elsewhere must not name it, or DVC pretrains the
+    # quickstart's tiny GPT only to register or score it.
+    from gptforge.pipeline.run import PRETRAIN_OUT, _inside
+
+    cfg = load_config(path)
+    assert "pretrain" not in cfg.registry.names
+    assert not [f for f in cfg.evaluate.models.values() if _inside(f, PRETRAIN_OUT)]

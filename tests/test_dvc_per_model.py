@@ -56,7 +56,16 @@ def upstream(repo: Path, target: str) -> set[str]:
 
 def test_one_models_evaluation_runs_only_its_chain(tmp_path):
     stages = upstream(dvc_repo(tmp_path), "evaluate@instruct")
-    assert stages == {"prepare_pretrain", "pretrain", "prepare_instruct", "finetune_instruct", "evaluate@instruct"}
+    # prepare_instruct reads data/synthetic (data.instruct.source may be synthetic://NAME), where
+    # synthesize@gptforge-docs writes the chunks of docs/
+    assert stages == {
+        "prepare_pretrain",
+        "pretrain",
+        "synthesize@gptforge-docs",
+        "prepare_instruct",
+        "finetune_instruct",
+        "evaluate@instruct",
+    }
     assert not stages & TRAINED_AFTER_SFT
 
 
@@ -75,14 +84,22 @@ def test_the_reports_still_come_from_every_model(tmp_path):
     assert {f"evaluate@{name}" for name in params["evaluate"]["models"]} <= evaluated
     registered = upstream(repo, "register_report")
     assert {f"register@{model}" for model in params["registry"]["names"]} <= registered
-    # each per-model registration waits for the evaluations its tags and gate read
-    assert {f"evaluate@{name}" for name in params["evaluate"]["models"]} <= upstream(repo, "register@classify")
+    # each per-model registration waits for its own evaluation alone (registry.evaluations)
+    assert not {s for s in upstream(repo, "register@classify") if s.startswith("evaluate")}
+    instruct = upstream(repo, "register@instruct")
+    assert {s for s in instruct if s.startswith("evaluate")} == {"evaluate@instruct"}
+    assert not instruct & {"finetune_instruct_variant@smollm2", "prepare_base@smollm2"}  # SmolLM2's chain
+    assert {s for s in upstream(repo, "register@rl") if s.startswith("evaluate")} == set()
 
 
 @pytest.mark.parametrize(
     "command, key, message",
     [
-        ("evaluate", "evaluate.only", "evaluate.models has no entry 'nope' (entries: pretrain, instruct)"),
+        (
+            "evaluate",
+            "evaluate.only",
+            "evaluate.models has no entry 'nope' (entries: pretrain, instruct, smollm2, smollm2_sft)",
+        ),
         (
             "register",
             "registry.only",
@@ -162,3 +179,27 @@ def test_register_report_and_the_gate_read_the_per_model_files(tmp_path, monkeyp
     assert metrics_of("pretrain", Path("metrics")) == {}
     Path("metrics/evaluate.json").write_text(json.dumps({"pretrain.mmlu.acc": 0.3}))
     assert metrics_of("pretrain", Path("metrics")) == {"evaluate.pretrain.mmlu.acc": 0.3}
+    # registry.evaluations names the file: an evaluate@NAME's, or the model's own (no evaluation)
+    assert metrics_of("instruct", Path("metrics"), "metrics/evaluate/instruct.json") == {
+        "evaluate.instruct.hellaswag.acc_norm": 0.4
+    }
+    assert metrics_of("instruct", Path("metrics"), "metrics/instruct.json") == {}
+
+
+def test_registry_evaluations_name_a_file_a_stage_writes(tmp_path):
+    # the schema: one entry per registered model, an evaluate@NAME file or the model's own metrics
+    with pytest.raises(BadInput, match=r"registry.evaluations: expected one entry for each of registry.names"):
+        load_config(REPO / "params.yaml", ['registry.evaluations={"pretrain": "metrics/pretrain.json"}'])
+    with pytest.raises(BadInput, match=r"registry.evaluations.rl: expected metrics/evaluate/NAME.json .* got 'x.json'"):
+        load_config(REPO / "params.yaml", ["registry.evaluations.rl=x.json"])
+    # the pipeline: an evaluate@NAME file needs NAME in evaluate.models, said before any work
+    from gptforge.pipeline.run import resolve_params
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    with pytest.raises(BadInput) as e:
+        resolve_params(None, ["registry.evaluations.rl=metrics/evaluate/rl.json"], tmp_path / "params.yaml")
+    assert str(e.value) == (
+        "registry.evaluations.rl: metrics/evaluate/rl.json is written by no stage (evaluate.models has no rl: "
+        "pretrain, instruct, smollm2, smollm2_sft); name one of them, or metrics/rl.json"
+    )
+    resolve_params(None, ["registry.evaluations.rl=metrics/evaluate/smollm2_sft.json"], tmp_path / "params.yaml")

@@ -133,3 +133,30 @@ def test_unknown_task_name_lists_close_matches(tmp_path, monkeypatch, never_eval
     cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=hs_file, tasks=["hellaswag", "helaswag"])
     msg = run_bad(tmp_path, monkeypatch, cfg)
     assert msg.startswith("evaluate.tasks: unknown lm-eval task 'helaswag'; did you mean hellaswag")
+
+
+def test_a_local_source_is_cut_to_its_first_records(tmp_path, small_tokenizer, checkpoint):
+    # evaluate.hellaswag.limit: the file's first rows; evaluate.mmlu.limit: each subject's first
+    # questions (lm-eval's own `limit` is the same for every task)
+    import json
+
+    from gptforge.config.load import validate
+    from gptforge.evaluate.task_data import plan_tasks
+
+    hs = write_jsonl(tmp_path / "data" / "hellaswag_val.jsonl", HELLASWAG)
+    mmlu = write_mmlu(tmp_path / "data" / "mmlu", "jsonl")
+    cfg = make_cfg(small_tokenizer, models={"pretrain": checkpoint}, hellaswag=hs, mmlu=mmlu)
+    tree = cfg.model_dump()
+    tree["evaluate"]["hellaswag"]["limit"] = 3
+    tree["evaluate"]["mmlu"]["limit"] = 2
+    plan = plan_tasks(validate(tree), tmp_path / "work")
+    assert plan.local == {"hellaswag": f"{hs} (3 examples)", "mmlu": f"{mmlu} (4 examples)"}
+    written = [json.loads(line) for line in (tmp_path / "work/data/hellaswag.jsonl").read_text().splitlines()]
+    assert [r["ctx_a"] for r in written] == [r["ctx_a"] for r in HELLASWAG[:3]]
+    biology = (tmp_path / "work/data/mmlu_high_school_biology.test.jsonl").read_text().splitlines()
+    assert [json.loads(line)["question"] for line in biology] == [
+        r["question"] for r in mmlu_rows("test") if r["subject"] == "high_school_biology"
+    ][:2]
+    tree["evaluate"]["hellaswag"] = {"source": None, "limit": 3}
+    with pytest.raises(BadInput, match=r"evaluate.hellaswag: .*limit sizes a local source: set source too"):
+        validate(tree)

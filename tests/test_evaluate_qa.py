@@ -137,21 +137,23 @@ def config(models: dict[str, Path], *extra: str, endpoint: bool = True):
 @pytest.fixture
 def prompts(monkeypatch) -> dict[str, list[list[int]]]:
     """The prompt ids each kind of model was given, recorded where the instruct stage's decoding
-    hands them to the model: `decoding.generate` (our GPT) and `decoding.generate_hf`."""
+    hands them to the model: `decoding.generate` (our GPT, one prompt at a time) and
+    `hf_models.generate_rows` (a batch of left-padded prompts: each row without its padding)."""
     from gptforge.finetune import hf_models, instruct
 
     seen: dict[str, list[list[int]]] = {"gpt": [], "hf": []}
 
-    def recording(kind, fn):
-        def wrapper(model, *args, **kwargs):
-            ids = args[1] if kind == "hf" else args[0]  # generate_hf(model, tokenizer, ids, ...)
-            seen[kind].append(ids[0].tolist())
-            return fn(model, *args, **kwargs)
+    def gpt(model, ids, *args, **kwargs):
+        seen["gpt"].append(ids[0].tolist())
+        return instruct_generate(model, ids, *args, **kwargs)
 
-        return wrapper
+    def hf(model, ids, mask, *args, **kwargs):
+        seen["hf"].extend(row[m.bool()].tolist() for row, m in zip(ids, mask))
+        return rows_generate(model, ids, mask, *args, **kwargs)
 
-    monkeypatch.setattr(instruct, "generate", recording("gpt", instruct.generate))
-    monkeypatch.setattr(hf_models, "generate_hf", recording("hf", hf_models.generate_hf))
+    instruct_generate, rows_generate = instruct.generate, hf_models.generate_rows
+    monkeypatch.setattr(instruct, "generate", gpt)
+    monkeypatch.setattr(hf_models, "generate_rows", hf)
     return seen
 
 
@@ -187,20 +189,23 @@ def test_both_modes_per_model_rag_prompts_hold_the_source_chunk_and_scores_are_a
     n = len(pairs)
     assert len(prompts["gpt"]) == len(prompts["hf"]) == 2 * n
     for kind, positions in (("gpt", 128), ("hf", 256)):
-        texts = [decode(ids) for ids in prompts[kind]]
-        for pair, plain, rag, ids in zip(pairs, texts[:n], texts[n:], prompts[kind][n:]):
+        # a Hugging Face model answers in batches of prompts of similar lengths: matched by question
+        texts = {decode(ids): len(ids) for ids in prompts[kind]}
+        plains = [t for t in texts if "Context:" not in t]
+        for pair in pairs:
             source = chunks[pair["chunk"]].text
-            assert pair["instruction"] in plain and pair["instruction"] in rag
-            assert "Context:" not in plain and source[:30] not in plain
-            assert len(ids) + 8 <= positions  # prompt, chunks and max_new_tokens fit
+            (plain,) = [t for t in plains if pair["instruction"] in t]
+            (rag,) = [t for t in texts if "Context:" in t and f"Question: {pair['instruction']}" in t]
+            assert source[:30] not in plain
+            assert texts[rag] + 8 <= positions  # prompt, chunks and max_new_tokens fit
             if kind == "hf":
                 assert source in rag  # 256 positions: the source chunk whole
             else:
                 assert source[:80] in rag  # 128 positions: its beginning (the rest is cut)
         if kind == "hf":
-            assert texts[0].startswith("<|im_start|>user\n")  # the chat template
+            assert all(t.startswith("<|im_start|>user\n") for t in texts)  # the chat template
         else:
-            assert texts[0].startswith("Below is an instruction that describes a task.")  # alpaca
+            assert all(t.startswith("Below is an instruction that describes a task.") for t in texts)  # alpaca
     gpt_sources = [s for r in rows if r["model"] == "gpt" for s in r["sources"]]
     assert any(s["included"] == "cut" for s in gpt_sources)
 
@@ -230,20 +235,33 @@ def test_both_modes_per_model_rag_prompts_hold_the_source_chunk_and_scores_are_a
     }
 
 
-def reader(model, tokenizer, ids, max_new_tokens, **kwargs):
-    """A stand-in for a model that reads, put in place of `hf_models.generate_hf`: it answers with
-    the first sentence of the context's top chunk, and "I do not know." without context."""
+def tokenizer_of(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def reader(tokenizer):
+    """A stand-in for a model that reads, put in place of `hf_models.generate_rows` (a batch of
+    left-padded prompts): each row answers with the first sentence of its context's top chunk,
+    and "I do not know." without context; rows are padded after their end of text."""
     import torch
 
-    prompt = tokenizer.decode(ids[0].tolist())
-    found = re.search(r"\[1\] [^\n]*\n(.*?)(?:\n\n\[2\]|\n\nQuestion:)", prompt, re.S)
-    if found:
-        body = " ".join(line for line in found.group(1).splitlines() if line and not line.startswith("#"))
-        answer = body.split(". ")[0] + "."
-    else:
-        answer = "I do not know."
-    new = tokenizer.encode(answer, add_special_tokens=False)[: max_new_tokens - 1] + [tokenizer.eos_token_id]
-    return torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
+    def generate_rows(model, ids, mask, max_new_tokens, *, stops, pad_id):
+        answers = []
+        for row, m in zip(ids, mask):
+            prompt = tokenizer.decode(row[m.bool()].tolist())
+            found = re.search(r"\[1\] [^\n]*\n(.*?)(?:\n\n\[2\]|\n\nQuestion:)", prompt, re.S)
+            if found:
+                body = " ".join(line for line in found.group(1).splitlines() if line and not line.startswith("#"))
+                answer = body.split(". ")[0] + "."
+            else:
+                answer = "I do not know."
+            answers.append(tokenizer.encode(answer, add_special_tokens=False)[: max_new_tokens - 1] + [stops[0]])
+        width = max(len(a) for a in answers)
+        return torch.tensor([a + [pad_id] * (width - len(a)) for a in answers], dtype=ids.dtype)
+
+    return generate_rows
 
 
 def test_scores_follow_the_answers_of_a_reader_that_needs_the_context(tmp_path, monkeypatch, models):
@@ -251,7 +269,7 @@ def test_scores_follow_the_answers_of_a_reader_that_needs_the_context(tmp_path, 
     score is answer_quality's over the written answers."""
     from gptforge.finetune import hf_models
 
-    monkeypatch.setattr(hf_models, "generate_hf", reader)
+    monkeypatch.setattr(hf_models, "generate_rows", reader(tokenizer_of(models["llama"])))
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path)
     metrics = E.evaluate_qa(config({"llama": models["llama"]}, "evaluate_qa.max_new_tokens=64"))
@@ -402,7 +420,7 @@ def test_own_question_file_over_chunks_alone_scores_by_the_formulas(tmp_path, mo
     Retrieval finds the named file for 2 of the 3 questions that name one."""
     from gptforge.finetune import hf_models
 
-    monkeypatch.setattr(hf_models, "generate_hf", reader)
+    monkeypatch.setattr(hf_models, "generate_rows", reader(tokenizer_of(models["llama"])))
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path, documents={"rivers.md": DOC, "lakes.md": LAKES}, qa=False)
     write_questions(tmp_path / "data/qa/rivers.jsonl", OWN)

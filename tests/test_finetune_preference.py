@@ -139,6 +139,22 @@ def test_trl_dpo_loss_of_a_batch_equals_the_formula_in_float64(sft_gpt, tmp_path
     assert abs(expected - math.log(2)) > 1e-3  # the ratios really differ from zero
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_validation_before_training_is_what_trl_measures(sft_gpt, tmp_path, method):
+    # start_validation writes SAME_AS_REFERENCE without scoring: trl's own evaluation of the
+    # untrained policy against its reference must give exactly those figures.
+    cfg = config(sft_gpt, f"preference.method={method}")
+    session = P.setup(cfg, write_splits(tmp_path / "data"))
+    trainer = P.make_trainer(session.models, session.pairs, cfg, session.rt, str(tmp_path / "trl"), session.max_length)
+    measured = trainer.evaluate()
+    for key, value in P.SAME_AS_REFERENCE.items():
+        assert measured[key] == pytest.approx(value, abs=1e-6), key
+    assert P.start_validation(trainer, cfg) == P.SAME_AS_REFERENCE
+    assert trainer.state.log_history[-1]["eval_loss"] == pytest.approx(math.log(2))  # logged as trl logs one
+    other = config(sft_gpt, f"preference.method={method}", "preference.loss_type=hinge")
+    assert P.start_validation(trainer, other)["eval_loss"] == pytest.approx(measured["eval_loss"])  # measured
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 

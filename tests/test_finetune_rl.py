@@ -427,6 +427,15 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
             "tokenizer.path": TOKENIZER,
             "tracking.enabled": False,
             "instruct.template": "phi3",
+            # the quickstart's alignment runs on SmolLM2 (chat template, LoRA, 160 positions): the
+            # tiny GPT here takes the instruct stage's template and its own positions
+            "reward.template": None,
+            "reward.method": "full",
+            "reward.max_length": None,
+            "reward.max_samples": None,
+            "rl.template": None,
+            "rl.method": "full",
+            "rl.max_heldout": None,
             "reward.init_from": str(sft),
             "reward.batch_size": 4,
             "reward.lr": 1e-3,

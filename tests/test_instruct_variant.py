@@ -23,6 +23,8 @@ from test_finetune_instruct_hf import config, write_splits
 from gptforge.config.load import load_config
 from gptforge.errors import BadInput
 
+REPO = Path(__file__).resolve().parents[1]
+
 VARIANT = {
     "init_from": None,
     "method": "lora",
@@ -287,10 +289,14 @@ def test_closing_summary_shows_each_variant_before_and_after(tmp_path):
         )
     )
     report = PipelineReport(stages=[StageReport("finetune_instruct_variant@smollm2", "ran")])
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     lines = closing_summary(report, tmp_path)
-    assert "  smollm2 SFT test loss        1.203 -> 0.972" in lines
-    assert "  smollm2 SFT token F1         0.518 -> 0.815" in lines
-    assert "  smollm2 SFT ROUGE-L          0.420 -> 0.760" in lines
+    # one variant: its lines under its family's title, the quickstart's base model
+    assert lines[2] == "  smollm2 (packaged://smollm2-135m-instruct):"
+    assert "    SFT test loss                  1.203 -> 0.972" in lines
+    assert "    SFT token F1                   0.518 -> 0.815" in lines
+    assert "    SFT ROUGE-L                    0.420 -> 0.760" in lines
+    assert not any("exact match" in line for line in lines)  # 0.000 -> 0.000 says nothing
 
 
 def test_serve_offers_the_variants_first(tmp_path, monkeypatch):
@@ -308,3 +314,22 @@ def test_serve_offers_the_variants_first(tmp_path, monkeypatch):
     assert default_specs(cfg, language_models_only=True)[0] == "smollm2=checkpoints/instruct_smollm2/final"
     Path("checkpoints/instruct_smollm2/final").rmdir()
     assert default_specs(cfg)[0] == "instruct=checkpoints/instruct/final"
+
+
+def test_serve_offers_the_aligned_hugging_face_model_first(tmp_path, monkeypatch):
+    from gptforge.serve.sources import default_specs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ['instruct_variants.models={"smollm2": {"init_from": "checkpoints/base/smollm2"}}'])
+    for folder in ("checkpoints/instruct_smollm2/final", "checkpoints/instruct/final", "checkpoints/rl/final"):
+        Path(folder).mkdir(parents=True)
+    # a gptforge GPT's RL copy (its config has no model_type) is not offered first
+    Path("checkpoints/rl/final/config.json").write_text(json.dumps({"n_layer": 2}))
+    assert default_specs(cfg, language_models_only=True)[0] == "smollm2=checkpoints/instruct_smollm2/final"
+    # a Hugging Face one (the quickstart's SmolLM2 after GRPO) is, before its SFT
+    Path("checkpoints/rl/final/config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert default_specs(cfg)[:3] == [
+        "rl=checkpoints/rl/final",
+        "smollm2=checkpoints/instruct_smollm2/final",
+        "instruct=checkpoints/instruct/final",
+    ]

@@ -267,11 +267,13 @@ def test_closing_summary_shows_the_reward_model_and_the_rl_reward_before_and_aft
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports" / "rl_responses.jsonl").write_text("{}\n")
     lines = closing_summary(PipelineReport(stages=[]), tmp_path)
-    assert "  DPO reward accuracy (val)    0.655" in lines
-    assert "  reward model accuracy (val)  0.500 -> 0.704" in lines
-    assert "  RL held-out reward           0.078 -> 1.611" in lines
-    assert "  RL answers' token F1         0.590 -> 0.612" in lines
-    assert "  RL answers' distinct tokens  0.950 -> 0.900" in lines
-    assert not any(line.startswith("  DPO answers'") for line in lines)  # not in rl.json: no line
-    assert "  registered models            reward v1 challenger, rl v2 champion" in lines
+    # no params.yaml: the defaults, where the chain starts from the GPT pretrained here
+    assert lines[2] == "  gptforge's GPT, pretrained here from scratch:"
+    assert "    DPO reward accuracy (val)      0.655" in lines
+    assert "    reward model accuracy (val)    0.500 -> 0.704" in lines
+    assert "    RL held-out reward             0.078 -> 1.611" in lines
+    assert "    RL answers' token F1           0.590 -> 0.612" in lines
+    assert "    RL answers' distinct tokens    0.950 -> 0.900" in lines
+    assert not any(line.strip().startswith("DPO answers'") for line in lines)  # not in rl.json: no line
+    assert "  registered models                reward v1 challenger, rl v2 champion" in lines
     assert any(line.startswith("Reports: reports/rl_responses.jsonl") for line in lines)

@@ -85,3 +85,22 @@ def only_entries(entries, only: str | None, param: str) -> list[str]:
 
         raise BadInput(f"{param} has no entry {only!r} (entries: {', '.join(entries) or 'none'})")
     return [only]
+
+
+def check_evaluations(names: dict[str, str], evaluations: dict[str, str]) -> None:
+    """registry.evaluations: one entry per registry.names entry, each the file its register@MODEL
+    waits for: metrics/evaluate/NAME.json (what evaluate@NAME writes) or the model's own
+    metrics/MODEL.json when nothing evaluates it. That an evaluate@NAME exists for it is the
+    pipeline's check (`pipeline.run.check_evaluations_made`): a command run alone reads what is there."""
+    if list(evaluations) != list(names):
+        raise ValueError(
+            f"registry.evaluations: expected one entry for each of registry.names, in its order "
+            f"({', '.join(names) or 'none'}), got {', '.join(evaluations) or 'none'}"
+        )
+    for model, path in evaluations.items():
+        own = f"metrics/{model}.json"
+        if path != own and not re.fullmatch(r"metrics/evaluate/[^/]+\.json", path):
+            raise ValueError(
+                f"registry.evaluations.{model}: expected metrics/evaluate/NAME.json (an evaluate@NAME's) "
+                f"or {own} (not evaluated), got {path!r}"
+            )

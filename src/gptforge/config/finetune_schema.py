@@ -210,6 +210,9 @@ class RLConfig(FinetuneCommon):
     epochs: int = Field(1, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_prompts: Optional[int] = Field(256, gt=0, description="training prompts used (the split's first N); null: all")
+    max_heldout: Optional[int] = Field(
+        None, gt=0, description="held-out prompts answered before and after (the test split's first N); null: all"
+    )
     n_responses: Optional[int] = Field(5, gt=0, description="held-out prompts answered by SFT, DPO and RL; null: all")
     max_new_tokens: int = Field(64, gt=0)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from gptforge.config.checks import NAME_PATTERN, _check_names, _check_source, _resolve_sample
+from gptforge.config.checks import NAME_PATTERN, _check_names, _check_source, _resolve_sample, check_evaluations
 from gptforge.config.data_schema import DataConfig
 from gptforge.config.finetune_schema import ClassifyConfig, InstructConfig, PreferenceConfig, RewardConfig, RLConfig
 from gptforge.config.section import Section
@@ -207,8 +207,18 @@ class EvalSource(Section):
     # shipped task config reads it instead, with the standard prompts and metrics
     # (sample://hellaswag_val_1000.jsonl.gz and sample://mmlu are the embedded samples).
     source: Optional[str] = None
+    # the first N records of the local source (per subject for MMLU); null: all. Unlike
+    # evaluate.limit (every task alike) it sizes one task: the quickstart's 100 HellaSwag rows
+    # and 2 questions of each MMLU subject.
+    limit: Optional[int] = Field(None, gt=0, description="records of the local source (per MMLU subject); null: all")
 
     _sample = field_validator("source", mode="before")(_resolve_sample)
+
+    @model_validator(mode="after")
+    def _limit_needs_source(self):
+        if self.limit is not None and self.source is None:
+            raise ValueError("limit sizes a local source: set source too (or use evaluate.limit)")
+        return self
 
 
 class EvaluateConfig(Section):
@@ -217,6 +227,9 @@ class EvaluateConfig(Section):
     limit: Optional[int] = Field(None, gt=0, description="examples per task (per MMLU subject); null: all")
     batch_size: int = Field(16, gt=0)
     device: str = "auto"
+    # the weights of a Hugging Face model while it is scored: fp32 | bf16 | auto-bf16 (bf16 on
+    # CUDA and on CPUs with native bf16, else fp32); gptforge's GPT is scored in fp32
+    precision: Literal["fp32", "bf16", "auto-bf16"] = "fp32"
     # Models evaluated, each when its folder exists: name -> gptforge checkpoint or Hugging Face causal-LM folder.
     models: dict[str, str] = {
         "pretrain": "checkpoints/pretrain/final",
@@ -366,6 +379,14 @@ class EvaluateQAConfig(Section):
     limit: Optional[int] = Field(None, gt=0, description="questions answered (the first N); null: all")
     max_new_tokens: int = Field(128, gt=0)
     device: str = "auto"
+    # a Hugging Face model's weights while it answers: fp32 | bf16 | auto-bf16 (bf16 on CUDA and
+    # on CPUs with native bf16); gptforge's GPT answers in fp32
+    precision: Literal["fp32", "bf16", "auto-bf16"] = "fp32"
+    # the models that answer (name -> folder, each when it exists); null: evaluate.models. The
+    # quickstart's are the SmolLM2 chain (base, SFT, DPO, RL), not the tiny GPT.
+    models: Optional[dict[str, str]] = None
+    # the prompt template; null: instruct.template (chat falls back to alpaca for a model without one)
+    template: Optional[Literal["alpaca", "phi3", "chat"]] = None
 
     @field_validator("questions")
     @classmethod
@@ -425,6 +446,17 @@ class RegistryConfig(Section):
         "preference": "gptforge-preference",
         "reward": "gptforge-reward",
         "rl": "gptforge-rl",
+    }
+    # model -> the file its register@MODEL waits for and reads its evaluation from (dvc.yaml's
+    # register stage iterates this table): metrics/evaluate/NAME.json of an entry of
+    # evaluate.models, or its own metrics/MODEL.json when nothing evaluates it
+    evaluations: dict[str, str] = {
+        "pretrain": "metrics/evaluate/pretrain.json",
+        "classify": "metrics/classify.json",
+        "instruct": "metrics/evaluate/instruct.json",
+        "preference": "metrics/evaluate/preference.json",
+        "reward": "metrics/reward.json",
+        "rl": "metrics/evaluate/rl.json",
     }
     # model -> {"<metrics file>.<key>": "<op> <number>"} (op: >=, >, <=, <, ==); a new version that
     # meets all of them gets the alias `champion`, one that does not `challenger`. No entry: champion.
@@ -516,6 +548,11 @@ class Config(Section):
                     f"instruct_variants.models.{name}.nproc_per_node: a variant trains in one process; "
                     "several processes are the instruct stage's (instruct.nproc_per_node)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _registry_evaluations(self):
+        check_evaluations(self.registry.names, self.registry.evaluations)
         return self
 
     @model_validator(mode="after")

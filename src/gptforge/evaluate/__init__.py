@@ -106,6 +106,16 @@ def _child_of(run: NullRun):
             os.environ[mlflow_values.PARENT_ENV] = old
 
 
+def scoring_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype a Hugging Face model is scored in (`evaluate.precision`)."""
+    import torch
+
+    from gptforge.modeling.hf_causal import cpu_has_native_bf16
+
+    native = device.type == "cuda" or cpu_has_native_bf16()
+    return torch.bfloat16 if precision == "bf16" or (precision == "auto-bf16" and native) else torch.float32
+
+
 def evaluate_model(
     name: str, folder: Path, plan: TaskPlan, tasks: list, cfg, enc, device: torch.device, results_dir: Path
 ) -> dict:
@@ -131,7 +141,7 @@ def evaluate_model(
         from gptforge.evaluate.lm import measured
         from gptforge.modeling.hf_causal import load_causal_lm
 
-        model, tokenizer = load_causal_lm(str(folder), param=param)
+        model, tokenizer = load_causal_lm(str(folder), param=param, dtype=scoring_dtype(ev.precision, device))
         model = model.to(device).eval()  # HFLM takes a loaded model where it is (its device= is for a name)
         lm = measured(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size, device=str(device)), name)
     else:

@@ -235,8 +235,8 @@ def _task_yaml(template: str, extra: dict[str, Any], cache_dir: Path, data_files
     return text
 
 
-def write_hellaswag_task(source: str, out: Path) -> int:
-    docs = load_hellaswag(source)
+def write_hellaswag_task(source: str, out: Path, limit: int | None = None) -> int:
+    docs = load_hellaswag(source)[:limit]
     data = out / "data" / "hellaswag.jsonl"
     _write_jsonl(data, docs)
     (out / "hellaswag.yaml").write_text(
@@ -245,13 +245,14 @@ def write_hellaswag_task(source: str, out: Path) -> int:
     return len(docs)
 
 
-def write_mmlu_tasks(source: str, out: Path, num_fewshot: int | None) -> int:
+def write_mmlu_tasks(source: str, out: Path, num_fewshot: int | None, limit: int | None = None) -> int:
     files = mmlu_files(source)
     test = load_mmlu(files["test"])
     dev = load_mmlu(files["dev"]) if "dev" in files else []
     by_subject: dict[str, list[dict]] = {}
     for doc in test:
         by_subject.setdefault(doc["subject"], []).append(doc)
+    by_subject = {subject: docs[:limit] for subject, docs in by_subject.items()}
     dev_by_subject: dict[str, list[dict]] = {}
     for doc in dev:
         dev_by_subject.setdefault(doc["subject"], []).append(doc)
@@ -287,7 +288,7 @@ def write_mmlu_tasks(source: str, out: Path, num_fewshot: int | None) -> int:
     group = (TASKS_DIR / "mmlu_group.yaml").read_text(encoding="utf-8").rstrip() + "\n"
     group += "task:\n" + "".join(f"  - {name}\n" for name in tasks)
     (out / "mmlu.yaml").write_text(group, encoding="utf-8")
-    return len(test)
+    return sum(len(docs) for docs in by_subject.values())
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -322,9 +323,9 @@ def plan_tasks(cfg, workdir: Path) -> TaskPlan:
                 )
             else:
                 n = (
-                    write_hellaswag_task(source, workdir)
+                    write_hellaswag_task(source, workdir, ev.hellaswag.limit)
                     if name == "hellaswag"
-                    else write_mmlu_tasks(source, workdir, ev.num_fewshot)
+                    else write_mmlu_tasks(source, workdir, ev.num_fewshot, ev.mmlu.limit)
                 )
                 plan.local[name] = f"{source} ({n} examples)"
         else:

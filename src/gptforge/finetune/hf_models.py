@@ -2,8 +2,8 @@
 
 The recipes treat both kinds of model alike (`common.is_gpt` tells them apart) and call in here
 for the three things a transformers model does its own way: the loss over our already-shifted
-targets (`lm_loss`), greedy answers with transformers' `generate` (`greedy_answers`), and the
-result as a standard Hugging Face folder (`save_hf_model`, `merged_qlora`). Loading lives in
+targets (`lm_loss`), greedy answers with transformers' `generate` in batches (`greedy_answers`,
+`batched_greedy`), and the result as a standard Hugging Face folder (`save_hf_model`, `merged_qlora`). Loading lives in
 `gptforge.modeling.hf_causal` (shared with `gptforge generate` and the evaluate stage) and
 `common.load_hf_base`.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptforge.finetune.common import model_positions
 from gptforge.finetune.templates import IGNORE_INDEX, Example
-from gptforge.modeling.decoding import generate_hf
 from gptforge.modeling.hf_causal import HFTokenizer, stop_ids
 from gptforge.training.runtime import Runtime
 
@@ -77,31 +77,106 @@ def targeted_logits(model: nn.Module, inputs: torch.Tensor, keep: torch.Tensor) 
     return head(hidden[keep])
 
 
+ANSWER_BATCH = 8  # prompts answered together by `greedy_answers`
+
+
 @torch.no_grad()
 def greedy_answers(
     model: nn.Module, examples: Sequence[Example], *, enc: HFTokenizer, max_new_tokens: int, positions: int, rt: Runtime
 ) -> tuple[list[str], float]:
-    """Greedy answers to each prompt with `decoding.generate_hf` (transformers' `generate`, its
-    KV cache), one prompt at a time as the GPT path does, stopping at any of the model's stop ids (`stop_ids`).
-    Returns (texts, generated tokens per second of generation)."""
+    """Greedy answers to each prompt, stopping at any of the model's stop ids (`stop_ids`):
+    `batched_greedy` (transformers' `generate`, its KV cache) over batches of ANSWER_BATCH
+    prompts of similar lengths, since one prompt at a time leaves a CPU waiting on every token
+    (the quickstart's SmolLM2 answers: 1.1-2 s each alone). Returns (texts in the examples'
+    order, generated tokens per second of generation, all rows counted)."""
     from tqdm.auto import tqdm
 
     stops = stop_ids(enc.tokenizer, model)
-    texts, generated, seconds = [], 0, 0.0
-    for prompt_ids, _ in tqdm(examples, desc="instruct responses", unit="resp", leave=False):
-        idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
-        room = min(max_new_tokens, positions - len(prompt_ids))
-        rt.sync()
-        t0 = time.perf_counter()
-        with rt.autocast():
-            out = generate_hf(model, enc.tokenizer, idx, room, temperature=0, stop=stops)
-        rt.sync()
-        seconds += time.perf_counter() - t0
-        new = out[0, len(prompt_ids) :].tolist()
-        generated += len(new)
-        end = next((i for i, t in enumerate(new) if t in stops), len(new))
-        texts.append(enc.decode(new[:end]).strip())
+    pad = enc.tokenizer.pad_token_id if enc.tokenizer.pad_token_id is not None else stops[0]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    texts, generated, seconds = [""] * len(examples), 0, 0.0
+    with tqdm(total=len(examples), desc="instruct responses", unit="resp", leave=False) as bar:
+        for start in range(0, len(order), ANSWER_BATCH):
+            batch = order[start : start + ANSWER_BATCH]
+            rt.sync()
+            t0 = time.perf_counter()
+            answers = batched_greedy(
+                model,
+                [examples[i][0] for i in batch],
+                limit=max_new_tokens,
+                stops=stops,
+                pad_id=pad,
+                rt=rt,
+                positions=positions,
+            )
+            rt.sync()
+            seconds += time.perf_counter() - t0
+            for i, new in zip(batch, answers):
+                generated += len(new)
+                end = next((k for k, t in enumerate(new) if t in stops), len(new))
+                texts[i] = enc.decode(new[:end]).strip()
+            bar.update(len(batch))
     return texts, generated / seconds if seconds > 0 else 0.0
+
+
+def generate_rows(model: nn.Module, ids, mask, max_new_tokens: int, *, stops: Sequence[int], pad_id: int):
+    """transformers' greedy `generate` over a batch of left-padded rows: each row's new ids (after
+    its first stop id, padding). The decoding boundary of `batched_greedy` (tests put a stand-in here)."""
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        eos_token_id=list(stops),
+        pad_token_id=pad_id,
+    )
+    return out[:, ids.shape[1] :]
+
+
+@torch.no_grad()
+def batched_greedy(
+    model: nn.Module,
+    prompt_ids: Sequence[list[int]],
+    *,
+    limit: int,
+    stops: Sequence[int],
+    pad_id: int,
+    rt: Runtime,
+    batch_size: int = 64,
+    positions: int | None = None,
+) -> list[list[int]]:
+    """Greedy answers' ids (cut after their first stop id, which they keep) to the prompts, in
+    batches of left-padded prompts (transformers' models take their positions from the attention
+    mask, so padding changes nothing but the rounding of a batched product), each up to `limit`
+    new tokens and the model's positions. The RL stage's held-out answers and evaluate_qa's."""
+    was_training = model.training
+    model.eval()
+    positions = model_positions(model) if positions is None else positions
+    answers: list[list[int]] = []
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[start : start + batch_size]
+            width = max(len(p) for p in chunk)
+            room = min(limit, positions - width)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, p in enumerate(chunk):
+                ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[row, width - len(p) :] = 1
+            if room <= 0:
+                answers += [[] for _ in chunk]
+                continue
+            with rt.autocast():
+                new = generate_rows(model, ids.to(rt.device), mask.to(rt.device), room, stops=stops, pad_id=pad_id)
+            for row in new.tolist():
+                end = next((i for i, t in enumerate(row) if t in stops), None)
+                answers.append(row if end is None else row[: end + 1])
+    finally:
+        model.train(was_training)
+    return answers
 
 
 def save_hf_model(model: nn.Module, tokenizer, folder: str | os.PathLike) -> Path:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -147,7 +148,8 @@ def make_trainer(
         args=args,
         processing_class=models.tokenizer,
         train_dataset=Dataset.from_list(train_rows),
-        eval_dataset=Dataset.from_list(pairs["val"].rows),
+        # shortest first: batches of similar lengths pad less (every pair is scored, in any order)
+        eval_dataset=Dataset.from_list(sorted(pairs["val"].rows, key=lambda r: r["length"])),
         callbacks=list(callbacks),
     )
     trainer.remove_callback(ProgressCallback)  # it prints every log dict; Records shows a bar instead
@@ -258,17 +260,40 @@ def _val_summary(metrics: dict[str, float], suffix: str = "") -> dict[str, float
     }
 
 
+# The validation of a policy that is its own reference, under the sigmoid loss: every implicit
+# reward beta * (log pi(y|x) - log pi_ref(y|x)) is 0, so no pair ranks right (the comparison is
+# strict), the margin is 0 and the loss is -log sigmoid(0) = log 2.
+SAME_AS_REFERENCE = {
+    "eval_loss": math.log(2),
+    "eval_rewards/accuracies": 0.0,
+    "eval_rewards/margins": 0.0,
+    "eval_rewards/chosen": 0.0,
+    "eval_rewards/rejected": 0.0,
+}
+
+
+def start_validation(trainer, cfg: Config) -> dict[str, float]:
+    """The validation before training. With `preference.reference` null the policy starts as its
+    reference (a frozen copy, or under LoRA the policy with its adapter off, whose B matrices
+    start at zero), so under the sigmoid loss the figures are SAME_AS_REFERENCE exactly: logged
+    as an evaluation would log them (the run, plots/preference_val.csv) without scoring every pair
+    twice (43 s of the quickstart's DPO stage). Any other loss or reference is measured."""
+    c = cfg.preference
+    if c.reference is None and c.loss_type == "sigmoid":
+        trainer.log(dict(SAME_AS_REFERENCE))
+        return dict(SAME_AS_REFERENCE)
+    return trainer.evaluate()
+
+
 def train(s: Session, cfg: Config, run=NullRun()) -> Session:
     """Validation before, trl's DPO epochs, validation after."""
-    import math
-
     c = cfg.preference
     torch.manual_seed(c.seed)
     s.workdir = tempfile.mkdtemp(prefix="gptforge-dpo-")  # trl's output_dir: nothing is saved there
     n_train = min(len(s.pairs["train"].rows), c.max_samples or len(s.pairs["train"].rows))
     s.callback = records_callback(run, math.ceil(n_train / c.batch_size) * c.epochs)
     s.trainer = make_trainer(s.models, s.pairs, cfg, s.rt, s.workdir, s.max_length, callbacks=[s.callback])
-    s.before = _val_summary(s.trainer.evaluate(), "_before")
+    s.before = _val_summary(start_validation(s.trainer, cfg), "_before")
     s.rt.sync()
     t0 = time.perf_counter()
     s.trainer.train()

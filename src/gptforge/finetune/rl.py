@@ -33,8 +33,9 @@ What it writes:
   reference, answer length, PPO clip ratio, share of answers cut at max_completion_length) and
   `plots/rl.png`; per step the MLflow run gets these and each reward's mean (`train_NAME`);
 - `reports/rl_responses.jsonl`: the first `n_responses` test prompts with the reference and the
-  SFT (checkpoints/instruct/final beside checkpoints/rl, else the starting model), the DPO
+  SFT (the starting model; for RL after DPO, `preference.init_from`), the DPO
   (checkpoints/preference/final, when there) and the RL model's greedy answers side by side.
+  `rl.max_heldout` limits the held-out prompts to the test split's first N.
 
 The prompts are encoded in `rl_prompts.py`; the models loaded, and their greedy answers made, in
 `rl_models.py`; the rewards are in `rewards.py`.
@@ -217,6 +218,16 @@ class Session:
     train_seconds: float = 0.0
 
 
+def comparison_folders(cfg: Config, out_dir: Path) -> dict[str, Path]:
+    """The SFT and DPO models whose answers go beside the RL model's: the SFT is the model RL
+    starts from (or, for RL after DPO, the one DPO started from); the DPO model is
+    checkpoints/preference/final beside checkpoints/rl."""
+    dpo = out_dir.parent / "preference" / "final"
+    start = Path(cfg.rl.init_from).expanduser()
+    after_dpo = dpo.is_dir() and start.resolve() == dpo.resolve()
+    return {"sft": Path(cfg.preference.init_from).expanduser() if after_dpo else start, "dpo": dpo}
+
+
 def display_answers(model: nn.Module, s: Session, cfg: Config, scored: Sequence[list[int]] | None = None):
     """The answers for the responses file: the first n_responses held-out prompts, up to
     max_new_tokens (the scored answers cut, when they are long enough: greedy is a prefix)."""
@@ -291,6 +302,7 @@ def _setup(cfg: Config, rt: Runtime, records: dict, template: str, workdir: str,
                 name,
                 max_length - c.max_completion_length,
             )
+    prompts["test"] = prompts["test"].head(c.max_heldout)  # rl.max_heldout: the first N answered
     reward_model = R.RewardModel(c.reward_model, rt.device) if "reward_model" in c.rewards else None
     rewards = R.Rewards(c.rewards, length_target=c.length_target, reward_model=reward_model, judge=cfg.instruct.judge)
     s = Session(models, prompts, rewards, rt, template, workdir)
@@ -383,8 +395,7 @@ def finish(
     rl_display = display_answers(model, s, cfg, after_ids)
 
     others = {}
-    root = out_dir.parent  # checkpoints/: the SFT and DPO models beside this one
-    for key, folder in (("sft", root / "instruct" / "final"), ("dpo", root / "preference" / "final")):
+    for key, folder in comparison_folders(cfg, out_dir).items():
         if folder.is_dir() and folder.resolve() == Path(c.init_from).expanduser().resolve():
             others[key] = s.before_display
         elif folder.is_dir():

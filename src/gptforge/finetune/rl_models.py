@@ -15,7 +15,8 @@ import torch.nn as nn
 from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
-from gptforge.finetune.common import apply_lora, load_base, load_hf_base, model_positions
+from gptforge.finetune.common import apply_lora, load_base, load_hf_base
+from gptforge.finetune.hf_models import batched_greedy as greedy  # noqa: F401 - rl.py's
 from gptforge.finetune.preference_models import model_family
 from gptforge.finetune.rl_prompts import Prompts
 from gptforge.modeling.hf_causal import HFTokenizer, hf_source, stop_ids
@@ -110,57 +111,6 @@ def load_other(folder: Path, cfg: Config, models: Models, rt: Runtime) -> nn.Mod
 
 # ---------------------------------------------------------------------------------------------
 # Answers
-
-
-@torch.no_grad()
-def greedy(
-    model: nn.Module,
-    prompt_ids: Sequence[list[int]],
-    *,
-    limit: int,
-    stops: Sequence[int],
-    pad_id: int,
-    rt: Runtime,
-    batch_size: int = 64,
-) -> list[list[int]]:
-    """Greedy answers' ids (cut after their first stop id, which they keep) to the prompts, in
-    batches of left-padded prompts (transformers' GPT-2 takes its positions from the attention
-    mask, so padding changes nothing), each up to `limit` new tokens and the model's positions."""
-    was_training = model.training
-    model.eval()
-    positions = model_positions(model)
-    answers: list[list[int]] = []
-    try:
-        for start in range(0, len(prompt_ids), batch_size):
-            chunk = prompt_ids[start : start + batch_size]
-            width = max(len(p) for p in chunk)
-            room = min(limit, positions - width)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, p in enumerate(chunk):
-                ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-                mask[row, width - len(p) :] = 1
-            if room <= 0:
-                answers += [[] for _ in chunk]
-                continue
-            with rt.autocast():
-                out = model.generate(
-                    input_ids=ids.to(rt.device),
-                    attention_mask=mask.to(rt.device),
-                    max_new_tokens=room,
-                    do_sample=False,
-                    num_beams=1,
-                    repetition_penalty=1.0,
-                    no_repeat_ngram_size=0,
-                    eos_token_id=list(stops),
-                    pad_token_id=pad_id,
-                )
-            for row in out[:, width:].tolist():
-                end = next((i for i, t in enumerate(row) if t in stops), None)
-                answers.append(row if end is None else row[: end + 1])
-    finally:
-        model.train(was_training)
-    return answers
 
 
 def make_answers(prompts: Prompts, ids: Sequence[list[int]], models: Models) -> list[R.Answer]:

@@ -26,6 +26,12 @@ class Prompts:
     kept: list[int] = field(default_factory=list)  # record index of each
     skipped_too_long: int = 0  # prompt + max_completion_length above max_length
 
+    def head(self, n: int | None) -> "Prompts":
+        """The first `n` kept prompts (all for None), as a Prompts of their own."""
+        if n is None or n >= len(self.ids):
+            return self
+        return Prompts(self.records, self.ids[:n], self.texts[:n], self.kept[:n], self.skipped_too_long)
+
     def rows(self, n: int | None = None) -> list[dict]:
         """trl's dataset rows: the prompt's text (a key to its ids) and the record's fields,
         which trl hands to the reward functions."""

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from gptforge.config.load import DEFAULT_PARAMS, EXTENDS, apply_overrides, bases, read_params, read_yaml, validate
-from gptforge.config.schema import Config
+from gptforge.config.schema import Config, variant_paths
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_file, read_json
 from gptforge.pipeline.dvc import (
@@ -182,6 +182,7 @@ def resolve_params(params: str | os.PathLike | None, overrides: Sequence[str], t
     tree = apply_overrides(tree, list(overrides))
     cfg = validate(tree, f"{source}{' with -S overrides' if overrides else ''}")
     check_start_folders(cfg, target.parent)
+    check_evaluations_made(cfg)
     return tree, cfg
 
 
@@ -241,7 +242,10 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
         *(p for p in folders if p.startswith("instruct_variants.")),
     ):
         value = folders[param]
-        made_before = any(_inside(value, out) for out in MADE_BEFORE.get(param, ()))
+        made = MADE_BEFORE.get(param, ())
+        if param in MADE_BEFORE:  # the chain after an SFT may start from an instruct variant's
+            made += tuple(variant_paths(name)["out_dir"] for name in cfg.instruct_variants.models)
+        made_before = any(_inside(value, out) for out in made)
         if made_before or _inside(value, PRETRAIN_OUT) or (root / value).exists():
             continue
         if _inside(value, BASE_OUT):
@@ -253,6 +257,18 @@ def check_start_folders(cfg: Config, root: Path = Path(".")) -> None:
             f"{param}: {value!r} is not a folder, and dvc.yaml tracks it as the stage's input: for hub "
             f"weights add `NAME: {value}` under base.models and set {param} to {BASE_OUT}/NAME"
         )
+
+
+def check_evaluations_made(cfg: Config) -> None:
+    """dvc.yaml makes each `registry.evaluations` file a dependency of its register@MODEL: an
+    evaluate@NAME file needs NAME in evaluate.models, or no stage writes it."""
+    for model, path in cfg.registry.evaluations.items():
+        name = Path(path).stem
+        if Path(path).parent.as_posix() == "metrics/evaluate" and name not in cfg.evaluate.models:
+            raise BadInput(
+                f"registry.evaluations.{model}: {path} is written by no stage (evaluate.models has no "
+                f"{name}: {', '.join(cfg.evaluate.models) or 'none'}); name one of them, or metrics/{model}.json"
+            )
 
 
 def default_targets(cfg: Config, known: Mapping[str, dict]) -> list[str]:

@@ -14,16 +14,18 @@ index@NAME, checked against the set's name and chunks), its `index.top_k` best c
 front of the question by `rag.prompt.augment`, cut to fit the model's positions with
 `evaluate_qa.max_new_tokens` left for the answer.
 
-The models: every entry of `evaluate.models` whose folder exists (as the evaluate stage walks
-them): a gptforge checkpoint or Hugging Face GPT-2 folder (our GPT, `tokenizer.path`), or any
-other Hugging Face causal-LM folder with its own tokenizer. Each is prompted in the instruct
-stage's template (`instruct.template`, finetune/templates.py) and answers greedily with the
-instruct stage's own decoding (`instruct.respond`, `hf_models.greedy_answers`). `chat` needs the
-model's chat template: a model without one (our GPT, a base model's tokenizer) is prompted with
-`alpaca` instead, and the report says so. A question whose plain prompt fills the model's
-positions gets the empty answer in both modes (counted, `<model>.too_long`).
+The models: every entry of `evaluate_qa.models` (null: `evaluate.models`) whose folder exists
+(as the evaluate stage walks them): a gptforge checkpoint or Hugging Face GPT-2 folder (our GPT,
+`tokenizer.path`), or any other Hugging Face causal-LM folder with its own tokenizer (in bf16
+under `evaluate_qa.precision` bf16). Each is prompted in `evaluate_qa.template` (null: the
+instruct stage's, `instruct.template`; finetune/templates.py) and answers greedily with the
+instruct stage's own decoding (`instruct.respond`; `hf_models.greedy_answers`, in batches of
+prompts of similar lengths). `chat` needs the model's chat template: a model without one (our
+GPT, a base model's tokenizer) is prompted with `alpaca` instead, and the report says so. A
+question whose plain prompt fills the model's positions gets the empty answer in both modes
+(counted, `<model>.too_long`).
 
-What it writes, per set (`<model>` the key in `evaluate.models`; `qa` without retrieval,
+What it writes, per set (`<model>` the model's key; `qa` without retrieval,
 `qa_rag` with it; `<metric>`: exact_match, token_f1, rouge_l, n, and judge_score and
 judge_unscored when `instruct.judge` names an endpoint):
 - `reports/evaluate_qa_NAME.jsonl`: one row per model x question: model, question, input,
@@ -114,7 +116,7 @@ def evaluate_qa(
         steps(read_set, cfg, name, synthetic_root=synthetic_root, index_root=index_root, instruct_dir=instruct_dir)
         for name in names
     ]
-    models = existing_models(cfg.evaluate.models)
+    models = existing_models(qa_models(cfg))
     rt = _runtime(cfg)
     rows: dict[str, list[dict]] = {s.name: [] for s in sets}
     notes: dict[str, dict] = {}
@@ -142,10 +144,11 @@ def _outputs(name: str, reports_dir, metrics_dir) -> tuple[Path, Path, Path]:
 
 
 def _runtime(cfg):
-    """The device (evaluate_qa.device: auto | cpu | cuda | cuda:N), fp32 weights as the evaluate stage."""
+    """The device (evaluate_qa.device: auto | cpu | cuda | cuda:N) and the precision
+    (evaluate_qa.precision: a Hugging Face model's weights in bf16 under bf16)."""
     from gptforge.finetune.common import runtime
 
-    return runtime(cfg.evaluate_qa.device, "fp32", param=PARAM)
+    return runtime(cfg.evaluate_qa.device, cfg.evaluate_qa.precision, param=PARAM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,16 +308,26 @@ def read_questions(path: Path, *, param: str) -> list[dict]:
 # The answers
 
 
+def qa_models(cfg) -> dict[str, str]:
+    """The models that answer: `evaluate_qa.models`, else `evaluate.models`."""
+    return cfg.evaluate_qa.models if cfg.evaluate_qa.models is not None else cfg.evaluate.models
+
+
 def load_answerer(cfg, name: str, folder: Path, rt) -> Answerer:
-    """The model of `evaluate.models.<name>` on the device, in eval mode, and its template."""
+    """The model `name` (of `qa_models`) on the device, in eval mode, and its template."""
+    import torch
+
     from gptforge.finetune.common import model_positions
     from gptforge.modeling.hf_causal import HFTokenizer, hf_source
 
-    param = f"evaluate.models.{name}"
+    param = f"evaluate_qa.models.{name}" if cfg.evaluate_qa.models is not None else f"evaluate.models.{name}"
     if hf_source(str(folder)) is not None:
         from gptforge.modeling.hf_causal import load_causal_lm
 
-        model, tokenizer = load_causal_lm(str(folder), param=param)
+        # bf16 weights under evaluate_qa.precision bf16: autocast over fp32 ones would cast every
+        # weight again at each decoded token
+        dtype = torch.bfloat16 if rt.precision == "bf16" else None
+        model, tokenizer = load_causal_lm(str(folder), param=param, dtype=dtype)
         enc, gpt = HFTokenizer(tokenizer), False
     else:  # a gptforge checkpoint, or a Hugging Face GPT-2 folder converted
         from gptforge.modeling.hf_convert import load_pretrained
@@ -328,9 +341,9 @@ def load_answerer(cfg, name: str, folder: Path, rt) -> Answerer:
                 f"(tokenizer.path) {enc.n_vocab}"
             )
     model = model.to(rt.device).eval()
-    template = cfg.instruct.template
+    template = cfg.evaluate_qa.template or cfg.instruct.template
     if template == "chat" and not getattr(getattr(enc, "tokenizer", None), "chat_template", None):
-        log.info("evaluate_qa %s: no chat template (instruct.template is chat): prompted with alpaca", name)
+        log.info("evaluate_qa %s: no chat template (the template is chat): prompted with alpaca", name)
         template = "alpaca"
     return Answerer(name, model, enc, template, model_positions(model), gpt)
 

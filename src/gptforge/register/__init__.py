@@ -71,17 +71,23 @@ class NotRegistrable(Exception):
     """A model the registry cannot hold as an MLflow model (the stage warns and goes on)."""
 
 
-def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
-    """The metrics a version carries as tags: its stage's file whole, and its evaluation
-    (metrics/evaluate/<model>.json, which evaluate@<model> writes; else its rows of
-    metrics/evaluate.json), keyed `<file>.<key>` as the gate names them
-    (`evaluate.<model>.<task>.<metric>`)."""
+def metrics_of(model: str, metrics_dir: Path, evaluation: str | None = None) -> dict[str, float]:
+    """The metrics a version carries as tags: its stage's file whole, and its evaluation, keyed
+    `<file>.<key>` as the gate names them (`evaluate.<name>.<task>.<metric>`). The evaluation is
+    `evaluation` (registry.evaluations.MODEL) when it is an evaluate@NAME file
+    (metrics/evaluate/NAME.json); with no `evaluation`, metrics/evaluate/<model>.json, else the
+    model's rows of metrics/evaluate.json."""
     found: dict[str, float] = {}
     own = metrics_dir / "evaluate" / f"{model}.json"
     sources = [(MODELS[model][2], "", MODELS[model][2])]
-    sources.append(
-        (f"evaluate/{model}", "", f"evaluate.{model}") if own.is_file() else ("evaluate", f"{model}.", "evaluate")
-    )
+    if evaluation is not None:
+        name = Path(evaluation).stem
+        if Path(evaluation).parent.name == "evaluate":
+            sources.append((f"evaluate/{name}", "", f"evaluate.{name}"))
+    else:
+        sources.append(
+            (f"evaluate/{model}", "", f"evaluate.{model}") if own.is_file() else ("evaluate", f"{model}.", "evaluate")
+        )
     for file, prefix, named in sources:
         path = metrics_dir / f"{file}.json"
         try:
@@ -96,6 +102,16 @@ def metrics_of(model: str, metrics_dir: Path) -> dict[str, float]:
             }
         )
     return found
+
+
+# A text-generation model's MLflow signature (a string in, a string out), as
+# `ModelSignature.to_dict` writes it: what the flavor would infer by generating from the input
+# example, which took 36 s of registering SmolLM2. A dict, since it travels through the journal.
+TEXT_SIGNATURE = {
+    "inputs": '[{"type": "string", "required": true}]',
+    "outputs": '[{"type": "string", "required": true}]',
+    "params": None,
+}
 
 
 def log_model(model: str, folder: Path, cfg, run) -> str:
@@ -117,7 +133,7 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
             model_config={"function_to_apply": "none"},
         )
     elif hf_source(str(folder)) is not None:
-        uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE)
+        uri = run.log_hf_model(folder, model, input_example=PROMPT_EXAMPLE, signature=TEXT_SIGNATURE)
     else:  # a gptforge checkpoint: the transformers flavor takes its Hugging Face export
         from gptforge.modeling.export import export_hf
 
@@ -126,7 +142,7 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
                 export_hf(folder, Path(tmp) / "hf", cfg.tokenizer.path)
             except BadInput as e:  # e.g. a .tiktoken rank file: transformers has no tokenizer for it
                 raise NotRegistrable(f"{folder} cannot become a Hugging Face model ({e})") from None
-            uri = run.log_hf_model(Path(tmp) / "hf", model, input_example=PROMPT_EXAMPLE)
+            uri = run.log_hf_model(Path(tmp) / "hf", model, input_example=PROMPT_EXAMPLE, signature=TEXT_SIGNATURE)
     if uri is None:
         raise StageFailed(f"register: {folder} could not be logged as an MLflow model (the warning above says why)")
     return uri
@@ -135,8 +151,9 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
 def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -> Registered:
     """One model: reuse the version with the same weights or log and register a new one, tag
     it with its lineage, then apply the gate."""
+    from gptforge.config.chain import chain
     from gptforge.register import gate, lineage
-    from gptforge.register.gguf import GENERATIVE, attach_gguf
+    from gptforge.register.gguf import GENERATIVE, attach_gguf, local_gguf
 
     stage, folder, _ = MODELS[model]
     folder = Path(folder)
@@ -154,17 +171,19 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
             commit=commit,
             lock=lineage.dvc_lock_hashes(stage),
             run=lineage.training_run(client, cfg.tracking.experiment, stage),
-            metrics=metrics_of(model, metrics_dir),
+            metrics=metrics_of(model, metrics_dir, cfg.registry.evaluations.get(model)),
         )
+        tags["gptforge.lineage"] = " -> ".join(chain(str(folder), cfg))  # e.g. base -> SFT -> DPO
         import mlflow
 
         mv = mlflow.register_model(uri, name, tags=tags)
         client.update_model_version(name, mv.version, description=lineage.description(stage, commit))
         version, new = mv.version, True
         log.info("register %s: %s version %s (from %s)", model, name, version, folder)
-    gguf = ""
+    gguf = gguf_file = ""
     if cfg.registry.gguf and model in GENERATIVE:
         gguf = attach_gguf(model, name, str(version), folder, cfg, client, run)
+        gguf_file = local_gguf(client, gguf)
     result = gate.check(model, cfg.registry.promote.get(model, {}), metrics_dir)
     client.set_model_version_tag(
         name, version, "gptforge.gate", "passed" if result.passed else "failed: " + "; ".join(result.reasons)
@@ -172,7 +191,7 @@ def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -
     alias = CHAMPION if result.passed else CHALLENGER
     client.set_registered_model_alias(name, alias, version)
     log.info("register %s: version %s is %s (%s)", model, version, alias, "; ".join(result.reasons))
-    return Registered(model, name, str(version), new, result.passed, list(result.reasons), gguf)
+    return Registered(model, name, str(version), new, result.passed, list(result.reasons), gguf, gguf_file)
 
 
 def _versions(client, name: str) -> list:

@@ -39,6 +39,7 @@ class Registered:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     gguf: str = ""  # the version's GGUF files (an artifact URI), or why there are none; "" when off
+    gguf_file: str = ""  # the .gguf file itself when the artifacts are a local folder, else ""
 
 
 def write_report(path: str | Path, results: list[Registered], skipped: dict[str, str]) -> None:

@@ -61,6 +61,26 @@ def attach_gguf(model: str, name: str, version: str, folder: Path, cfg, client, 
     return uri
 
 
+def local_gguf(client, uri: str) -> str:
+    """The .gguf file behind `uri` (runs:/RUN/PATH) when the run's artifacts are a local folder
+    (a file: store, as the quickstart's), else ""."""
+    from urllib.parse import unquote, urlparse
+
+    if not uri.startswith("runs:/"):
+        return ""
+    run_id, _, where = uri.removeprefix("runs:/").partition("/")
+    try:
+        root = client.get_run(run_id).info.artifact_uri
+    except Exception as e:  # noqa: BLE001 - only a convenience for the closing summary
+        log.debug("no local GGUF for %s: %s", uri, e)
+        return ""
+    parsed = urlparse(root)
+    if parsed.scheme not in ("", "file"):
+        return ""
+    files = sorted((Path(unquote(parsed.path)) / where).glob("*.gguf"))
+    return str(files[0]) if len(files) == 1 else ""
+
+
 def pull_gguf(cfg, name: str, out: str | Path, alias: str = "champion", quant: str | None = None) -> Path:
     """Download the GGUF file and Modelfile of `name`@`alias` (a version number works too) into
     the folder `out`; the .gguf path."""

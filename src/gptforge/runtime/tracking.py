@@ -230,7 +230,8 @@ class MlflowRun(NullRun):
         flavor's default list names torchvision, which this stack does not install, and its
         inference would load the model again in a subprocess. The model card is the folder's
         README.md when it has one (the flavor would otherwise look the path up on the hub).
-        `flavor_kwargs` go to `mlflow.transformers.log_model` as they are (`input_example`).
+        `flavor_kwargs` go to `mlflow.transformers.log_model` as they are (`input_example`), but a
+        `signature` given as `ModelSignature.to_dict`'s dict, which a journal can carry, is read back.
         """
         folder = Path(folder)
         self.flush()  # the flavor logs through MLflow's fluent API: what was queued goes first
@@ -240,6 +241,10 @@ class MlflowRun(NullRun):
             from gptforge.modeling.hf_causal import load_causal_lm
 
             task = flavor_kwargs.pop("task", "text-generation")
+            if isinstance(flavor_kwargs.get("signature"), dict):  # as it travels in a journal
+                from mlflow.models import ModelSignature
+
+                flavor_kwargs["signature"] = ModelSignature.from_dict(flavor_kwargs["signature"])
             if task == "text-generation":
                 model, tokenizer = load_causal_lm(str(folder), param="model")
             else:

@@ -7,8 +7,10 @@ classifier (the head files of `gptforge.finetune.classify` beside its backbone),
 causal LM (a config.json of transformers; GPT-2 folders too, `gptforge export`'s output), or a
 gptforge checkpoint (model.safetensors + config.json of `gptforge.modeling.weights`), checked in that
 order: a classifier folder holds one of the other two as its backbone. With no MODEL the
-pipeline's results are served (`default_specs`): each instruct variant first
-(`smollm2=checkpoints/instruct_smollm2/final`, the quickstart's fine-tuned SmolLM2), then
+pipeline's results are served (`default_specs`): the aligned model first when it is a Hugging
+Face model (`rl=checkpoints/rl/final`, the quickstart's SmolLM2 after GRPO; else the DPO
+one), each instruct variant (`smollm2=checkpoints/instruct_smollm2/final`, the
+quickstart's fine-tuned SmolLM2), then
 `instruct=checkpoints/instruct/final` and `classify=checkpoints/classify/final`, each only when
 its folder exists. A model's NAME is the
 part before `=`, else the registered model's name for a registry URI and the SPEC itself for a
@@ -48,6 +50,7 @@ log = logging.getLogger("gptforge")
 
 Kind = Literal["gptforge", "hf", "classifier"]
 DEFAULT_SPECS = ("instruct=checkpoints/instruct/final", "classify=checkpoints/classify/final")
+ALIGNED_SPECS = ("rl=checkpoints/rl/final", "preference=checkpoints/preference/final")
 REGISTRY_SCHEME = "models:/"
 CACHE_ENV = "GPTFORGE_SERVE_CACHE"
 MARKER = ".gptforge-source.json"  # written last into a downloaded version: the download is whole
@@ -106,9 +109,12 @@ def resolve(spec: str, cfg) -> ModelSource:
 
 
 def default_specs(cfg, *, language_models_only: bool = False) -> list[str]:
-    """The pipeline's models whose folder exists: the instruct variants' (instruct_variants:
-    real models such as SmolLM2, which answer best), the instruct model, the classifier."""
-    specs = [f"{name}={variant_paths(name)['out_dir']}/final" for name in cfg.instruct_variants.models]
+    """The pipeline's models whose folder exists: the end of the alignment course (the RL model,
+    then the DPO one) when it is a Hugging Face model (the quickstart's aligned SmolLM2; a tiny
+    GPT's aligned copies answer no better than its SFT), the instruct variants' (real models
+    such as SmolLM2's SFT), the instruct model, the classifier."""
+    aligned = [s for s in ALIGNED_SPECS if hf_source(split_model(s)[1]) is not None]
+    specs = aligned[:1] + [f"{name}={variant_paths(name)['out_dir']}/final" for name in cfg.instruct_variants.models]
     specs += DEFAULT_SPECS[:1] if language_models_only else DEFAULT_SPECS
     return [s for s in specs if Path(split_model(s)[1]).is_dir()]
 
