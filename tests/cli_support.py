@@ -131,6 +131,25 @@ def stage_params(tmp_path: Path, small_tokenizer: Path, sms_file: Path, alpaca_f
         "instruct.eval_batches": 1,
         "instruct.n_responses": 2,
         "instruct.max_new_tokens": 8,
+        # the quickstart aligns SmolLM2's SFT (chat template, LoRA, bf16): here the tiny GPT's SFT in
+        # its own template, full fine-tuning, fp32, at the model's positions
+        **{
+            f"{section}.{key}": value
+            for section in ("preference", "reward", "rl")
+            for key, value in (
+                ("init_from", "checkpoints/instruct/final"),
+                ("template", None),
+                ("method", "full"),
+                ("max_length", None),
+                ("precision", "auto"),
+            )
+        },
+        "rl.max_heldout": None,
+        # the quickstart's lm-eval and lever table of SmolLM2 are left out with it
+        "evaluate.models": {"pretrain": "checkpoints/pretrain/final", "instruct": "checkpoints/instruct/final"},
+        "synthesize.documents": {},
+        "evaluate_qa.questions": {},
+        "evaluate_qa.models": None,
         # DPO on a few of the embedded preference pairs (the data stage reads the whole sample)
         "preference.max_samples": 8,
         "preference.batch_size": 4,

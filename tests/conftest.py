@@ -268,6 +268,7 @@ def repo_copy(tmp_path) -> Path:
     (dst / "data" / "synthetic").mkdir(parents=True)  # git carries it: prepare_instruct's dependency
     shutil.copy(REPO / "data" / "synthetic" / "README.md", dst / "data" / "synthetic" / "README.md")
     shutil.copytree(REPO / "data" / "qa", dst / "data" / "qa")  # git carries it: evaluate_qa's dependency
+    shutil.copytree(REPO / "docs", dst / "docs")  # the quickstart's document set (synthesize@gptforge-docs)
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)

@@ -207,6 +207,10 @@ def test_preference_under_ddp_on_two_processes_has_the_one_process_metrics(tmp_p
         "tokenizer.path=sample://gpt2_tokenizer",
         "preference.init_from=../sft",
         "preference.template=phi3",
+        # the quickstart aligns SmolLM2 with LoRA in bf16 within 160 positions: here full fp32
+        "preference.method=full",
+        "preference.precision=fp32",
+        "preference.max_length=null",
         "preference.batch_size=4",
         "preference.lr=1e-3",
         "preference.n_responses=2",

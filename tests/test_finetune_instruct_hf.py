@@ -331,6 +331,7 @@ def test_dvc_repro_lora_on_a_hugging_face_model_then_generate_and_evaluate(repo_
             "evaluate.tasks": ["hellaswag"],
             "evaluate.hellaswag.source": str(hellaswag),
             "evaluate.batch_size": 4,
+            "evaluate.precision": "fp32",  # scored as the direct fp32 computation it is checked against
         },
     )
     env = cli_env(PREFECT_API_URL=prefect_api)
