@@ -467,3 +467,19 @@ def test_dvc_repro_trains_a_reward_model_that_ranks_better_and_rl_that_raises_th
     assert rl["steps"] == 8 and (repo / "plots" / "rl.png").is_file()
     shown = dvc(repo, "metrics", "show", "--json", env=env)
     assert "heldout_reward_before" in shown.stdout and "val_accuracy_before" in shown.stdout
+
+
+def test_the_sft_beside_rl_is_where_rl_or_dpo_started(tmp_path):
+    from gptforge.config.load import load_config
+    from gptforge.finetune.rl import comparison_folders
+
+    out = tmp_path / "checkpoints" / "rl"
+    dpo = tmp_path / "checkpoints" / "preference" / "final"
+    dpo.mkdir(parents=True)
+    sft = str(tmp_path / "checkpoints" / "instruct_smollm2" / "final")
+    # the quickstart: RL from the SFT, the DPO model beside it
+    cfg = load_config(None, [f"rl.init_from={sft}", f"preference.init_from={sft}"])
+    assert comparison_folders(cfg, out) == {"sft": Path(sft), "dpo": dpo}
+    # RL after DPO: the SFT is the model DPO started from
+    cfg = load_config(None, [f"rl.init_from={dpo}", "preference.init_from=checkpoints/instruct/final"])
+    assert comparison_folders(cfg, out) == {"sft": Path("checkpoints/instruct/final"), "dpo": dpo}
