@@ -98,13 +98,19 @@ def test_bad_variants_are_one_line(models, message):
 
 
 def test_auto_bf16_is_bf16_where_the_cpu_has_it(monkeypatch):
-    from gptforge.finetune import common
+    import torch
 
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    from gptforge.evaluate import scoring_dtype
+    from gptforge.finetune import common
+    from gptforge.modeling import hf_causal
+
+    monkeypatch.setattr(hf_causal, "cpu_has_native_bf16", lambda: True)
     assert common.runtime("cpu", "auto-bf16", param="instruct").precision == "bf16"
     assert common.runtime("cpu", "auto", param="instruct").precision == "fp32"
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
+    assert scoring_dtype("auto-bf16", torch.device("cpu")) == torch.bfloat16  # evaluate.precision
+    monkeypatch.setattr(hf_causal, "cpu_has_native_bf16", lambda: False)
     assert common.runtime("cpu", "auto-bf16", param="instruct").precision == "fp32"
+    assert scoring_dtype("auto-bf16", torch.device("cpu")) == torch.float32
 
 
 def test_a_bf16_lora_base_computes_what_the_float32_model_does_under_autocast(tmp_path):

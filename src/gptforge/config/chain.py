@@ -54,10 +54,18 @@ def chain(folder: str, cfg: Config) -> list[str]:
         if here not in links:
             break
         here = links[here]
-    parts = Path(seen[-1]).parts
-    if parts[:2] == ("checkpoints", "base") and len(parts) == 3 and parts[2] in cfg.base.models:
-        seen.append(cfg.base.models[parts[2]])
+    name = base_name(seen[-1], cfg)
+    if name is not None:
+        seen.append(cfg.base.models[name])
     return seen[::-1]
+
+
+def base_name(folder: str, cfg: Config) -> str | None:
+    """NAME when `folder` is checkpoints/base/NAME of an entry of base.models, else None."""
+    parts = Path(folder).parts
+    return (
+        parts[2] if parts[:2] == ("checkpoints", "base") and len(parts) == 3 and parts[2] in cfg.base.models else None
+    )
 
 
 def family(folder: str, cfg: Config) -> str:
@@ -70,9 +78,7 @@ def family(folder: str, cfg: Config) -> str:
 
 def family_title(root: str, cfg: Config) -> str:
     """A family's name in the closing summary."""
-    parts = Path(root).parts
     if root == PRETRAINED:
         return "gptforge's GPT, pretrained here from scratch"
-    if parts[:2] == ("checkpoints", "base") and len(parts) == 3 and parts[2] in cfg.base.models:
-        return f"{parts[2]} ({cfg.base.models[parts[2]]})"
-    return root
+    name = base_name(root, cfg)
+    return root if name is None else f"{name} ({cfg.base.models[name]})"

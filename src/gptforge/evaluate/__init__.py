@@ -110,10 +110,9 @@ def scoring_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype a Hugging Face model is scored in (`evaluate.precision`)."""
     import torch
 
-    from gptforge.modeling.hf_causal import cpu_has_native_bf16
+    from gptforge.modeling.hf_causal import resolved_precision
 
-    native = device.type == "cuda" or cpu_has_native_bf16()
-    return torch.bfloat16 if precision == "bf16" or (precision == "auto-bf16" and native) else torch.float32
+    return torch.bfloat16 if resolved_precision(precision, device.type) == "bf16" else torch.float32
 
 
 def evaluate_model(

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from gptforge.errors import BadInput, StageFailed
 from gptforge.modeling.gpt import GPT, GPTConfig
-from gptforge.modeling.hf_causal import cpu_has_native_bf16  # noqa: F401 (precision auto-bf16 reads it here)
+from gptforge.modeling.hf_causal import resolved_precision
 from gptforge.modeling.hf_convert import load_pretrained
 from gptforge.runtime.tracking import NullRun
 from gptforge.training.optim import adamw
@@ -81,12 +81,7 @@ def runtime(device: str, precision: str, *, param: str) -> Runtime:
         # TF32 matmuls: ~8x the fp32 tensor throughput on Ampere+, at a 10-bit mantissa.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if precision == "auto":
-        resolved = "bf16" if dev.type == "cuda" else "fp32"
-    elif precision == "auto-bf16":
-        resolved = "bf16" if dev.type == "cuda" or cpu_has_native_bf16() else "fp32"
-    else:
-        resolved = precision
+    resolved = resolved_precision(precision, dev.type)
     if resolved == "fp16" and dev.type == "cpu":
         raise BadInput(f"{param}.precision fp16 needs CUDA; on the CPU use bf16 or fp32")
     return Runtime(device=dev, rank=rank, local_rank=local_rank, world_size=world, ddp=world > 1, precision=resolved)

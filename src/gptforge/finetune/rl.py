@@ -37,8 +37,8 @@ What it writes:
   (checkpoints/preference/final, when there) and the RL model's greedy answers side by side.
   `rl.max_heldout` limits the held-out prompts to the test split's first N.
 
-The prompts are encoded in `rl_prompts.py`; the models loaded, and their greedy answers made, in
-`rl_models.py`; the rewards are in `rewards.py`.
+The prompts are encoded in `rl_prompts.py`; the models loaded in `rl_models.py`, their greedy
+answers made by `hf_models.batched_greedy`; the rewards are in `rewards.py`.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
 from gptforge.finetune import trl_policy
 from gptforge.finetune.common import check_max_length, check_whole_batch, runtime, save_png, trainable_params
+from gptforge.finetune.hf_models import batched_greedy as greedy
 from gptforge.finetune.instruct import read_split
 from gptforge.finetune.preference_models import model_family
-from gptforge.finetune.rl_models import PARAM, Models, answer, decode, greedy, load_models, load_other, make_answers
+from gptforge.finetune.rl_models import PARAM, Models, answer, decode, load_models, load_other, make_answers
 from gptforge.finetune.rl_prompts import FIELDS, Prompts, encode_prompts
 from gptforge.finetune.templates import chat_template_tokenizer
 from gptforge.finetune.trl_records import records_callback as trl_records

@@ -1,6 +1,6 @@
-"""The RL stage's models and their greedy answers: the policy from `rl.init_from` (and the folder
-trl loads the frozen reference from), the pipeline's other models (SFT, DPO) that answer the same
-prompts, greedy answers in left-padded batches, and answers made into the rewards' `Answer`s."""
+"""The RL stage's models: the policy from `rl.init_from` (and the folder trl loads the frozen
+reference from), the pipeline's other models (SFT, DPO) that answer the same prompts, and answers
+made into the rewards' `Answer`s (the greedy answers themselves: `hf_models.batched_greedy`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from gptforge.config.schema import Config
 from gptforge.errors import BadInput
 from gptforge.finetune import rewards as R
 from gptforge.finetune.common import apply_lora, load_base, load_hf_base
-from gptforge.finetune.hf_models import batched_greedy as greedy  # noqa: F401 - rl.py's
 from gptforge.finetune.preference_models import model_family
 from gptforge.finetune.rl_prompts import Prompts
 from gptforge.modeling.hf_causal import HFTokenizer, hf_source, stop_ids

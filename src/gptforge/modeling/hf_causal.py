@@ -153,6 +153,16 @@ def cpu_has_native_bf16() -> bool:
     return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def resolved_precision(precision: str, device_type: str) -> str:
+    """`precision` with its automatic forms resolved for a device type: auto is bf16 on CUDA and
+    fp32 on the CPU; auto-bf16 is bf16 on CUDA and on CPUs with native bf16, else fp32."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "auto-bf16":
+        return "bf16" if device_type == "cuda" or cpu_has_native_bf16() else "fp32"
+    return precision
+
+
 def inference_dtype(name: str, device_type: str, quantize: str | None = None):
     """The torch dtype a Hugging Face model is loaded in to answer (`gptforge generate` and
     `serve`'s --dtype): auto is bfloat16 on CUDA and float32 on the CPU (bf16 weights halve

@@ -106,14 +106,17 @@ def _shown(value: float, before: float | None, fmt: str) -> str | None:
 
 def model_lines(report: PipelineReport, root: Path, cfg: Config) -> Iterator[tuple[str, str]]:
     """(folder, line) for each headline that has its value, in the order of HEADLINES."""
+    files: dict[str, dict] = {}  # each metrics file read once
 
     def metric(path: str, key: str | None):
         if key is None:
             return None
-        with contextlib.suppress(Exception):
-            value = read_json(root / path, missing="").get(key)
-            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        return None
+        if path not in files:
+            files[path] = {}
+            with contextlib.suppress(Exception):
+                files[path] = read_json(root / path, missing="")
+        value = files[path].get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def line(label: str, path: str, key: str, fmt: str, before_key: str | None) -> str | None:
         value = metric(path, key)

@@ -35,6 +35,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from gptforge.config.chain import MODEL_FOLDERS, chain
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import entry_path
 from gptforge.register.collect import (
@@ -55,15 +56,16 @@ from gptforge.runtime.tracking import NullRun
 
 log = logging.getLogger("gptforge")
 
-# model -> (the DVC stage that makes it, its folder, the metrics file of that stage)
-MODELS = {
-    "pretrain": ("pretrain", "checkpoints/pretrain/final", "pretrain"),
-    "classify": ("finetune_classify", "checkpoints/classify/final", "classify"),
-    "instruct": ("finetune_instruct", "checkpoints/instruct/final", "instruct"),
-    "preference": ("finetune_preference", "checkpoints/preference/final", "preference"),
-    "reward": ("train_reward", "checkpoints/reward/final", "reward"),
-    "rl": ("finetune_rl", "checkpoints/rl/final", "rl"),
+# model -> (the DVC stage that makes it, its folder (config.chain's), the metrics file of that stage)
+STAGES = {
+    "pretrain": "pretrain",
+    "classify": "finetune_classify",
+    "instruct": "finetune_instruct",
+    "preference": "finetune_preference",
+    "reward": "train_reward",
+    "rl": "finetune_rl",
 }
+MODELS = {model: (stage, MODEL_FOLDERS[model], model) for model, stage in STAGES.items()}
 PROMPT_EXAMPLE = "Once upon a time"
 
 
@@ -151,7 +153,6 @@ def log_model(model: str, folder: Path, cfg, run) -> str:
 def register_model(model: str, name: str, cfg, run, client, metrics_dir: Path) -> Registered:
     """One model: reuse the version with the same weights or log and register a new one, tag
     it with its lineage, then apply the gate."""
-    from gptforge.config.chain import chain
     from gptforge.register import gate, lineage
     from gptforge.register.gguf import GENERATIVE, attach_gguf, local_gguf
 
