@@ -220,7 +220,7 @@ def main() -> None:
         }
     import torch
 
-    from gptforge.finetune.common import cpu_has_native_bf16
+    from gptforge.modeling.hf_causal import cpu_has_native_bf16
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_meters import machine

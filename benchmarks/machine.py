@@ -36,7 +36,7 @@ def describe() -> dict:
 
     import torch
 
-    from gptforge.finetune.common import cpu_has_native_bf16
+    from gptforge.modeling.hf_causal import cpu_has_native_bf16
 
     return {
         "platform": platform.platform(),
