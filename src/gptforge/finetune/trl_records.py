@@ -35,7 +35,7 @@ def records_callback(
     (`names`: trl's -> ours, as train_<ours>, and val_<ours> at evaluations), keeps them for the
     plots, and shows a progress bar (`desc`) with the loss and one more figure (`shown`: its
     label and metric). `last_eval` False cancels the Trainer's evaluation at the last step, for a
-    stage that scores every validation pair itself after training (train_reward)."""
+    stage that validates itself after training (train_reward, finetune_preference)."""
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
