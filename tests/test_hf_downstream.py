@@ -399,3 +399,46 @@ def test_log_hf_model_that_cannot_be_logged_is_a_warning(case, llama, tmp_path, 
         assert "RuntimeError: the flavor broke" in message
     else:
         assert calls == [] and "not a causal language model" in message
+
+
+@pytest.mark.slow
+def test_registered_text_model_takes_max_new_tokens_and_checks_itself_on_few(llama, tmp_path, monkeypatch, mlflow_uri):
+    """register's signature and example: `max_new_tokens` is a parameter of the served model
+    (default 256, the pipeline's own), and MLflow's serving check generates the example's 16."""
+    import json
+
+    import mlflow
+
+    from gptforge.register import EXAMPLE_PARAMS, PROMPT_EXAMPLE, TEXT_SIGNATURE
+    from gptforge.runtime import mlflow_values, tracking
+
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_uri[len("sqlite:///") :], db)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
+    with tracking.start_run(enabled=True, experiment="t", stage="register") as run:
+        uri = run.log_hf_model(
+            llama,
+            input_example=PROMPT_EXAMPLE,
+            example_params=EXAMPLE_PARAMS,
+            signature=json.loads(json.dumps(TEXT_SIGNATURE)),  # as a journal carries it
+        )
+    assert uri
+    info = mlflow.models.get_model_info(uri)
+    [param] = info.signature.params.params
+    assert (param.name, param.default) == ("max_new_tokens", 256)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path / "dl")))
+    served = json.loads((local / "serving_input_example.json").read_text())
+    assert served["params"] == {"max_new_tokens": 16}
+
+    model = mlflow.pyfunc.load_model(uri)
+    _, tok = load(llama)
+
+    def new_tokens(params):
+        torch.manual_seed(0)  # the flavor's pipeline samples
+        [out] = model.predict([PROMPT], params=params)
+        assert out.startswith(PROMPT)
+        return len(tok(out)["input_ids"]) - len(tok(PROMPT)["input_ids"])
+
+    assert 0 < new_tokens({"max_new_tokens": 4}) <= 4 < new_tokens({"max_new_tokens": 12})

@@ -231,7 +231,9 @@ class MlflowRun(NullRun):
         inference would load the model again in a subprocess. The model card is the folder's
         README.md when it has one (the flavor would otherwise look the path up on the hub).
         `flavor_kwargs` go to `mlflow.transformers.log_model` as they are (`input_example`), but a
-        `signature` given as `ModelSignature.to_dict`'s dict, which a journal can carry, is read back.
+        `signature` given as `ModelSignature.to_dict`'s dict, which a journal can carry, is read back,
+        and `example_params` (a dict) joins `input_example` as the (example, params) pair MLflow
+        takes, which a journal would not carry as a tuple.
         """
         folder = Path(folder)
         self.flush()  # the flavor logs through MLflow's fluent API: what was queued goes first
@@ -245,6 +247,8 @@ class MlflowRun(NullRun):
                 from mlflow.models import ModelSignature
 
                 flavor_kwargs["signature"] = ModelSignature.from_dict(flavor_kwargs["signature"])
+            if (example_params := flavor_kwargs.pop("example_params", None)) is not None:
+                flavor_kwargs["input_example"] = (flavor_kwargs.get("input_example"), example_params)
             if task == "text-generation":
                 model, tokenizer = load_causal_lm(str(folder), param="model")
             else:
