@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gptforge.errors import BadInput
 from gptforge.modeling.decoding import generate_hf
 from gptforge.modeling.llama_decoding import LlamaDecoder, unsupported
 
@@ -125,7 +126,6 @@ def test_dtype_flag_loads_the_weights_in_that_dtype(tmp_path, monkeypatch, capsy
     from hf_models import make_tiny_causal_lm
 
     from gptforge.cli import main
-    from gptforge.errors import BadInput
     from gptforge.modeling import hf_causal
     from gptforge.modeling.hf_causal import inference_dtype
     from gptforge.serve.engine_process import EngineSpec, build_scheduler
@@ -180,22 +180,49 @@ def test_int8_weights_round_each_row_to_its_own_scale():
     assert (error <= scale[:, None] / 2 + 4 * w.abs() * 2.0**-24).all()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_int8_layers_compute_the_model_with_dequantized_weights(dtype, tol):
-    """weights="int8" is the same model with each linear's weight replaced by its int8 rounding:
-    its hidden states against transformers' forward in float64 on those dequantized weights."""
-    from gptforge.modeling.llama_decoding import Int8Weight
+def test_int4_weights_round_each_group_of_32_between_its_extremes():
+    """int4_groups: each group of 32 inputs of a row maps its smallest value to 0 and its largest
+    to 15, every value within half a step of its level; the kernel multiplies by exactly
+    `Int4Weight.rounded` (against float64, float32 activations)."""
+    from gptforge.modeling.llama_decoding import Int4Weight, int4_groups, int4_linear
 
+    g = torch.Generator().manual_seed(1)
+    w = (
+        torch.randn(48, 96, dtype=torch.float64, generator=g)
+        * torch.linspace(0.01, 3.0, 48, dtype=torch.float64)[:, None]
+    )
+    q, scale, zero = int4_groups(w)
+    groups = q.view(48, 3, 32)
+    assert q.dtype == torch.int32 and (groups.amin(-1) == 0).all() and (groups.amax(-1) == 15).all()
+    w_groups = w.view(48, 3, 32)
+    torch.testing.assert_close(scale.double(), (w_groups.amax(-1) - w_groups.amin(-1)) / 15, rtol=1e-6, atol=0)
+    rounded = Int4Weight.rounded(w.float()).double()
+    assert ((rounded - w).abs() <= scale.double().repeat_interleave(32, dim=1) / 2 + 1e-6 * w.abs().max()).all()
+    x = torch.randn(5, 96, generator=g)
+    got = int4_linear(x, Int4Weight(w.float(), torch.float32), None).double()
+    torch.testing.assert_close(got, x.double() @ rounded.T, rtol=0, atol=1e-4)
+    with pytest.raises(BadInput, match="int4 weights need an input width divisible by 32, got 40"):
+        Int4Weight(torch.zeros(8, 40), torch.float32)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_quantized_layers_compute_the_model_with_rounded_weights(weights, dtype, tol):
+    """weights="int8" / "int4" is the same model with each linear's weight replaced by its
+    rounding: its hidden states against transformers' forward in float64 on those weights."""
+    from gptforge.modeling.llama_decoding import PACKED
+
+    packed_class = PACKED[weights][0]
     model = tiny("llama").to(dtype)
     reference = tiny("llama").double()
     with torch.no_grad():
         for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
             is_linear = name.endswith("proj.weight")
-            ref.copy_(Int8Weight(p, dtype).dequantized().double() if is_linear else p.double())
+            ref.copy_(packed_class.rounded(p).double() if is_linear else p.double())
     ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = reference.model(input_ids=ids).last_hidden_state[0]
-    decoder = LlamaDecoder(model, batch=1, max_len=10, weights="int8")
+    decoder = LlamaDecoder(model, batch=1, max_len=10, weights=weights)
     with torch.inference_mode():
         got = [decoder(ids[:, :6])] + [decoder(ids[:, t : t + 1]) for t in range(6, 10)]
     for last, h in zip([5, 6, 7, 8, 9], got):
@@ -206,7 +233,6 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
     from hf_models import make_tiny_causal_lm
 
     from gptforge.cli import main
-    from gptforge.errors import BadInput
 
     model = tiny("llama")
     ids = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(7))
@@ -214,8 +240,10 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
     assert out.shape == (1, 19) and torch.equal(out[:, :7], ids)
     with pytest.raises(BadInput, match="cannot run this model: activation 'gelu'"):
         generate_hf(tiny("llama", hidden_act="gelu"), _Tok(), ids, 4, temperature=0, quantize="int8")
-    with pytest.raises(BadInput, match="expected int8 or none, got 'int4'"):
-        generate_hf(model, _Tok(), ids, 4, temperature=0, quantize="int4")
+    with pytest.raises(BadInput, match="expected int8, int4 or none, got 'int2'"):
+        generate_hf(model, _Tok(), ids, 4, temperature=0, quantize="int2")
+    out4 = generate_hf(model, _Tok(), ids, 12, temperature=0, stop=[], quantize="int4")
+    assert out4.shape == (1, 19) and torch.equal(out4[:, :7], ids)
     folder = make_tiny_causal_lm(tmp_path / "llama")
     monkeypatch.chdir(tmp_path)
     rc = main(
@@ -232,6 +260,21 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
             "bfloat16",
             "--quantize",
             "int8",
+        ]
+    )
+    assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err
+    rc = main(
+        [
+            "generate",
+            "The fox",
+            "--checkpoint",
+            str(folder),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+            "--quantize",
+            "int4",
         ]
     )
     assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err

@@ -239,25 +239,28 @@ def test_sliding_window_models_are_refused():
         HFBackend(transformers.MistralForCausalLM(cfg), 2, 64)
 
 
-def test_int8_serves_the_model_with_int8_rounded_weights():
-    """weights="int8" (serve --quantize int8): the decode step's linears are int8, and the model
-    transformers' forward prefills with holds their rounding, so every row's logits, prefill and
-    decode steps alike, are the rounded model's plain forward over the row (float32)."""
-    from gptforge.modeling.llama_decoding import Int8Weight, decoder_linears
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_serve_the_model_with_their_rounding(weights):
+    """weights="int8" / "int4" (serve --quantize): the decode step's linears are packed, and the
+    model transformers' forward prefills with holds their rounding, so every row's logits,
+    prefill and decode steps alike, are the rounded model's plain forward over the row (float32)."""
+    from gptforge.modeling.llama_decoding import PACKED, decoder_linears
 
+    packed_class = PACKED[weights][0]
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(llama_config()).float().eval()
     before = [m.weight.clone() for m in decoder_linears(model)]
     model.forwards, model.lean = 0, True
-    r = Rows(model, max_batch=4, weights="int8")
-    assert all(isinstance(w, Int8Weight) for w in r.backend._lean.layers[0][2:9:2])
-    for m, w in zip(decoder_linears(model), before):  # each weight is its int8 rounding now
-        torch.testing.assert_close(m.weight, Int8Weight(w, torch.float32).dequantized(), rtol=0, atol=1e-7)
+    r = Rows(model, max_batch=4, weights=weights)
+    layer = r.backend._lean.layers[0]
+    assert all(isinstance(layer[i], packed_class) for i in (2, 4, 6, 8, 12, 14, 16))  # q k v o gate up down
+    for m, w in zip(decoder_linears(model), before):  # each weight is its rounding now
+        torch.testing.assert_close(m.weight, packed_class.rounded(w), rtol=0, atol=1e-7)
         assert not torch.equal(m.weight, w)
     for _ in range(2):
         r.open()
     nxt = r.forward([(0, prompt(7, 21)), (1, prompt(11, 22))])
-    for _ in range(4):  # the common decode step: through the int8 linears
+    for _ in range(4):  # the common decode step: through the packed linears
         nxt = r.forward([(i, [t]) for i, t in enumerate(nxt)])
-    with pytest.raises(BadInput, match="--quantize int8 runs in gptforge's lean Llama-family decoder"):
-        HFBackend(transformers.LlamaForCausalLM(llama_config(hidden_act="gelu")), 2, 64, weights="int8")
+    with pytest.raises(BadInput, match=f"--quantize {weights} runs in gptforge's lean Llama-family decoder"):
+        HFBackend(transformers.LlamaForCausalLM(llama_config(hidden_act="gelu")), 2, 64, weights=weights)

@@ -62,12 +62,12 @@ def add_commands(sub) -> None:
     )
     g.add_argument(
         "--quantize",
-        choices=("none", "int8"),
+        choices=("none", "int8", "int4"),
         default="none",
-        help="int8: weight-only int8 linears in the lean decoder of a Hugging Face Llama-family folder "
-        "(Llama, SmolLM2, Qwen2, Mistral): a quarter of float32's bytes per token; with --dtype auto "
-        "the activations are bfloat16 on CUDA and on CPUs with native bf16 (docs/hf-models.md) "
-        "(default: %(default)s)",
+        help="int8 / int4: weight-only int8 / groupwise int4 linears in the lean decoder of a Hugging Face "
+        "Llama-family folder (Llama, SmolLM2, Qwen2, Mistral): a quarter / an eighth of float32's bytes per "
+        "token (int4 on the CPU only); with --dtype auto the activations are bfloat16 on CUDA and on CPUs "
+        "with native bf16 (docs/hf-models.md) (default: %(default)s)",
     )
     config_args(g)
     g.set_defaults(func=cmd_generate)

@@ -81,11 +81,11 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--quantize",
-        choices=("none", "int8"),
+        choices=("none", "int8", "int4"),
         default="none",
-        help="int8: weight-only int8 linears in the decode step of Hugging Face Llama-family models "
-        "(prefill keeps the loaded weights); with --dtype auto the activations are bfloat16 on CUDA and on "
-        "CPUs with native bf16 (default: %(default)s)",
+        help="int8 / int4: weight-only int8 / groupwise int4 linears in the decode step of Hugging Face "
+        "Llama-family models (int4 on the CPU only; prefill runs over the same rounded weights); with "
+        "--dtype auto the activations are bfloat16 on CUDA and on CPUs with native bf16 (default: %(default)s)",
     )
     s.add_argument(
         "--rag",

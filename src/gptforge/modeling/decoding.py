@@ -256,8 +256,9 @@ def generate_hf(
 
     Llama-family models (`llama_decoding.unsupported` is None) decode through gptforge's lean
     decoder with the same choices (`lean=False` forces transformers' own `generate`): the same
-    greedy tokens, faster at batch 1 (benchmarks/bench_generate_hf.py). `quantize="int8"` runs
-    that decoder with weight-only int8 linears (`llama_decoding.Int8Weight`): lighter weights
+    greedy tokens, faster at batch 1 (benchmarks/bench_generate_hf.py). `quantize="int8"` /
+    `"int4"` runs that decoder with weight-only int8 / groupwise int4 linears
+    (`llama_decoding.Int8Weight`, `Int4Weight`): lighter weights
     for a memory-bound step, no longer the same tokens as the model's own dtype; a model the lean
     decoder cannot run is refused (BadInput) rather than silently left unquantized.
     """
@@ -274,11 +275,12 @@ def generate_hf(
         raise BadInput(f"top_k must be a positive integer, got {top_k}")
     reason = unsupported(model) if lean else "lean=False"
     if quantize is not None:
-        if quantize != "int8":
-            raise BadInput(f"quantize: expected int8 or none, got {quantize!r}")
+        if quantize not in ("int8", "int4"):
+            raise BadInput(f"quantize: expected int8, int4 or none, got {quantize!r}")
         if reason is not None:
             raise BadInput(
-                f"quantize int8 runs in gptforge's lean Llama-family decoder, which cannot run this model: {reason}"
+                f"quantize {quantize} runs in gptforge's lean Llama-family decoder, which cannot run this "
+                f"model: {reason}"
             )
     if max_new_tokens <= 0:
         return prompt_ids

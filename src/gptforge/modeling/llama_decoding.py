@@ -65,6 +65,11 @@ class Int8Weight:
     def dequantized(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
 
+    @staticmethod
+    def rounded(weight: torch.Tensor) -> torch.Tensor:
+        """The weight the kernel multiplies by, in float32."""
+        return Int8Weight(weight, weight.dtype).dequantized()
+
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with an `Int8Weight`: x (..., in) in the scales' dtype."""
@@ -72,7 +77,59 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> to
     return y if bias is None else y + bias
 
 
-WEIGHT_FORMATS = ("native", "int8")
+# int4: 16 levels per group of 32 input columns, each group its own scale and offset (the
+# asymmetric min/max rounding of gpt-fast and llama.cpp's Q4_1, whose blocks are 32 too).
+INT4_GROUP = 32
+
+
+def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP):
+    """The int4 rounding of `weight` (out, in): integers 0..15 (int32, (out, in)) and each
+    group's scale and zero (float32, (out, in / group)), such that w ~= (q - 8) * scale + zero:
+    a group's smallest value maps to 0, its largest to 15."""
+    n, k = weight.shape
+    if k % group:
+        raise BadInput(f"int4 weights need an input width divisible by {group}, got {k}")
+    w = weight.detach().float().view(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = (high - low).clamp(min=1e-6) / 15
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, low + 8 * scale
+
+
+class Int4Weight:
+    """A linear layer's weight (out, in) rounded by `int4_groups`, packed as
+    `torch._weight_int4pack_mm_for_cpu` takes it: an eighth of float32's bytes, a quarter of
+    bf16's (plus two scalars per group of 32). `in` must be a multiple of the group (every
+    Llama-family width is)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP):
+        if weight.device.type != "cpu":
+            raise BadInput(f"int4 weights run on the CPU (torch's CPU int4 kernel), not {weight.device.type}: use int8")
+        q, scale, zero = int4_groups(weight, group)
+        self.group = group
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel's layout: (groups, out, [scale, zero]) in the activations' dtype
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    @staticmethod
+    def rounded(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+        """The weight the kernel multiplies by, in float32: (q - 8) * scale + zero, with scale
+        and zero in the weight's dtype (the activations' dtype, as the kernel holds them)."""
+        q, scale, zero = int4_groups(weight, group)
+        scale, zero = (t.to(weight.dtype).float()[..., None] for t in (scale, zero))
+        n, k = q.shape
+        return ((q.view(n, k // group, group).float() - 8) * scale + zero).view(n, k)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with an `Int4Weight`: x (..., in) in the scales' dtype."""
+    y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.size(-1)), w.packed, w.group, w.scales_zeros)
+    y = y.view(*x.shape[:-1], y.size(-1))
+    return y if bias is None else y + bias
+
+
+WEIGHT_FORMATS = ("native", "int8", "int4")
+PACKED = {"int8": (Int8Weight, int8_linear), "int4": (Int4Weight, int4_linear)}
 
 
 def decoder_linears(model) -> list[nn.Linear]:
@@ -93,20 +150,23 @@ def decoder_linears(model) -> list[nn.Linear]:
 
 
 @torch.no_grad()
-def round_to_int8(model) -> None:
-    """Each decoder linear's weight replaced, in place, by its int8 rounding (`Int8Weight`'s
-    q * scale, in the weight's dtype): the model `weights="int8"` decodes with, so that
-    transformers' forward over it (serve's prefill) computes what the int8 step computes."""
+def round_weights(model, weights: str) -> None:
+    """Each decoder linear's weight replaced, in place, by its int8 or int4 rounding
+    (`Int8Weight.rounded` / `Int4Weight.rounded`, in the weight's dtype): the model
+    `weights=` decodes with, so that transformers' forward over it (serve's prefill) computes
+    what the quantized step computes."""
+    pack, _ = PACKED[weights]
     for m in decoder_linears(model):
-        m.weight.copy_(Int8Weight(m.weight, m.weight.dtype).dequantized().to(m.weight.dtype))
+        m.weight.copy_(pack.rounded(m.weight).to(m.weight.dtype))
 
 
 class LlamaLayers:
     """The model's weights, gathered once, and its rotary tables for `max_len` positions: the
     one copy of the block that every lean caller runs (`forward`), each with its own way of
-    keeping keys and values (`attend`). `weights="int8"` keeps the seven linears of each layer
-    as `Int8Weight`s (weight-only int8: activations, norms, embeddings and the head stay in the
-    model's dtype), for batch-1 decoding on the CPU, where each token reads every weight once."""
+    keeping keys and values (`attend`). `weights="int8"` / `"int4"` keep the seven linears of
+    each layer as `Int8Weight`s / `Int4Weight`s (weight-only: activations, norms, embeddings and
+    the head stay in the model's dtype), for batch-1 decoding on the CPU, where each token reads
+    every weight once."""
 
     def __init__(self, model, max_len: int, weights: str = "native"):
         if weights not in WEIGHT_FORMATS:
@@ -117,8 +177,8 @@ class LlamaLayers:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed = inner.embed_tokens.weight
         dtype = self.embed.dtype
-        pack = (lambda w: Int8Weight(w, dtype)) if weights == "int8" else (lambda w: w)
-        self.linear = int8_linear if weights == "int8" else F.linear
+        packer, self.linear = PACKED.get(weights, (None, F.linear))
+        pack = (lambda w: packer(w, dtype)) if packer is not None else (lambda w: w)
         self.layers = [
             (
                 layer.input_layernorm.weight,
@@ -250,7 +310,7 @@ def generate_llama(
     """`generate_hf`'s decoding through `LlamaDecoder` (the caller checked `unsupported` and
     the arguments, and seeded torch's global generator): (B, T + n_new), each row stopping at
     any of `eos` (kept), finished rows filled with `pad`, until every row has ended.
-    `weights="int8"`: the layers' linears in weight-only int8 (`LlamaLayers`)."""
+    `weights="int8"` / `"int4"`: the layers' linears weight-only quantized (`LlamaLayers`)."""
     from gptforge.modeling.greedy_head import GreedyHead, _argmax
 
     B, T0 = prompt_ids.shape

@@ -53,7 +53,7 @@ class EngineSpec:
     prefix_cache_mb: float = 256.0
     name: str = "model"
     dtype: str = "auto"  # Hugging Face models: hf_causal.inference_dtype
-    quantize: str | None = None  # "int8": the lean decode step's linears (Llama-family Hugging Face models)
+    quantize: str | None = None  # "int8" / "int4": the lean decode step's linears (Llama-family Hugging Face models)
 
 
 def build_scheduler(spec: EngineSpec):

@@ -99,16 +99,16 @@ class HFBackend(Backend):
         # Llama-family models take the common decode step (every batch row, one token) through
         # gptforge's lean block (modeling/llama_decoding.py): the model's operations without its
         # module tree and per-step mask building, into the same cache tensors.
-        # weights="int8": that step's linears weight-only int8 (prefill keeps the model's weights).
-        from gptforge.modeling.llama_decoding import LlamaLayers, round_to_int8, unsupported
+        # weights="int8" / "int4": that step's linears weight-only quantized.
+        from gptforge.modeling.llama_decoding import LlamaLayers, round_weights, unsupported
 
         why = unsupported(model)
         if why is not None and weights != "native":
             raise BadInput(
                 f"--quantize {weights} runs in gptforge's lean Llama-family decoder, which cannot run this model: {why}"
             )
-        if weights == "int8":  # prefill runs transformers' forward: over the same rounded weights
-            round_to_int8(model)
+        if weights != "native":  # prefill runs transformers' forward: over the same rounded weights
+            round_weights(model, weights)
         self._lean = LlamaLayers(model, context, weights) if why is None else None
         self._rows: list[_Row] = []  # in the scheduler's row order
         self._members: list[_Row] = []  # the batch's rows, in its batch order

@@ -123,7 +123,7 @@ def load_served(
     """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
     engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
     of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype);
-    `quantize` ("int8"): its decode step's linears (a Llama-family Hugging Face model only)."""
+    `quantize` ("int8", "int4"): its decode step's linears (a Llama-family Hugging Face model only)."""
     import time
 
     from gptforge.finetune.templates import prompt_template
