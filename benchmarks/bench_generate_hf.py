@@ -1,10 +1,11 @@
 """Batch-1 greedy decoding of a Hugging Face Llama-family folder (SmolLM2-135M-Instruct by default):
-gptforge's `generate_hf` (the lean decoder, gptforge.modeling.llama_decoding; `gptforge-int8`: the
-same with `quantize="int8"`, weight-only int8 linears) against transformers' own `generate` on the
+gptforge's `generate_hf` (the lean decoder, gptforge.modeling.llama_decoding; `gptforge-int8` /
+`gptforge-int4`: the same with `quantize="int8"` / `"int4"`, weight-only int8 / groupwise int4
+linears) against transformers' own `generate` on the
 same loaded model, and this machine's memory bandwidth, the bound of batch-1 decoding.
 
     python benchmarks/bench_generate_hf.py [--folder DIR] [--new-tokens 128] [--processes 3]
-        [--dtypes float32,bfloat16] [--sides gptforge,gptforge-int8,transformers]
+        [--dtypes float32,bfloat16] [--sides gptforge,gptforge-int8,gptforge-int4,transformers]
         [--out docs/results/generate_smollm2_cpu.json]
 
 `--folder` defaults to the SmolLM2 folder that `prepare_base` writes from the packaged GGUF
@@ -45,7 +46,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Explain in a few sentences why the sky is blue."
-SIDES = ("gptforge", "gptforge-int8", "transformers")  # gptforge-int8: generate_hf(quantize="int8")
+SIDES = ("gptforge", "gptforge-int8", "gptforge-int4", "transformers")  # -intN: generate_hf(quantize="intN")
+QUANTIZE = {"gptforge-int8": "int8", "gptforge-int4": "int4"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -70,7 +72,7 @@ def one(args) -> None:
             temperature=0,
             stop=[],
             lean=args.one.startswith("gptforge"),
-            quantize="int8" if args.one == "gptforge-int8" else None,
+            quantize=QUANTIZE.get(args.one),
         )
         runs.append(time.perf_counter() - start)
     new = out[0, ids.size(1) :].tolist()
@@ -108,7 +110,8 @@ def memory_bandwidth(repeats: int = 7) -> float:
 
 def weight_bytes(folder: str) -> dict:
     """Bytes of weights one decode step reads, per dtype: every parameter once (with the
-    layers' linears in int8 for `gptforge-int8`, the rest in the dtype)."""
+    layers' linears in int8 for `gptforge-int8`, in int4 with a scale and a zero in the dtype
+    per 32 weights for `gptforge-int4`, the rest in the dtype)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
@@ -120,6 +123,7 @@ def weight_bytes(folder: str) -> dict:
     for dtype, size in DTYPE_BYTES.items():
         out[dtype] = params * size
         out["int8+" + dtype] = linears + (params - linears) * size
+        out["int4+" + dtype] = int(linears * (0.5 + 2 * size / 32)) + (params - linears) * size
     return out
 
 
@@ -181,7 +185,7 @@ def main() -> None:
     for (side, dtype), rs in runs.items():
         first = statistics.median(x["first_tokens_per_sec"] for x in rs)
         warm = statistics.median(x["warm_tokens_per_sec"] for x in rs)
-        bound = bandwidth * 1e9 / sizes[("int8+" if side == "gptforge-int8" else "") + dtype]
+        bound = bandwidth * 1e9 / sizes[(QUANTIZE[side] + "+" if side in QUANTIZE else "") + dtype]
         rows.append(
             {
                 "side": side,
