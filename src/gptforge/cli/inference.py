@@ -69,6 +69,16 @@ def add_commands(sub) -> None:
         "token (int4 on the CPU only); with --dtype auto the activations are bfloat16 on CUDA and on CPUs "
         "with native bf16 (docs/hf-models.md) (default: %(default)s)",
     )
+    g.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft-free speculative decoding in the lean decoder of a Hugging Face Llama-family folder: "
+        "drafts of up to K tokens copied from where the text's last words appeared before (prompt lookup), "
+        "each verified by one forward; greedy's tokens, sampling's distribution; pays where the answer "
+        "quotes its prompt (docs/hf-models.md) (default: 0, off)",
+    )
     config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -92,6 +102,11 @@ def cmd_generate(args) -> int:
 
     if hf_source(args.checkpoint) is not None:
         return _generate_hf(args)
+    if args.speculate:
+        raise BadInput(
+            f"--speculate applies to Hugging Face Llama-family folders; {args.checkpoint} is a gptforge "
+            "checkpoint (leave out --speculate)"
+        )
     if args.quantize != "none":
         raise BadInput(
             f"--quantize {args.quantize} applies to Hugging Face Llama-family folders; {args.checkpoint} "
@@ -174,6 +189,7 @@ def _generate_hf(args) -> int:
         torch.cuda.synchronize()
     start = time.perf_counter()
     quantize = None if args.quantize == "none" else args.quantize
+    stats: dict = {}
     out = generate_hf(
         model,
         tok,
@@ -183,14 +199,22 @@ def _generate_hf(args) -> int:
         top_k=args.top_k or None,
         seed=args.seed,
         quantize=quantize,
+        speculate=args.speculate,
+        stats=stats,
     )
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     new = out[0, len(ids) :].tolist()
     sys.stdout.write(tok.decode(new, skip_special_tokens=True) + "\n")
+    drafts = (
+        f"; {stats['accepted']} of {stats['drafted']} drafted tokens kept, {stats['forwards']} forwards"
+        if stats
+        else ""
+    )
     print(
-        f"gptforge: {len(new)} tokens in {seconds:.3f} s ({len(new) / seconds:.1f} tokens/s, {device})", file=sys.stderr
+        f"gptforge: {len(new)} tokens in {seconds:.3f} s ({len(new) / seconds:.1f} tokens/s, {device}){drafts}",
+        file=sys.stderr,
     )
     return 0
 

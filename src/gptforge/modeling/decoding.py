@@ -240,6 +240,8 @@ def generate_hf(
     stop: list[int] | None = None,
     lean: bool = True,
     quantize: str | None = None,
+    speculate: int = 0,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """`generate` for a transformers causal LM (`hf_causal.load_causal_lm`), through its own
     `model.generate`: continue `prompt_ids` (B, T) on the model's device by up to
@@ -261,6 +263,9 @@ def generate_hf(
     (`llama_decoding.Int8Weight`, `Int4Weight`): lighter weights
     for a memory-bound step, no longer the same tokens as the model's own dtype; a model the lean
     decoder cannot run is refused (BadInput) rather than silently left unquantized.
+    `speculate=K` (one prompt, lean decoder): draft-free speculative decoding with prompt-lookup
+    drafts of up to K tokens (`speculative`: greedy's tokens, sampling's distribution), counting
+    drafted and accepted tokens into `stats`.
     """
     from gptforge.modeling.hf_causal import stop_ids
     from gptforge.modeling.llama_decoding import generate_llama, unsupported
@@ -282,6 +287,13 @@ def generate_hf(
                 f"quantize {quantize} runs in gptforge's lean Llama-family decoder, which cannot run this "
                 f"model: {reason}"
             )
+    if speculate < 0:
+        raise BadInput(f"speculate must be >= 0 (0 = off), got {speculate}")
+    if speculate and (reason is not None or prompt_ids.size(0) != 1):
+        why = reason if reason is not None else f"{prompt_ids.size(0)} prompts at once"
+        raise BadInput(
+            f"speculative decoding runs in gptforge's lean Llama-family decoder, one prompt at a time: {why}"
+        )
     if max_new_tokens <= 0:
         return prompt_ids
     eos = stop if stop is not None else stop_ids(tokenizer, model)
@@ -305,6 +317,8 @@ def generate_hf(
                 eos=eos,
                 pad=pad,
                 weights=quantize or "native",
+                speculate=speculate,
+                stats=stats,
             )
         return model.generate(
             input_ids=prompt_ids,

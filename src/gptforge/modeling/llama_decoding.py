@@ -227,12 +227,14 @@ class LlamaLayers:
         half = x.size(-1) // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, all_positions: bool = False
+    ) -> torch.Tensor:
         """ids (B, T); cos/sin broadcastable to (B, heads, T, head_dim) (the positions' rows of
         `self.cos`/`self.sin`); `attend(i, q, k, v)` stores layer i's new keys/values (B,
         kv_heads, T, head_dim) and returns the attention of the queries q (B, heads, T,
         head_dim) over everything the row holds. Returns (B, hidden) final hidden states of the
-        last position."""
+        last position, or (B, T, hidden) of every position with `all_positions`."""
         B, T = ids.shape
         nh, nkv, hd = self.n_head, self.n_kv, self.head_dim
         lin, rms, rotate = self.linear, self._rms, self._rotate
@@ -245,7 +247,7 @@ class LlamaLayers:
             x = x + lin(y.transpose(1, 2).reshape(B, T, nh * hd), ow, ob)
             h = rms(x, n2, e2)
             x = x + lin(F.silu(lin(h, gw, gb)) * lin(h, uw, ub), dw, db)
-        return rms(x[:, -1], *self.norm)
+        return rms(x if all_positions else x[:, -1], *self.norm)
 
 
 def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None):
@@ -262,7 +264,9 @@ class LlamaDecoder:
     """Rows that share one position (no padding: a prompt batch of equal lengths, as
     `generate_hf` takes it), with keys and values in buffers allocated once: `__call__(ids)`
     takes (B, T) token ids at positions pos..pos+T-1 of each row and returns (B, hidden) final
-    hidden states of the last position (the head is the caller's)."""
+    hidden states of the last position, (B, T, hidden) of every one with `all_positions` (the
+    head is the caller's). `pos` may be moved back (speculative decoding drops rejected tokens):
+    the next call overwrites what lay beyond it."""
 
     def __init__(self, model, batch: int, max_len: int, weights: str = "native"):
         self.weights = w = LlamaLayers(model, max_len, weights)
@@ -272,7 +276,7 @@ class LlamaDecoder:
         self.values = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in w.layers]
         self.max_len, self.pos = max_len, 0
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
         T = ids.size(1)
         pos, end = self.pos, self.pos + T
         if end > self.max_len:
@@ -290,7 +294,7 @@ class LlamaDecoder:
                 q, keys, values, attn_mask=mask, is_causal=pos == 0, enable_gqa=group > 1
             )
 
-        x = self.weights.forward(ids, self.weights.cos[pos:end], self.weights.sin[pos:end], attend)
+        x = self.weights.forward(ids, self.weights.cos[pos:end], self.weights.sin[pos:end], attend, all_positions)
         self.pos = end
         return x
 
@@ -306,11 +310,15 @@ def generate_llama(
     eos: list[int],
     pad: int | None,
     weights: str = "native",
+    speculate: int = 0,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """`generate_hf`'s decoding through `LlamaDecoder` (the caller checked `unsupported` and
     the arguments, and seeded torch's global generator): (B, T + n_new), each row stopping at
     any of `eos` (kept), finished rows filled with `pad`, until every row has ended.
-    `weights="int8"` / `"int4"`: the layers' linears weight-only quantized (`LlamaLayers`)."""
+    `weights="int8"` / `"int4"`: the layers' linears weight-only quantized (`LlamaLayers`).
+    `speculate=K` (one row): prompt-lookup drafts of up to K tokens, each verified by one forward
+    (`speculative.speculative_decode`, which counts into `stats`)."""
     from gptforge.modeling.greedy_head import GreedyHead, _argmax
 
     B, T0 = prompt_ids.shape
@@ -326,6 +334,21 @@ def generate_llama(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     fill = pad if pad is not None else (eos[0] if eos else 0)
     x = decoder(prompt_ids)
+    if speculate > 0 and B == 1:
+        from gptforge.modeling.speculative import speculative_decode
+
+        new = speculative_decode(
+            decoder,
+            prompt_ids[0].tolist(),
+            x,
+            max_new_tokens,
+            k=speculate,
+            temperature=temperature,
+            top_k=top_k,
+            stop=set(eos),
+            stats=stats,
+        )
+        return torch.cat([prompt_ids, torch.tensor([new], dtype=torch.long, device=device)], dim=1)
     n = T0
     for _ in range(max_new_tokens):
         best = screen.argmax(x[0].float()) if screen is not None else None
