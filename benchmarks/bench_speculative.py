@@ -7,7 +7,8 @@ as `gptforge serve --rag` puts them) and the same questions without the chunks.
         [--index data/index/gptforge-docs] [--questions 10] [--new-tokens 96] [--speculate 4,8]
         [--repeats 3] [--out docs/results/speculative_cpu.json]
 
-One process, the model loaded once in bf16 where the CPU has native bf16 (else float32), greedy
+One process, the model loaded once in bf16 where the CPU has native bf16 (else float32; `--dtype`
+chooses), greedy
 answers of up to `--new-tokens` tokens stopping at the model's end of turn; every question is
 answered once to warm up, then `--repeats` rounds in which each setting answers every question in
 turn (plain first). Per setting and prompt kind: tokens/s of all answers together (the median
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--speculate", default="4,8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -71,7 +73,8 @@ def main() -> None:
     from gptforge.modeling.decoding import generate_hf
     from gptforge.modeling.hf_causal import cpu_has_native_bf16, load_causal_lm, stop_ids
 
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
+    dtype = dtype or (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     model, tok = load_causal_lm(args.folder, param="--folder", dtype=dtype)
     stop = stop_ids(tok, model)
     kinds = prompts(tok, args.index, args.questions)
