@@ -417,14 +417,29 @@ def test_registered_text_model_takes_max_new_tokens_and_checks_itself_on_few(lla
     shutil.copy(mlflow_uri[len("sqlite:///") :], db)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     monkeypatch.delenv(mlflow_values.PARENT_ENV, raising=False)
-    with tracking.start_run(enabled=True, experiment="t", stage="register") as run:
-        uri = run.log_hf_model(
-            llama,
-            input_example=PROMPT_EXAMPLE,
-            example_params=EXAMPLE_PARAMS,
-            signature=json.loads(json.dumps(TEXT_SIGNATURE)),  # as a journal carries it
-        )
+    import logging
+
+    class Seen(logging.Handler):
+        messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    flavor_log = logging.getLogger("mlflow.transformers")
+    seen = Seen()
+    flavor_log.addHandler(seen)
+    try:
+        with tracking.start_run(enabled=True, experiment="t", stage="register") as run:
+            uri = run.log_hf_model(
+                llama,
+                input_example=PROMPT_EXAMPLE,
+                example_params=EXAMPLE_PARAMS,
+                signature=json.loads(json.dumps(TEXT_SIGNATURE)),  # as a journal carries it
+            )
+    finally:
+        flavor_log.removeHandler(seen)
     assert uri
+    assert not [m for m in seen.messages if m.startswith("params provided")]  # our own params: no warning
     info = mlflow.models.get_model_info(uri)
     [param] = info.signature.params.params
     assert (param.name, param.default) == ("max_new_tokens", 256)

@@ -265,19 +265,30 @@ class MlflowRun(NullRun):
                     f"{gptforge.__version__} from {folder}.\n"
                 )
             )
-            info = self._mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer},
-                name=name,
-                task=task,
-                pip_requirements=pinned_requirements("transformers", "torch", "accelerate"),
-                model_card=card,
-                **flavor_kwargs,
-            )
+            flavor_log = logging.getLogger("mlflow.transformers")
+            flavor_log.addFilter(_own_params_warning)
+            try:
+                info = self._mlflow.transformers.log_model(
+                    transformers_model={"model": model, "tokenizer": tokenizer},
+                    name=name,
+                    task=task,
+                    pip_requirements=pinned_requirements("transformers", "torch", "accelerate"),
+                    model_card=card,
+                    **flavor_kwargs,
+                )
+            finally:
+                flavor_log.removeFilter(_own_params_warning)
         except Exception as e:  # noqa: BLE001 - any failure of the flavor: warn, never fail the stage
             reason = " ".join(f"{type(e).__name__}: {e}".split())
             log.warning("MLflow: %s not logged as a transformers model (%.300s)", folder, reason)
             return None
         return info.model_uri
+
+
+def _own_params_warning(record: logging.LogRecord) -> bool:
+    """Drops the flavor's warning that the parameters of the input example override the saved
+    inference configuration: when it checks the logged model on `example_params`, they are ours."""
+    return not record.getMessage().startswith("params provided to the `predict` method will override")
 
 
 def retryable(e: BaseException) -> bool:
