@@ -246,38 +246,10 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
     assert out4.shape == (1, 19) and torch.equal(out4[:, :7], ids)
     folder = make_tiny_causal_lm(tmp_path / "llama")
     monkeypatch.chdir(tmp_path)
-    rc = main(
-        [
-            "generate",
-            "The fox",
-            "--checkpoint",
-            str(folder),
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "5",
-            "--dtype",
-            "bfloat16",
-            "--quantize",
-            "int8",
-        ]
-    )
-    assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err
-    rc = main(
-        [
-            "generate",
-            "The fox",
-            "--checkpoint",
-            str(folder),
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "5",
-            "--quantize",
-            "int4",
-        ]
-    )
-    assert rc == 0 and "gptforge: 5 tokens in" in capsys.readouterr().err
+    generate = ["generate", "The fox", "--checkpoint", str(folder), "--temperature", "0", "--max-new-tokens", "5"]
+    for extra in (["--dtype", "bfloat16", "--quantize", "int8"], ["--quantize", "int4"]):
+        assert main([*generate, *extra]) == 0
+        assert "gptforge: 5 tokens in" in capsys.readouterr().err
     rc = main(["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "--quantize int8 applies to Hugging Face Llama-family folders" in lines[-1]
