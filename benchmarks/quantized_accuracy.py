@@ -1,6 +1,6 @@
 """What weight-only int8 and int4 cost in accuracy: a Hugging Face Llama-family folder (SmolLM2
-by default) in bfloat16, then with its decoder linears rounded as `--quantize int8` / `int4`
-round them (gptforge.modeling.llama_decoding.round_weights: the weights the quantized decode
+by default) in bfloat16, then with its decoder linears and head rounded as `--quantize int8` /
+`int4` round them (gptforge.modeling.llama_decoding.round_weights: the weights the quantized decode
 step multiplies by, tests/test_llama_decoding.py checks the two agree), scored teacher-forced on
 the quickstart's FineWeb-Edu validation split: perplexity, and the share of positions whose
 next-token argmax equals the unrounded model's, in bfloat16 (how the quantized step runs on CPUs
@@ -57,18 +57,23 @@ def validation_text() -> str:
 
 
 def llama_cpp_round(model, setting: str) -> None:
-    """Each decoder linear's weight replaced by its llama.cpp rounding (the same linears as
-    round_weights: the embedding and the head stay, where a GGUF file would round them too)."""
+    """Each decoder linear's weight and the head replaced by their llama.cpp rounding (what
+    round_weights rounds: a tied head gets a rounded copy, the embedding stays, where a GGUF file
+    would round its token_embd too)."""
     import torch
     from gguf import GGMLQuantizationType, quants
 
     from gptforge.modeling.llama_decoding import decoder_linears
 
     kind = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}[setting]
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(quants.dequantize(quants.quantize(w.float().numpy(), kind), kind)).to(w.dtype)
+
     with torch.no_grad():
         for m in decoder_linears(model):
-            w = m.weight.float().numpy()
-            m.weight.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind)).to(m.weight.dtype))
+            m.weight.copy_(rounded(m.weight))
+        model.lm_head.weight = torch.nn.Parameter(rounded(model.lm_head.weight), requires_grad=False)
 
 
 def score(folder: str, setting: str, activations: str, text: str, tokens: int, window: int):

@@ -229,6 +229,20 @@ def test_quantized_layers_compute_the_model_with_rounded_weights(weights, dtype,
         torch.testing.assert_close(h[0].double(), expected[last], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_head_gives_the_logits_of_its_rounding(weights):
+    """The head is quantized with the layers: `logits` against the rounded head in float64."""
+    from gptforge.modeling.llama_decoding import PACKED, LlamaLayers
+
+    model = tiny("llama")
+    layers = LlamaLayers(model, 8, weights)
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    want = h.double() @ PACKED[weights][0].rounded(model.lm_head.weight).double().T
+    torch.testing.assert_close(layers.logits(h).double(), want, rtol=0, atol=1e-4)
+    native = LlamaLayers(model, 8)
+    assert native.packed_head is None and torch.equal(native.logits(h), h @ model.lm_head.weight.T)
+
+
 def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch, capsys):
     from hf_models import make_tiny_causal_lm
 

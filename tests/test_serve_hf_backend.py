@@ -248,8 +248,10 @@ def test_quantized_weights_serve_the_model_with_their_rounding(weights):
 
     packed_class = PACKED[weights][0]
     torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(llama_config()).float().eval()
+    model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True)).float().eval()
     before = [m.weight.clone() for m in decoder_linears(model)]
+    embedding = model.model.embed_tokens.weight.clone()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as SmolLM2's
     model.forwards, model.lean = 0, True
     r = Rows(model, max_batch=4, weights=weights)
     layer = r.backend._lean.layers[0]
@@ -257,6 +259,9 @@ def test_quantized_weights_serve_the_model_with_their_rounding(weights):
     for m, w in zip(decoder_linears(model), before):  # each weight is its rounding now
         torch.testing.assert_close(m.weight, packed_class.rounded(w), rtol=0, atol=1e-7)
         assert not torch.equal(m.weight, w)
+    # the head too, in a copy of its own: the tied embedding's rows stay
+    torch.testing.assert_close(model.lm_head.weight, packed_class.rounded(embedding), rtol=0, atol=1e-7)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
     for _ in range(2):
         r.open()
     nxt = r.forward([(0, prompt(7, 21)), (1, prompt(11, 22))])

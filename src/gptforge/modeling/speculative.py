@@ -75,7 +75,7 @@ def speculative_decode(
     the first token in `stop` (kept). Each step drafts up to `k` tokens by `prompt_lookup` and
     verifies them in one forward; the decoder's position is moved back past rejected ones (their
     keys and values are overwritten by the next forward)."""
-    head = decoder.head
+    device = decoder.head.device
     seq = list(prompt)
     out: list[int] = []
     counts = {"forwards": 0, "drafted": 0, "accepted": 0}
@@ -85,7 +85,7 @@ def speculative_decode(
             return int(torch.argmax(logits.float()))
         return int(torch.multinomial(filtered_probs(logits, temperature, top_k), 1))
 
-    nxt = pick(F.linear(first_hidden, head)[0])
+    nxt = pick(decoder.logits(first_hidden)[0])
     while True:
         out.append(nxt)
         seq.append(nxt)
@@ -94,10 +94,10 @@ def speculative_decode(
         room = min(k, max_new_tokens - len(out) - 1, decoder.max_len - decoder.pos - 1)
         draft = prompt_lookup(seq, room) if room > 0 else []
         start = decoder.pos
-        hidden = decoder(torch.tensor([[nxt] + draft], device=head.device), all_positions=True)[0]
+        hidden = decoder(torch.tensor([[nxt] + draft], device=device), all_positions=True)[0]
         counts["forwards"] += 1
         counts["drafted"] += len(draft)
-        logits = F.linear(hidden, head)  # (1 + len(draft), V): row i follows draft[:i]
+        logits = decoder.logits(hidden)  # (1 + len(draft), V): row i follows draft[:i]
         kept = 0
         for i, d in enumerate(draft):
             if temperature == 0:

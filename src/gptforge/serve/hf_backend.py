@@ -380,7 +380,7 @@ class HFBackend(Backend):
             layer.values = values = torch.cat([layer.values, v], dim=2)
             return attend_one(q, keys, values, allowed)
 
-        return torch.nn.functional.linear(w.forward(ids, cos, sin, attend), w.head).float()
+        return w.logits(w.forward(ids, cos, sin, attend)).float()
 
 
 def _groups(items: list) -> list[list]:
