@@ -57,9 +57,10 @@ def validation_text() -> str:
 
 
 def llama_cpp_round(model, setting: str) -> None:
-    """Each decoder linear's weight and the head replaced by their llama.cpp rounding (what
-    round_weights rounds: a tied head gets a rounded copy, the embedding stays, where a GGUF file
-    would round its token_embd too)."""
+    """Each decoder linear's weight replaced by its llama.cpp rounding and the head by q8_0's (what
+    round_weights rounds, the head in 8 bits as llama.cpp keeps a Q4 file's output tensor in
+    more bits; a tied head gets a rounded copy, the embedding stays, where a GGUF file would
+    round its token_embd too)."""
     import torch
     from gguf import GGMLQuantizationType, quants
 
@@ -67,13 +68,14 @@ def llama_cpp_round(model, setting: str) -> None:
 
     kind = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}[setting]
 
-    def rounded(w: torch.Tensor) -> torch.Tensor:
+    def rounded(w: torch.Tensor, kind) -> torch.Tensor:
         return torch.from_numpy(quants.dequantize(quants.quantize(w.float().numpy(), kind), kind)).to(w.dtype)
 
     with torch.no_grad():
         for m in decoder_linears(model):
-            m.weight.copy_(rounded(m.weight))
-        model.lm_head.weight = torch.nn.Parameter(rounded(model.lm_head.weight), requires_grad=False)
+            m.weight.copy_(rounded(m.weight, kind))
+        head = rounded(model.lm_head.weight, GGMLQuantizationType.Q8_0)  # as --quantize int4 keeps it in int8
+        model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
 
 
 def score(folder: str, setting: str, activations: str, text: str, tokens: int, window: int):

@@ -231,14 +231,20 @@ def test_quantized_layers_compute_the_model_with_rounded_weights(weights, dtype,
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_head_gives_the_logits_of_its_rounding(weights):
-    """The head is quantized with the layers: `logits` against the rounded head in float64."""
-    from gptforge.modeling.llama_decoding import PACKED, LlamaLayers
+    """The head is quantized with the layers, in int8 under both: `logits` against the rounded
+    head in float64; and int4's own kernel pads a vocabulary that is no multiple of 16."""
+    from gptforge.modeling.llama_decoding import PACKED, Int4Weight, LlamaLayers, int4_linear
 
     model = tiny("llama")
     layers = LlamaLayers(model, 8, weights)
     h = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    want = h.double() @ PACKED[weights][0].rounded(model.lm_head.weight).double().T
+    want = h.double() @ PACKED["int8"][0].rounded(model.lm_head.weight).double().T
     torch.testing.assert_close(layers.logits(h).double(), want, rtol=0, atol=1e-4)
+    head4 = model.lm_head.weight  # 300 rows: padded to 304 inside, 300 columns out
+    want4 = h.double() @ Int4Weight.rounded(head4).double().T
+    torch.testing.assert_close(
+        int4_linear(h, Int4Weight(head4, torch.float32), None).double(), want4, rtol=0, atol=1e-4
+    )
     native = LlamaLayers(model, 8)
     assert native.packed_head is None and torch.equal(native.logits(h), h @ model.lm_head.weight.T)
 

@@ -135,6 +135,10 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
 
 WEIGHT_FORMATS = ("native", "int8", "int4")
 PACKED = {"int8": (Int8Weight, int8_linear), "int4": (Int4Weight, int4_linear)}
+# The head in int8 under int4 too, as llama.cpp keeps a Q4 file's output tensor in more bits: in
+# int4 SmolLM2's perplexity on FineWeb-Edu rose 6.5% (int4 layers, int8 head: 0.6%), for 1.5 ms a
+# token saved (benchmarks/quantized_accuracy.py, docs/hf-models.md).
+HEAD_FORMAT = {"int8": "int8", "int4": "int8"}
 
 
 def decoder_linears(model) -> list[nn.Linear]:
@@ -156,8 +160,9 @@ def decoder_linears(model) -> list[nn.Linear]:
 
 @torch.no_grad()
 def round_weights(model, weights: str) -> None:
-    """Each decoder linear's weight and the head replaced, in place, by their int8 or int4
-    rounding (`Int8Weight.rounded` / `Int4Weight.rounded`, in the weight's dtype): the model
+    """Each decoder linear's weight replaced, in place, by its int8 or int4 rounding
+    (`Int8Weight.rounded` / `Int4Weight.rounded`, in the weight's dtype) and the head by its
+    `HEAD_FORMAT` rounding: the model
     `weights=` decodes with, so that transformers' forward over it (serve's prefill) computes
     what the quantized step computes. A head tied to the token embedding gets a rounded copy of
     its own (the embedding's rows stay as they are, as `LlamaLayers` reads them)."""
@@ -165,7 +170,7 @@ def round_weights(model, weights: str) -> None:
     for m in decoder_linears(model):
         m.weight.copy_(pack.rounded(m.weight).to(m.weight.dtype))
     head = model.lm_head
-    rounded = pack.rounded(head.weight).to(head.weight.dtype)
+    rounded = PACKED[HEAD_FORMAT[weights]][0].rounded(head.weight).to(head.weight.dtype)
     if head.weight is model.model.embed_tokens.weight:
         head.weight = nn.Parameter(rounded, requires_grad=False)
     else:
@@ -176,10 +181,10 @@ class LlamaLayers:
     """The model's weights, gathered once, and its rotary tables for `max_len` positions: the
     one copy of the block that every lean caller runs (`forward`), each with its own way of
     keeping keys and values (`attend`). `weights="int8"` / `"int4"` keep the seven linears of
-    each layer and the head as `Int8Weight`s / `Int4Weight`s (weight-only: activations, norms
-    and the embedding stay in the model's dtype), for batch-1 decoding on the CPU, where each
-    token reads every weight once (SmolLM2's head alone, 2 cores: 4.2 ms in bf16, 2.5 in int8,
-    1.0 in int4). `logits(x)` applies the head."""
+    each layer as `Int8Weight`s / `Int4Weight`s and the head in `HEAD_FORMAT` (weight-only:
+    activations, norms and the embedding stay in the model's dtype), for batch-1 decoding on the
+    CPU, where each token reads every weight once (SmolLM2's head alone, 2 cores: 4.2 ms in bf16,
+    2.5 in int8, 1.0 in int4). `logits(x)` applies the head."""
 
     def __init__(self, model, max_len: int, weights: str = "native"):
         if weights not in WEIGHT_FORMATS:
@@ -218,7 +223,10 @@ class LlamaLayers:
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = model.lm_head.weight
-        self.packed_head = pack(self.head) if packer is not None else None
+        self.packed_head, self.head_linear = None, F.linear
+        if weights in HEAD_FORMAT:
+            head_packer, self.head_linear = PACKED[HEAD_FORMAT[weights]]
+            self.packed_head = head_packer(self.head, dtype)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # cos/sin of every position, as LlamaRotaryEmbedding computes them (float32, then the
         # model's dtype), once rather than per step.
@@ -234,7 +242,7 @@ class LlamaLayers:
         """The head over final hidden states x (..., hidden), in the model's dtype."""
         if self.packed_head is None:
             return F.linear(x, self.head)
-        return self.linear(x, self.packed_head, None)
+        return self.head_linear(x, self.packed_head, None)
 
     @staticmethod
     def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
