@@ -246,7 +246,7 @@ def test_quantized_head_gives_the_logits_of_its_rounding(weights):
         int4_linear(h, Int4Weight(head4, torch.float32), None).double(), want4, rtol=0, atol=1e-4
     )
     native = LlamaLayers(model, 8)
-    assert native.packed_head is None and torch.equal(native.logits(h), h @ model.lm_head.weight.T)
+    assert native.packed_head is native.head and torch.equal(native.logits(h), h @ model.lm_head.weight.T)
 
 
 def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch, capsys):

@@ -268,7 +268,7 @@ def generate_hf(
     drafted and accepted tokens into `stats`.
     """
     from gptforge.modeling.hf_causal import stop_ids
-    from gptforge.modeling.llama_decoding import generate_llama, unsupported
+    from gptforge.modeling.llama_decoding import PACKED, generate_llama, unsupported
 
     if prompt_ids.dim() != 2 or prompt_ids.size(1) == 0:
         raise BadInput(
@@ -280,8 +280,8 @@ def generate_hf(
         raise BadInput(f"top_k must be a positive integer, got {top_k}")
     reason = unsupported(model) if lean else "lean=False"
     if quantize is not None:
-        if quantize not in ("int8", "int4"):
-            raise BadInput(f"quantize: expected int8, int4 or none, got {quantize!r}")
+        if quantize not in PACKED:
+            raise BadInput(f"quantize: expected {', '.join(PACKED)} or none, got {quantize!r}")
         if reason is not None:
             raise BadInput(
                 f"quantize {quantize} runs in gptforge's lean Llama-family decoder, which cannot run this "

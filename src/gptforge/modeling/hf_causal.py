@@ -175,7 +175,7 @@ def inference_dtype(name: str, device_type: str, quantize: str | None = None):
 
     if name not in INFERENCE_DTYPES:
         raise BadInput(f"--dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {name!r}")
-    if name == "auto" and quantize in ("int8", "int4") and device_type != "cuda":
+    if name == "auto" and quantize and device_type != "cuda":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if name == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32

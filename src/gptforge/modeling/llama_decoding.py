@@ -135,10 +135,10 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
 
 WEIGHT_FORMATS = ("native", "int8", "int4")
 PACKED = {"int8": (Int8Weight, int8_linear), "int4": (Int4Weight, int4_linear)}
-# The head in int8 under int4 too, as llama.cpp keeps a Q4 file's output tensor in more bits: in
-# int4 SmolLM2's perplexity on FineWeb-Edu rose 6.5% (int4 layers, int8 head: 0.6%), for 1.5 ms a
-# token saved (benchmarks/quantized_accuracy.py, docs/hf-models.md).
-HEAD_FORMAT = {"int8": "int8", "int4": "int8"}
+# The head's format under int8 and int4 alike, as llama.cpp keeps a Q4 file's output tensor in
+# more bits: an int4 head raised SmolLM2's perplexity on FineWeb-Edu 6.5% (int4 layers, int8
+# head: 0.6%), for 1.5 ms a token saved (benchmarks/quantized_accuracy.py, docs/hf-models.md).
+HEAD_WEIGHTS = "int8"
 
 
 def decoder_linears(model) -> list[nn.Linear]:
@@ -162,7 +162,7 @@ def decoder_linears(model) -> list[nn.Linear]:
 def round_weights(model, weights: str) -> None:
     """Each decoder linear's weight replaced, in place, by its int8 or int4 rounding
     (`Int8Weight.rounded` / `Int4Weight.rounded`, in the weight's dtype) and the head by its
-    `HEAD_FORMAT` rounding: the model
+    `HEAD_WEIGHTS` rounding: the model
     `weights=` decodes with, so that transformers' forward over it (serve's prefill) computes
     what the quantized step computes. A head tied to the token embedding gets a rounded copy of
     its own (the embedding's rows stay as they are, as `LlamaLayers` reads them)."""
@@ -170,7 +170,7 @@ def round_weights(model, weights: str) -> None:
     for m in decoder_linears(model):
         m.weight.copy_(pack.rounded(m.weight).to(m.weight.dtype))
     head = model.lm_head
-    rounded = PACKED[HEAD_FORMAT[weights]][0].rounded(head.weight).to(head.weight.dtype)
+    rounded = PACKED[HEAD_WEIGHTS][0].rounded(head.weight).to(head.weight.dtype)
     if head.weight is model.model.embed_tokens.weight:
         head.weight = nn.Parameter(rounded, requires_grad=False)
     else:
@@ -181,7 +181,7 @@ class LlamaLayers:
     """The model's weights, gathered once, and its rotary tables for `max_len` positions: the
     one copy of the block that every lean caller runs (`forward`), each with its own way of
     keeping keys and values (`attend`). `weights="int8"` / `"int4"` keep the seven linears of
-    each layer as `Int8Weight`s / `Int4Weight`s and the head in `HEAD_FORMAT` (weight-only:
+    each layer as `Int8Weight`s / `Int4Weight`s and the head in `HEAD_WEIGHTS` (weight-only:
     activations, norms and the embedding stay in the model's dtype), for batch-1 decoding on the
     CPU, where each token reads every weight once (SmolLM2's head alone, 2 cores: 4.2 ms in bf16,
     2.5 in int8, 1.0 in int4). `logits(x)` applies the head."""
@@ -223,9 +223,9 @@ class LlamaLayers:
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = model.lm_head.weight
-        self.packed_head, self.head_linear = None, F.linear
-        if weights in HEAD_FORMAT:
-            head_packer, self.head_linear = PACKED[HEAD_FORMAT[weights]]
+        self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
+        if packer is not None:
+            head_packer, self.head_linear = PACKED[HEAD_WEIGHTS]
             self.packed_head = head_packer(self.head, dtype)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # cos/sin of every position, as LlamaRotaryEmbedding computes them (float32, then the
@@ -240,8 +240,6 @@ class LlamaLayers:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states x (..., hidden), in the model's dtype."""
-        if self.packed_head is None:
-            return F.linear(x, self.head)
         return self.head_linear(x, self.packed_head, None)
 
     @staticmethod
@@ -348,23 +346,13 @@ def generate_llama(
     `speculate=K` (one row): prompt-lookup drafts of up to K tokens, each verified by one forward
     (`speculative.speculative_decode`, which counts into `stats`)."""
     from gptforge.modeling.greedy_head import GreedyHead, _argmax
+    from gptforge.modeling.speculative import filtered_probs, speculative_decode
 
     B, T0 = prompt_ids.shape
     device = prompt_ids.device
     decoder = LlamaDecoder(model, B, T0 + max_new_tokens, weights)
-    head = decoder.head
-    screen = None
-    if weights == "native" and temperature == 0 and B == 1 and max_new_tokens >= 16 and GreedyHead.usable(head):
-        screen = GreedyHead.for_weight(model, head)
-    out = torch.empty(B, T0 + max_new_tokens, dtype=torch.long, device=device)
-    out[:, :T0] = prompt_ids
-    stop = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    fill = pad if pad is not None else (eos[0] if eos else 0)
     x = decoder(prompt_ids)
     if speculate > 0 and B == 1:
-        from gptforge.modeling.speculative import speculative_decode
-
         new = speculative_decode(
             decoder,
             prompt_ids[0].tolist(),
@@ -377,6 +365,15 @@ def generate_llama(
             stats=stats,
         )
         return torch.cat([prompt_ids, torch.tensor([new], dtype=torch.long, device=device)], dim=1)
+    head = decoder.head
+    screen = None
+    if weights == "native" and temperature == 0 and B == 1 and max_new_tokens >= 16 and GreedyHead.usable(head):
+        screen = GreedyHead.for_weight(model, head)
+    out = torch.empty(B, T0 + max_new_tokens, dtype=torch.long, device=device)
+    out[:, :T0] = prompt_ids
+    stop = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    fill = pad if pad is not None else (eos[0] if eos else 0)
     n = T0
     for _ in range(max_new_tokens):
         best = screen.argmax(x[0].float()) if screen is not None else None
@@ -387,11 +384,7 @@ def generate_llama(
             if temperature == 0:
                 nxt = _argmax(logits)
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(1)
+                nxt = torch.multinomial(filtered_probs(logits, temperature, top_k), 1).squeeze(1)
         nxt = torch.where(done, fill, nxt)
         out[:, n] = nxt
         n += 1

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gptforge.modeling.greedy_head import _argmax
+
 MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried in turn, down to one token
 
 
@@ -36,7 +38,7 @@ def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """The sampling distribution over the vocabulary (..., V): softmax(logits / temperature)
-    over the `top_k` most likely tokens (None: all), as `generate_llama` samples."""
+    over the `top_k` most likely tokens (None: all): what `generate_llama` samples from."""
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
@@ -82,7 +84,7 @@ def speculative_decode(
 
     def pick(logits: torch.Tensor) -> int:
         if temperature == 0:
-            return int(torch.argmax(logits.float()))
+            return int(_argmax(logits.float()[None])[0])
         return int(torch.multinomial(filtered_probs(logits, temperature, top_k), 1))
 
     nxt = pick(decoder.logits(first_hidden)[0])
@@ -98,14 +100,15 @@ def speculative_decode(
         counts["forwards"] += 1
         counts["drafted"] += len(draft)
         logits = decoder.logits(hidden)  # (1 + len(draft), V): row i follows draft[:i]
+        greedy = _argmax(logits.float()).tolist() if temperature == 0 else None
         kept = 0
         for i, d in enumerate(draft):
-            if temperature == 0:
-                ok, token = (True, d) if int(torch.argmax(logits[i].float())) == d else (False, -1)
+            if greedy is not None:
+                ok, token = greedy[i] == d, greedy[i]
             else:
                 ok, token = accept_or_resample(filtered_probs(logits[i], temperature, top_k), d)
             if not ok:
-                nxt = token if token >= 0 else pick(logits[i])
+                nxt = token
                 break
             kept += 1
             out.append(d)
@@ -113,7 +116,7 @@ def speculative_decode(
             if d in stop or len(out) >= max_new_tokens:
                 break
         else:
-            nxt = pick(logits[len(draft)])
+            nxt = greedy[len(draft)] if greedy is not None else pick(logits[len(draft)])
         counts["accepted"] += kept
         decoder.pos = start + 1 + kept  # the cache holds nxt's predecessor and the kept drafts
         if out[-1] in stop or len(out) >= max_new_tokens:
