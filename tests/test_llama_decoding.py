@@ -270,6 +270,12 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
     for extra in (["--dtype", "bfloat16", "--quantize", "int8"], ["--quantize", "int4"]):
         assert main([*generate, *extra]) == 0
         assert "gptforge: 5 tokens in" in capsys.readouterr().err
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
+    save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, n_vocab=50257)), tmp_path / "gpt"
+    )
     rc = main(["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "--quantize int8 applies to Hugging Face Llama-family folders" in lines[-1]

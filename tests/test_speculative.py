@@ -161,6 +161,12 @@ def test_generate_cli_speculates_and_says_how_many_drafts_it_kept(tmp_path, monk
     captured = capsys.readouterr()
     assert captured.out == plain
     assert "drafted tokens kept" in captured.err and "forwards" in captured.err
+    from gptforge.modeling.gpt import GPT, GPTConfig
+    from gptforge.modeling.weights import save_model
+
+    save_model(
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, n_vocab=50257)), tmp_path / "gpt"
+    )
     rc = main(["generate", "x", "--checkpoint", str(tmp_path / "gpt"), "--speculate", "4"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "--speculate applies to Hugging Face Llama-family folders" in lines[-1]

@@ -102,15 +102,15 @@ def cmd_generate(args) -> int:
 
     if hf_source(args.checkpoint) is not None:
         return _generate_hf(args)
-    if args.speculate:
+    from pathlib import Path
+
+    # Options of the Hugging Face decoder, refused for a gptforge checkpoint that is there (a
+    # path that is not there is the loader's one line: "model folder not found").
+    hf_only = ["--speculate"] * bool(args.speculate) + [f"--quantize {args.quantize}"] * (args.quantize != "none")
+    if hf_only and Path(args.checkpoint).exists():
         raise BadInput(
-            f"--speculate applies to Hugging Face Llama-family folders; {args.checkpoint} is a gptforge "
-            "checkpoint (leave out --speculate)"
-        )
-    if args.quantize != "none":
-        raise BadInput(
-            f"--quantize {args.quantize} applies to Hugging Face Llama-family folders; {args.checkpoint} "
-            "is a gptforge checkpoint (leave out --quantize)"
+            f"{hf_only[0]} applies to Hugging Face Llama-family folders; {args.checkpoint} is a gptforge "
+            f"checkpoint (leave out {hf_only[0].split()[0]})"
         )
     if args.chat:
         raise BadInput(
