@@ -147,6 +147,27 @@ def ensure_engine() -> None:
     )
 
 
+# Disk the check takes on the disk of Docker's data root, measured here with `df` (docs/docker.md):
+# the CPU image built from nothing peaks at 5.9 GB (4.3 GB stays: the image and the builder's
+# cache), a rebuild over that cache at a few MB, the stack's containers and volumes 0.6 GB. With
+# less free, the build dies midway ("no space left on device"); the check says so before it starts.
+NEED_GB = {"build from nothing": 7.0, "image present": 1.0}
+
+
+def disk_shortfall(build: bool) -> str | None:
+    """Why this disk is too full for the check, in one line; None when it has room."""
+    root = run(["docker", "info", "--format", "{{.DockerRootDir}}"]).strip() or "/var/lib/docker"
+    present = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0
+    case = "image present" if present or not build else "build from nothing"
+    free = shutil.disk_usage(root if os.path.exists(root) else "/").free / 1e9
+    if free >= NEED_GB[case]:
+        return None
+    return (
+        f"{free:.1f} GB free on the disk of Docker's data root {root}, the check needs about "
+        f"{NEED_GB[case]:.0f} GB ({case}; docs/docker.md): free some (docker builder prune, docker image prune)"
+    )
+
+
 def compose_command() -> list[str]:
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         return ["docker", "compose"]
@@ -495,6 +516,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="leave the stack running (and its volumes) at the end")
     parser.add_argument("--no-build", action="store_true", help=f"use the existing {IMAGE}")
+    parser.add_argument(
+        "--disk-only", action="store_true", help="only say whether this disk has room for the check (exit 3 if not)"
+    )
     args = parser.parse_args()
     # A SIGTERM (CI's timeout, a Ctrl-C'd make) still tears the stack down: SystemExit runs `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -502,6 +526,12 @@ def main() -> int:
     stack = None
     try:
         ensure_engine()
+        shortfall = disk_shortfall(build=not args.no_build)
+        if args.disk_only:
+            say(shortfall or "this disk has room for the check")
+            return 3 if shortfall else 0
+        if shortfall:
+            raise CheckFailed(shortfall)
         if not args.no_build:
             with timed(f"build {IMAGE}"):
                 run([str(ROOT / "docker" / "build.sh"), "--cpu", "--tag", IMAGE], timeout=1800, quiet=False)

@@ -1,13 +1,16 @@
 """docker/build.sh and docker/check.py on bad input, with a stand-in `docker` (no engine needed).
 
 Each says what is wrong in one line, last, and exits non-zero: no engine (and how to start one),
-a base image that does not exist (naming BASE_IMAGE), an unknown argument. The end-to-end run of
-both against a real engine is `make docker-check` (docker/check.py, run by .ci/run after the suite).
+a base image that does not exist (naming BASE_IMAGE), an unknown argument, a disk too full for the
+build. The end-to-end run of both against a real engine is `make docker-check` (docker/check.py, run
+by .ci/run after the suite).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +88,18 @@ def test_check_says_what_is_missing(tmp_path, script, expected):
     result = run([sys.executable, str(CHECK), "--no-build"], env)
     assert result.returncode == 1
     assert last_line(result).startswith("docker-check: FAILED: ") and expected in last_line(result), result.stderr
+
+
+def test_check_says_first_when_the_disk_has_no_room_for_the_build(tmp_path, monkeypatch):
+    """CI's check once died in the build's last copy ("no space left on device") after the whole
+    suite: a disk too full for the build is said before it starts, in one line."""
+    env = stand_in_docker(tmp_path, 'case "$1" in info) echo /var/lib/docker ;; image) exit 1 ;; esac\n')
+    monkeypatch.setenv("PATH", env["PATH"])
+    spec = importlib.util.spec_from_file_location("docker_check", CHECK)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(check.shutil, "disk_usage", lambda path: usage._replace(free=int(3.7e9)))
+    line = check.disk_shortfall(build=True)
+    assert line.startswith("3.7 GB free on the disk of Docker's data root /var/lib/docker, the check needs about 7 GB")
+    assert check.disk_shortfall(build=False) is None  # the image is there to use: 1 GB is room enough
