@@ -406,6 +406,18 @@ CASES = [
     ),
     Case("data", "empty corpus", ["prepare", "pretrain", "-S", "data.pretrain.source=empty.txt"], "empty corpus"),
     Case(
+        "params",
+        "unknown pretrain executor",
+        ["prepare", "pretrain", "-S", "data.pretrain.executor=spark"],
+        "data.pretrain.executor",
+    ),
+    Case(
+        "data",
+        "a source whose documents are all filtered out",
+        ["prepare", "pretrain", "-S", "data.pretrain.filters.min_chars=100000000"],
+        "empty corpus",
+    ),
+    Case(
         "data",
         "too many malformed SMS lines",
         ["prepare", "classify", "-S", "data.classify.source=SMSSpamCollection"],

@@ -6,7 +6,7 @@ preference: the source, its checksum, the splits) and how downloads are retried.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
@@ -28,6 +28,27 @@ class DownloadConfig(Section):
     timeout: float = Field(30.0, gt=0, description="socket timeout in seconds")
 
 
+class PretrainCluster(Section):
+    """How prepare_pretrain's datatrove tasks are cut and where they run (docs/data.md)."""
+
+    tasks: int = Field(1, gt=0, description="datatrove tasks; the input files are dealt out among them")
+    workers: int = Field(1, gt=0, description="local: tasks run at once (each uses data.pretrain.workers threads)")
+    # the tasks' logs, completion marks and token parts (a folder every node sees, on a cluster);
+    # null: .gptforge/cache/prepare_pretrain in the project
+    logging_dir: Optional[str] = None
+    partition: Optional[str] = None  # slurm: the partition (needed)
+    time: str = "04:00:00"  # slurm: each task's time limit
+    job_name: str = "gptforge-prepare-pretrain"
+    cpus_per_task: int = Field(2, gt=0, description="slurm, ray")
+    mem_per_cpu_gb: int = Field(2, gt=0, description="slurm, ray")
+    ray_address: Optional[str] = None  # ray: the cluster's address; null: RAY_ADDRESS or a local Ray
+    poll_seconds: float = Field(5.0, gt=0, description="slurm: how often the stage looks at its job")
+
+
+class PretrainFilters(Section):
+    min_chars: int = Field(0, ge=0, description="documents with fewer characters are dropped; 0 = off")
+
+
 class PretrainData(Section):
     source: str = "hf://HuggingFaceFW/fineweb-edu"
     name: Optional[str] = "sample-10BT"  # hub dataset configuration
@@ -37,7 +58,11 @@ class PretrainData(Section):
     max_tokens: int = Field(20_000_000, gt=0)
     shard_tokens: int = Field(10_000_000, gt=0)
     val_tokens: int = Field(1_000_000, ge=0)
-    workers: int = Field(0, ge=0, description="tokenizer threads; 0 = one per CPU core")
+    workers: int = Field(0, ge=0, description="tokenizer threads of each task; 0 = one per CPU core")
+    # where the tokenizing tasks run (datatrove executors): local | slurm | ray
+    executor: Literal["local", "slurm", "ray"] = "local"
+    cluster: PretrainCluster = PretrainCluster()
+    filters: PretrainFilters = PretrainFilters()
 
     _sample = field_validator("source", mode="before")(_resolve_sample)
     _source = field_validator("source")(_check_source)
