@@ -6,12 +6,12 @@ CPU users pick) on the same SmolLM2, greedy, at 1 and 16 clients, 16-bit and 8-b
         [--max-tokens 64] [--rounds 3] [--out docs/results/serve_llama_cpp_cpu.json]
 
 The folder (by default the quickstart's fine-tuned SmolLM2, checkpoints/instruct_smollm2/final,
-else the base checkpoints/base/smollm2) is exported by gptforge to GGUF f16 and q8_0; the sides:
+else the base checkpoints/base/smollm2) is exported by gptforge to GGUF f16, q8_0 and q4_1; the sides:
 
 - gptforge serve on the folder, `--dtype bfloat16` (16-bit weights: on a CPU with native bf16
-  the fastest dtype it has) and `--quantize int8` (weight-only int8 decode linears, bf16
-  activations);
-- llama.cpp's server on the f16 and on the q8_0 file, `--n_threads` and `--n_threads_batch` the
+  the fastest dtype it has), `--quantize int8` and `--quantize int4` (weight-only int8, and
+  groupwise int4 with an int8 head, bf16 activations);
+- llama.cpp's server on the f16, the q8_0 and the q4_1 file, `--n_threads` and `--n_threads_batch` the
   core count, requests with `repeat_penalty` 1.0 (its default 1.1 changes greedy answers).
 
 Each server runs alone on the machine; each level sends `--requests` non-streamed
@@ -42,8 +42,10 @@ from servers import note, recorded_failure, serving  # noqa: E402
 SIDES = (  # label, server kind, what it serves, gptforge serve flags
     ("gptforge bf16", "gptforge", "folder", ("--dtype", "bfloat16")),
     ("gptforge int8", "gptforge", "folder", ("--quantize", "int8")),
+    ("gptforge int4", "gptforge", "folder", ("--quantize", "int4")),
     ("llama.cpp f16", "llama_cpp", "f16", ()),
     ("llama.cpp q8_0", "llama_cpp", "q8_0", ()),
+    ("llama.cpp q4_1", "llama_cpp", "q4_1", ()),
 )
 
 
@@ -87,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         files = {}
-        for quant in ("f16", "q8_0"):
+        for quant in ("f16", "q8_0", "q4_1"):
             if any(label.endswith(quant) for label in wanted):
                 files[quant] = export_gguf(folder, tmp / quant / f"smollm2-{quant}.gguf", quant)
                 result[f"gguf_{quant}_mb"] = round(files[quant].stat().st_size / 1e6, 1)

@@ -260,6 +260,12 @@ def main() -> int:
     ap.add_argument("--max-redo", type=int, default=20, help="at most this many rounds run again for noise")
     ap.add_argument("--no-loop", action="store_true", help="skip the in-process tokenize_to_shards timing")
     ap.add_argument("--corpus", type=Path, default=None, help="use this JSONL (a 'text' field) instead of building one")
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="also time the stage of another checkout's src/ (e.g. a worktree of an older commit), Prefect off",
+    )
     ap.add_argument("--out", default=None, help="also write OUT.md and OUT.json")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -317,7 +323,17 @@ def main() -> int:
         corpus = find_corpus(str(corpus_path), name=None, split="train", text_field="text", param="--corpus")
 
         corpus_mb = round(corpus_path.stat().st_size / 1e6, 1)
+        baseline = "stage_baseline_prefect_off"
+        env_baseline = None
+        if args.baseline_src:
+            env_baseline = {
+                **envs["off"],
+                "PYTHONPATH": f"{args.baseline_src.resolve()}{os.pathsep}{env['PYTHONPATH']}",
+            }
+            (tmp / "work_baseline").mkdir()
         times: dict[str, list[float]] = {"pool": [], **{f"stage_prefect_{m}": [] for m in modes}, "loop": []}
+        if env_baseline:
+            times[baseline] = []
         cpus: dict[str, list[float]] = {name: [] for name in times}
         inner: dict[str, list[float]] = {f"stage_prefect_{m}": [] for m in modes}  # the manifest's seconds
         tokens = None
@@ -345,6 +361,11 @@ def main() -> int:
                 if manifest["tokens"]["val"] + manifest["tokens"]["train"] != tokens:
                     raise SystemExit("bench_tokenize: the stage wrote a different number of tokens")
                 in_stage[f"stage_prefect_{m}"] = manifest["seconds"]
+            if env_baseline:
+                seconds[baseline], cpu[baseline] = timed(stage_cmd, tmp / "work_baseline", env_baseline)
+                old = json.loads((tmp / "work_baseline/data/pretrain/manifest.json").read_text())
+                if read_shards(tmp / "work_baseline/data/pretrain", [x["file"] for x in old["shards"]]).size != tokens:
+                    raise SystemExit("bench_tokenize: the baseline stage wrote a different number of tokens")
             if not args.no_loop:
                 out = tmp / "loop_out"
                 out.mkdir()
@@ -428,6 +449,12 @@ def main() -> int:
             for m in modes
         },
     }
+    if env_baseline:
+        result["baseline_src"] = str(args.baseline_src)
+        for m in modes:
+            result["acceptance"][m]["over_baseline"] = round(
+                cases[f"stage_prefect_{m}"]["median_tokens_per_sec"] / cases[baseline]["median_tokens_per_sec"], 2
+            )
     lines = report_lines(result)
     print("\n".join(lines))
     if args.out:
@@ -465,9 +492,10 @@ def report_lines(r: dict) -> list[str]:
         "stage_prefect_on": "gptforge prepare pretrain, Prefect on",
         "stage_prefect_off": "gptforge prepare pretrain, GPTFORGE_PREFECT=0",
         "loop": "tokenize_to_shards, in the benchmark's process",
+        "stage_baseline_prefect_off": f"the stage of {r.get('baseline_src', '')}, GPTFORGE_PREFECT=0",
     }
     pool = c["pool"]["median_tokens_per_sec"]
-    for key in ("pool", "stage_prefect_on", "stage_prefect_off"):
+    for key in ("pool", "stage_prefect_on", "stage_prefect_off", "stage_baseline_prefect_off"):
         if key in c:
             x = c[key]
             lines.append(
