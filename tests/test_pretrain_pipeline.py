@@ -25,6 +25,7 @@ from slurm_support import slurm_cluster  # noqa: F401  (fixture)
 import gptforge.data.pretrain as P
 from gptforge import samples
 from gptforge.config.load import load_config
+from gptforge.data.pretrain_pipeline import tokenize_with_datatrove
 from gptforge.errors import BadInput
 
 SAMPLE = Path(samples.__file__).parent / "fineweb_edu_sample.txt.gz"
@@ -79,7 +80,7 @@ def plain_and_tasks(tmp_path: Path, source, **keys) -> tuple[dict, dict, P.Shard
         shard_tokens=d.shard_tokens,
         val_tokens=d.val_tokens,
     )
-    b = P.tokenize_with_datatrove(corpus, tasks, d, tokenizer_path=TOKENIZER, eot=50256)
+    b = tokenize_with_datatrove(corpus, tasks, d, tokenizer_path=TOKENIZER, eot=50256)
     return shards(plain), shards(tasks), a, b
 
 
@@ -123,7 +124,7 @@ def test_min_chars_drops_the_short_documents(tmp_path, corpus_folder):
     corpus = P.find_corpus(str(tmp_path / "only"), name=None, split="train", text_field="text", param="p")
     out, ref = tmp_path / "out", tmp_path / "ref"
     out.mkdir(), ref.mkdir()
-    stats = P.tokenize_with_datatrove(corpus, out, d, tokenizer_path=TOKENIZER, eot=50256)
+    stats = tokenize_with_datatrove(corpus, out, d, tokenizer_path=TOKENIZER, eot=50256)
     ref_corpus = P.find_corpus(str(kept), name=None, split="train", text_field="text", param="p")
     P.tokenize_to_shards(
         ref_corpus, ref, tokenizer_path=TOKENIZER, max_tokens=10**9, shard_tokens=25000, val_tokens=3000
@@ -132,17 +133,41 @@ def test_min_chars_drops_the_short_documents(tmp_path, corpus_folder):
     assert sum(stats.documents.values()) == len(lines) < len(sample_lines()[0::6])
 
 
+@pytest.mark.parametrize("tasks", [1, 3])
+def test_minhash_drops_the_near_duplicates_and_keeps_one_of_each(tmp_path, tasks):
+    # documents of 60+ words; copies of some of them, exact or with one word changed (Jaccard
+    # similarity of their 5-gram shingles ~0.9), spread over other files: each cluster keeps
+    # its first member (the lowest file, then position), the rest go
+    docs = [t for t in sample_lines() if len(t.split()) >= 60][:40]
+    near = [d.replace(" the ", " a ", 1) for d in docs[:5]]
+    folder, kept_only = tmp_path / "corpus", tmp_path / "kept.jsonl"
+    folder.mkdir()
+    files = [docs[:15], docs[15:30] + docs[:5], docs[30:] + near]  # duplicates later than their originals
+    for i, texts in enumerate(files):
+        (folder / f"f{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    kept_only.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    d = settings(folder, **{"filters.minhash": "true", "cluster.tasks": tasks})
+    corpus = P.find_corpus(str(folder), name=None, split="train", text_field="text", param="p")
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    out.mkdir(), ref.mkdir()
+    stats = tokenize_with_datatrove(corpus, out, d, tokenizer_path=TOKENIZER, eot=50256)
+    plain = P.find_corpus(str(kept_only), name=None, split="train", text_field="text", param="p")
+    P.tokenize_to_shards(plain, ref, tokenizer_path=TOKENIZER, max_tokens=10**9, shard_tokens=25000, val_tokens=3000)
+    assert sum(stats.documents.values()) == len(docs) == 40
+    assert_same(shards(ref), shards(out))
+
+
 def test_slurm_without_sbatch_and_without_a_partition(tmp_path, corpus_folder, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     corpus = P.find_corpus(str(corpus_folder), name=None, split="train", text_field="text", param="p")
     with pytest.raises(BadInput, match="executor is slurm, but there is no `sbatch` on PATH"):
-        P.tokenize_with_datatrove(
+        tokenize_with_datatrove(
             corpus, tmp_path, settings(corpus_folder, executor="slurm"), tokenizer_path=TOKENIZER, eot=50256
         )
     (tmp_path / "sbatch").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "sbatch").chmod(0o755)
     with pytest.raises(BadInput, match="cluster.partition: the Slurm partition"):
-        P.tokenize_with_datatrove(
+        tokenize_with_datatrove(
             corpus, tmp_path, settings(corpus_folder, executor="slurm"), tokenizer_path=TOKENIZER, eot=50256
         )
 
@@ -162,16 +187,36 @@ def stage_repo(tmp_path: Path, corpus_folder: Path, **keys) -> Path:
     return repo
 
 
-@pytest.mark.slow
-def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
-    # three files, one per task, run one after another; the third is big (several tokenizer
-    # pieces): the run is held after the first piece of task 2 (piece 3 of the process) and killed
+def three_files(tmp_path: Path) -> Path:
+    """Three input files, one per task: two of one document, the third big (several tokenizer
+    pieces), so that a pause at piece N lands mid-way through the third task."""
     lines = sample_lines()
     folder = tmp_path / "corpus"
     folder.mkdir()
     (folder / "a.jsonl").write_text(json.dumps({"text": lines[0]}) + "\n")
     (folder / "b.jsonl").write_text(json.dumps({"text": lines[1]}) + "\n")
     (folder / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines * 3))
+    return folder
+
+
+def assert_plain_bytes(tmp_path: Path, folder: Path, out: Path) -> None:
+    """`out`'s shards are, byte for byte, those of one uninterrupted plain pass over `folder`."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    corpus = P.find_corpus(str(folder), name=None, split="train", text_field="text", param="p")
+    P.tokenize_to_shards(
+        corpus, reference, tokenizer_path=TOKENIZER, max_tokens=20_000_000, shard_tokens=25000, val_tokens=3000
+    )
+    assert {p.name: p.read_bytes() for p in reference.glob("*.npy")} == {
+        p.name: p.read_bytes() for p in out.glob("*.npy")
+    }
+
+
+@pytest.mark.slow
+def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
+    # three files, one per task, run one after another; the third is big (several tokenizer
+    # pieces): the run is held after the first piece of task 2 (piece 3 of the process) and killed
+    folder = three_files(tmp_path)
     repo = stage_repo(tmp_path, folder, cluster={"tasks": 3, "workers": 1})
     pause = tmp_path / "paused"
     env = cli_env(GPTFORGE_PREFECT="0", GPTFORGE_PAUSE_AT_STEP="3", GPTFORGE_PAUSE_FILE=str(pause))
@@ -195,15 +240,7 @@ def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
     assert "running task(s) 00002 of 3 (2 completed before)" in again.stderr
     assert done_before and not (repo / "data" / ".pretrain.work").exists()
 
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    corpus = P.find_corpus(str(folder), name=None, split="train", text_field="text", param="p")
-    P.tokenize_to_shards(
-        corpus, reference, tokenizer_path=TOKENIZER, max_tokens=20_000_000, shard_tokens=25000, val_tokens=3000
-    )
-    assert {p.name: p.read_bytes() for p in reference.glob("*.npy")} == {
-        p.name: p.read_bytes() for p in (repo / "data" / "pretrain").glob("*.npy")
-    }
+    assert_plain_bytes(tmp_path, folder, repo / "data" / "pretrain")
 
 
 @pytest.mark.slow
@@ -262,3 +299,38 @@ def test_a_failed_slurm_task_fails_the_stage_naming_it(tmp_path, corpus_folder, 
     line = last_error_line(failed.stderr)
     assert "data.pretrain: 1 of 2 tasks did not complete on slurm: task 00001 (log: " in line
     assert "task_00001.log" in line and not (repo / "data" / "pretrain").exists()
+
+
+@pytest.mark.slow
+def test_a_slurm_task_killed_mid_part_is_redone_alone(tmp_path, slurm_cluster):
+    # three files, one per Slurm task; each task is a process of its own, counting its pieces:
+    # only the third (a big file) reaches piece 2, holds there, and its process is killed
+    folder = three_files(tmp_path)
+    keys = {
+        "tasks": 3,
+        "partition": slurm_cluster.partition,
+        "cpus_per_task": 1,
+        "mem_per_cpu_gb": 1,
+        "poll_seconds": 0.5,
+    }
+    repo = stage_repo(tmp_path, folder, executor="slurm", cluster=keys)
+    pause = tmp_path / "paused"
+    env = cli_env(GPTFORGE_PREFECT="0", GPTFORGE_PAUSE_AT_STEP="2", GPTFORGE_PAUSE_FILE=str(pause), **slurm_cluster.env)
+    proc = subprocess.Popen(
+        [str(BIN / "gptforge"), "prepare", "pretrain"], cwd=repo, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not pause.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    task_pid = int(pause.read_text().split("pid ")[1])
+    os.kill(task_pid, signal.SIGKILL)  # the Slurm task's process, not the stage
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "1 of 3 tasks did not complete on slurm: task 00002 (log: " in stderr.strip().splitlines()[-1]
+    assert not (repo / "data" / "pretrain").exists()
+
+    again = run_cli(["prepare", "pretrain"], repo, cli_env(GPTFORGE_PREFECT="0", **slurm_cluster.env), fresh=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "running task(s) 00002 of 3 (2 completed before)" in again.stderr
+    assert_plain_bytes(tmp_path, folder, repo / "data" / "pretrain")

@@ -47,6 +47,9 @@ class PretrainCluster(Section):
 
 class PretrainFilters(Section):
     min_chars: int = Field(0, ge=0, description="documents with fewer characters are dropped; 0 = off")
+    # near-duplicate documents dropped (datatrove's MinHash: 5-gram shingles, 14 buckets of 8
+    # hashes, each cluster keeping one) before tokenizing
+    minhash: bool = False
 
 
 class PretrainData(Section):

@@ -463,48 +463,6 @@ def tokenize_to_shards(
     return stats
 
 
-def tokenize_with_datatrove(
-    corpus: Corpus, out_dir: Path, d, *, tokenizer_path: str | None, eot: int, work_root: Path | None = None
-) -> ShardStats:
-    """`tokenize_to_shards` as datatrove tasks (data.pretrain.executor) and a merge of their parts
-    (data/pretrain_pipeline.py): the same shards, id for id. The work folder is removed once the
-    shards are written; a failed or killed run leaves it, and the next run redoes only the tasks
-    that did not complete."""
-    from gptforge.data import pretrain_pipeline as pipeline
-
-    start = time.perf_counter()
-    work_root = work_root or Path(out_dir).absolute().parent / ".prepare_pretrain.work"
-    work = pipeline.work_folder(corpus, d, describe(tokenizer_path), work_root)
-    steps = pipeline.build_pipeline(
-        corpus,
-        work,
-        tokenizer_path=tokenizer_path,
-        max_tokens=d.max_tokens,
-        threads=d.workers,
-        min_chars=d.filters.min_chars,
-    )
-    executor = pipeline.make_executor(d.executor, steps, d, work)
-    log.info("tokenizing in %d %s task(s); work folder %s", d.cluster.tasks, d.executor, work)
-    try:
-        pipeline.run_tasks(d.executor, executor, d, work)
-        stats = pipeline.merge_parts(
-            work,
-            pipeline.part_count(corpus),
-            Path(out_dir),
-            shard_tokens=d.shard_tokens,
-            val_tokens=d.val_tokens,
-            max_tokens=d.max_tokens,
-            eot=eot,
-        )
-        stats.seconds = time.perf_counter() - start
-        check_split(stats, corpus.param, d.val_tokens)
-    except BadInput:  # nothing to resume: the input changes before the next run
-        pipeline.remove_work(work)
-        raise
-    pipeline.remove_work(work)
-    return stats
-
-
 def check_split(stats: ShardStats, param: str, val_tokens: int) -> None:
     """An empty corpus, or one that validation takes whole, is bad input."""
     if stats.total_tokens == 0:
@@ -550,6 +508,8 @@ def prepare_pretrain(
         find_corpus, source, name=d.name, split=d.split, text_field=d.text_field, param="data.pretrain.source"
     )
     with atomic_dir(out_dir) as tmp:
+        from gptforge.data.pretrain_pipeline import tokenize_with_datatrove
+
         stats = steps(
             tokenize_with_datatrove,
             corpus,

@@ -37,6 +37,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,10 +52,20 @@ from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.executor.slurm import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.utils.word_tokenizers import WordTokenizer
 
-from gptforge.data.pretrain import Corpus, ShardStats, ShardWriter, default_workers, encode_stream, iter_work
+from gptforge.data.pretrain import (
+    Corpus,
+    ShardStats,
+    ShardWriter,
+    check_split,
+    default_workers,
+    encode_stream,
+    iter_work,
+)
 from gptforge.errors import BadInput, StageFailed
 from gptforge.io import atomic_file
+from gptforge.modeling.tokenizer import describe
 from gptforge.runtime.pause import PausePoint
 
 log = logging.getLogger("gptforge")
@@ -199,15 +210,125 @@ class _counting:
             yield iter((doc.text,))
 
 
+class WhitespaceWords(WordTokenizer):
+    """MinHash's words, split on whitespace: datatrove's English word tokenizer needs spaCy or
+    NLTK data downloaded; shingles of whitespace words find the same near-duplicate web pages
+    (FineWeb's own dedup normalizes the text first, as MinhashDedupSignature does here)."""
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [line for line in text.split("\n") if line.strip()]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        return [m.span() for m in re.finditer(r"\S+", text)]
+
+
+def minhash_config():
+    """FineWeb's MinHash settings (5-gram shingles, 14 buckets of 8 hashes: pairs above ~0.75
+    Jaccard similarity are caught), with sha1 hashes (xxhash is an extra dependency)."""
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
+
+    return MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, hash_config=HashConfig(hash_fc="sha1"))
+
+
+def dedup_stages(corpus: Corpus, work: Path, min_chars: int) -> list[tuple[str, list, int]]:
+    """datatrove's MinHash deduplication before the tokenizing run, as (name, steps, tasks):
+    signatures of each task's documents, then per bucket the pairs that collide, then the
+    clusters and which documents to drop (each cluster keeps one). The tokenizing run's
+    `MinhashDedupFilter` drops them by their index in the task's stream, so the same reader and
+    filters run before it (`corpus_steps`)."""
+    from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupSignature
+
+    config, m = minhash_config(), work / "minhash"
+    signatures = MinhashDedupSignature(output_folder=str(m / "signatures"), config=config, language=WhitespaceWords())
+    return [
+        ("signatures", [*corpus_steps(corpus, min_chars), signatures], 0),
+        (
+            "buckets",
+            [MinhashDedupBuckets(str(m / "signatures"), str(m / "buckets"), config=config)],
+            config.num_buckets,
+        ),
+        ("clusters", [MinhashDedupCluster(str(m / "buckets"), str(m / "remove_ids"), config=config)], 1),
+    ]
+
+
+def corpus_steps(corpus: Corpus, min_chars: int) -> list:
+    """The reader and the filters every run over the corpus starts with."""
+    return [ReadCorpus(corpus)] + ([MinChars(min_chars)] if min_chars > 0 else [])
+
+
 def build_pipeline(
-    corpus: Corpus, work: Path, *, tokenizer_path: str | None, max_tokens: int, threads: int, min_chars: int
+    corpus: Corpus,
+    work: Path,
+    *,
+    tokenizer_path: str | None,
+    max_tokens: int,
+    threads: int,
+    min_chars: int,
+    minhash: bool = False,
 ) -> list:
     """The steps of one task, in order."""
-    steps: list = [ReadCorpus(corpus)]
-    if min_chars > 0:
-        steps.append(MinChars(min_chars))
+    steps = corpus_steps(corpus, min_chars)
+    if minhash:
+        from datatrove.pipeline.dedup.minhash import MinhashDedupFilter
+
+        steps.append(MinhashDedupFilter(str(work / "minhash" / "remove_ids")))
     steps.append(TokenizeParts(corpus, work, tokenizer_path, max_tokens, threads))
     return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage's tokenizing
+
+
+def tokenize_with_datatrove(
+    corpus: Corpus, out_dir: Path, d, *, tokenizer_path: str | None, eot: int, work_root: Path | None = None
+) -> ShardStats:
+    """`tokenize_to_shards` as datatrove tasks (data.pretrain.executor) and a merge of their parts
+    (data/pretrain_py): the same shards, id for id. The work folder is removed once the
+    shards are written; a failed or killed run leaves it, and the next run redoes only the tasks
+    that did not complete."""
+    start = time.perf_counter()
+    work_root = work_root or Path(out_dir).absolute().parent / ".prepare_pretrain.work"
+    work = work_folder(corpus, d, describe(tokenizer_path), work_root)
+    steps = build_pipeline(
+        corpus,
+        work,
+        tokenizer_path=tokenizer_path,
+        max_tokens=d.max_tokens,
+        threads=d.workers,
+        min_chars=d.filters.min_chars,
+        minhash=d.filters.minhash,
+    )
+    executor = make_executor(d.executor, steps, d, work)
+    log.info("tokenizing in %d %s task(s); work folder %s", d.cluster.tasks, d.executor, work)
+    try:
+        if d.filters.minhash:
+            for name, dedup, tasks in dedup_stages(corpus, work, d.filters.min_chars):
+                log.info("MinHash deduplication: %s", name)
+                where = work / "minhash" / f"run_{name}"
+                ex = make_executor(d.executor, dedup, d, where, tasks)
+                run_tasks(d.executor, ex, d, where, what=f"MinHash {name} tasks")
+        run_tasks(d.executor, executor, d, work)
+        stats = merge_parts(
+            work,
+            part_count(corpus),
+            Path(out_dir),
+            shard_tokens=d.shard_tokens,
+            val_tokens=d.val_tokens,
+            max_tokens=d.max_tokens,
+            eot=eot,
+        )
+        stats.seconds = time.perf_counter() - start
+        check_split(stats, corpus.param, d.val_tokens)
+    except BadInput:  # nothing to resume: the input changes before the next run
+        remove_work(work)
+        raise
+    remove_work(work)
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,9 +355,10 @@ def work_folder(corpus: Corpus, d, tokenizer: str, root: Path) -> Path:
     return (root / hashlib.sha256(key.encode()).hexdigest()[:16]).absolute()
 
 
-def make_executor(kind: str, steps: list, d, work: Path):
-    """datatrove's executor of `kind` over `steps`, its logs and completion marks in `work`."""
-    c = d.cluster
+def make_executor(kind: str, steps: list, d, work: Path, tasks: int = 0):
+    """datatrove's executor of `kind` over `steps` in `tasks` tasks (0: cluster.tasks), its logs
+    and completion marks in `work`."""
+    c = d.cluster.model_copy(update={"tasks": tasks}) if tasks else d.cluster
     if kind == "local":
         return LocalExecutor(steps, tasks=c.tasks, workers=min(c.workers, c.tasks), logging_dir=str(work))
     if kind == "slurm":
@@ -356,10 +478,10 @@ class SlurmExecutor(SlurmPipelineExecutor):
         pass
 
 
-def run_tasks(kind: str, executor, d, work: Path) -> None:
+def run_tasks(kind: str, executor, d, work: Path, what: str = "tasks") -> None:
     """Run the tasks to their end (a cluster job is waited for, its progress shown); a task that
     did not complete fails the stage with its name and log paths."""
-    tasks = d.cluster.tasks
+    tasks = executor.world_size
     todo = executor.get_incomplete_ranks(range(tasks), skip_completed=True)
     names = " ".join(f"{r:05d}" for r in todo[:8]) + (" ..." if len(todo) > 8 else "")
     log.info("running task(s) %s of %d (%d completed before)", names, tasks, tasks - len(todo))
@@ -370,7 +492,7 @@ def run_tasks(kind: str, executor, d, work: Path) -> None:
     if missing:
         logs = ", ".join(f"task {r:05d} (log: {_task_logs(work, r)})" for r in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise StageFailed(f"data.pretrain: {len(missing)} of {tasks} tasks did not complete on {kind}: {logs}{more}")
+        raise StageFailed(f"data.pretrain: {len(missing)} of {tasks} {what} did not complete on {kind}: {logs}{more}")
 
 
 def _task_logs(work: Path, rank: int) -> str:
