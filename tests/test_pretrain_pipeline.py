@@ -1,6 +1,6 @@
 """`prepare pretrain` as datatrove tasks (data/pretrain_pipeline.py) against the plain in-process
 pass (`tokenize_to_shards`, the reference): the same shards, id for id, whatever the task count,
-the workers or the executor (local here; a real one-node Slurm cluster in the slow test), the
+the workers or the executor (local; a local Ray and a real one-node Slurm cluster in the slow tests), the
 `max_tokens` cut and the filters; a run killed mid-task redoes that task alone on the next run and
 ends with the same bytes; bad executor settings end in one line.
 """
@@ -277,6 +277,20 @@ def test_on_a_slurm_cluster_under_dvc_repro_the_shards_are_the_local_ones(tmp_pa
             assert (repo / "data" / "pretrain" / name).read_bytes() == data, name
     manifest = json.loads((repo / "data" / "pretrain" / "manifest.json").read_text())
     assert manifest["executor"] == {"kind": "slurm", "tasks": 3}
+
+
+@pytest.mark.slow
+def test_on_a_local_ray_the_shards_are_the_plain_ones(tmp_path, corpus_folder):
+    import ray
+
+    try:
+        plain, by_tasks, _, b = plain_and_tasks(
+            tmp_path, corpus_folder, executor="ray", **{"cluster.tasks": 4, "cluster.cpus_per_task": 1}
+        )
+    finally:
+        ray.shutdown()  # the local Ray that the first task started in this process
+    assert_same(plain, by_tasks)
+    assert b.total_tokens > 200_000
 
 
 @pytest.mark.slow
