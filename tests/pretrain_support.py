@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from gptforge.config.load import load_config
-from gptforge.data.pretrain import prepare_pretrain
+from gptforge.data.pretrain_stage import prepare_pretrain
 
 # A small model on the small tokenizer (281 ids): fast on 2 cores, still every code path.
 SMALL = [

@@ -18,8 +18,8 @@ import transformers
 from cli_support import cli_env, run_cli
 from hf_models import make_tiny_causal_lm
 
-import gptforge.data.pretrain as P
 from gptforge.config.load import load_config
+from gptforge.data.pretrain_stage import prepare_pretrain
 from gptforge.errors import BadInput
 from gptforge.modeling.tokenizer import load_tokenizer
 from gptforge.training import loop
@@ -43,7 +43,7 @@ def _prepare(corpus: Path, tokenizer: str, out: Path) -> np.ndarray:
     cfg = load_config(
         None, [f"data.pretrain.source={corpus}", f"tokenizer.path={tokenizer}", "data.pretrain.val_tokens=1024"]
     )
-    P.prepare_pretrain(cfg, out_dir=out, metrics_path=out.parent / f"{out.name}.json")
+    prepare_pretrain(cfg, out_dir=out, metrics_path=out.parent / f"{out.name}.json")
     manifest = json.loads((out / "manifest.json").read_text())
     return manifest, np.concatenate([np.load(out / s["file"]) for s in manifest["shards"]])
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import gptforge.data.pretrain as P
 from gptforge import samples
 from gptforge.config.load import load_config
+from gptforge.data.pretrain_stage import prepare_pretrain
 from gptforge.errors import BadInput
 from gptforge.modeling.tokenizer import load_tokenizer
 
@@ -94,7 +95,7 @@ def test_fineweb_edu_sample_gives_tiktokens_gpt2_ids(tmp_path, gpt2_tokenizer_di
         workers=workers,
     )
     out = tmp_path / "data/pretrain"
-    metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    metrics = prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
     ids = read_tokens(out)
     assert len(ids) == 217_889 == metrics["tokens"]
     assert ids[0] == 50256 and np.count_nonzero(ids == 50256) == 1
@@ -136,7 +137,7 @@ def test_shards_manifest_and_metrics(tmp_path, jsonl_corpus, small_tokenizer):
     enc = load_tokenizer(str(small_tokenizer))
     cfg = config(jsonl_corpus, small_tokenizer, val_tokens=500, shard_tokens=1000, workers=2)
     out = tmp_path / "out"
-    metrics = P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "metrics/prepare_pretrain.json")
+    metrics = prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "metrics/prepare_pretrain.json")
     manifest = json.loads((out / "manifest.json").read_text())
     names = [s["file"] for s in manifest["shards"]]
     assert names[0] == "val_000000.npy" and names[1] == "train_000000.npy"
@@ -162,7 +163,7 @@ def test_shards_manifest_and_metrics(tmp_path, jsonl_corpus, small_tokenizer):
 
 def test_max_tokens_stops_the_corpus(tmp_path, jsonl_corpus, small_tokenizer):
     cfg = config(jsonl_corpus, small_tokenizer, val_tokens=100, shard_tokens=300, max_tokens=1234, workers=1)
-    P.prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
+    prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
     manifest = json.loads((tmp_path / "out/manifest.json").read_text())
     assert read_tokens(tmp_path / "out").size == 1234 and manifest["truncated_at_max_tokens"]
 
@@ -179,7 +180,7 @@ def test_folder_of_txt_and_parquet(tmp_path, small_tokenizer):
     pq.write_table(pa.table({"text": ["in parquet one", "in parquet two"]}), folder / "c.parquet")
     (folder / "ignored.md").write_text("not a corpus file")
     cfg = config(folder, small_tokenizer, val_tokens=3, shard_tokens=100, workers=1)
-    P.prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
+    prepare_pretrain(cfg, out_dir=tmp_path / "out", metrics_path=tmp_path / "m.json")
     expected = []
     for text in ["the first file\n", "the second file\n", "in parquet one", "in parquet two"]:
         expected += [enc.eot_token, *enc.encode_ordinary(text)]
@@ -201,7 +202,7 @@ def previous_output(tmp_path) -> Path:
 def assert_fails(cfg, out: Path, match: str):
     before = snapshot(out)
     with pytest.raises(BadInput, match=match) as e:
-        P.prepare_pretrain(cfg, out_dir=out, metrics_path=out.parent / "m.json")
+        prepare_pretrain(cfg, out_dir=out, metrics_path=out.parent / "m.json")
     assert "\n" not in str(e.value)
     assert snapshot(out) == before
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".pretrain.")]  # no temp folder left
@@ -298,7 +299,7 @@ def test_jsonl_shards_equal_the_plain_reference(tmp_path, gpt2_tokenizer_dir, mo
     expected = reference_ids(enc, [json.loads(line)["text"] for line in path.read_text().splitlines()])
     cfg = config(path, gpt2_tokenizer_dir, val_tokens=1_000, shard_tokens=7_000, workers=workers)
     out = tmp_path / "out"
-    P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
     np.testing.assert_array_equal(read_tokens(out), expected)
     manifest = json.loads((out / "manifest.json").read_text())
     assert sum(manifest["documents"].values()) == sum(1 for d in docs if d)
@@ -306,7 +307,7 @@ def test_jsonl_shards_equal_the_plain_reference(tmp_path, gpt2_tokenizer_dir, mo
 
     # max_tokens: exactly the reference's first tokens, with threads and items still in flight
     cfg = config(path, gpt2_tokenizer_dir, val_tokens=100, shard_tokens=1_000, max_tokens=4_321, workers=workers)
-    P.prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
+    prepare_pretrain(cfg, out_dir=out, metrics_path=tmp_path / "m.json")
     np.testing.assert_array_equal(read_tokens(out), expected[:4_321])
     assert json.loads((out / "manifest.json").read_text())["truncated_at_max_tokens"]
 

@@ -38,13 +38,9 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import tiktoken
 
-import gptforge
-from gptforge.config.schema import Config
 from gptforge.errors import BadInput
-from gptforge.io import atomic_dir, data_suffix, is_gzip, open_data, sha256_file, write_json
-from gptforge.modeling.tokenizer import EOT_TOKEN, check_fits_uint16, describe, load_tokenizer
-from gptforge.runtime.steps import DIRECT, Steps
-from gptforge.runtime.tracking import NullRun, publish_metrics
+from gptforge.io import data_suffix, is_gzip, open_data, sha256_file
+from gptforge.modeling.tokenizer import EOT_TOKEN, load_tokenizer
 
 log = logging.getLogger("gptforge")
 
@@ -472,82 +468,3 @@ def check_split(stats: ShardStats, param: str, val_tokens: int) -> None:
             f"{param}: the corpus has {stats.total_tokens} tokens, all taken by validation "
             f"(data.pretrain.val_tokens={val_tokens}): no training tokens left"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# The recipe
-
-
-def prepare_pretrain(
-    cfg: Config,
-    *,
-    steps: Steps = DIRECT,
-    run=NullRun(),
-    out_dir: str | os.PathLike = "data/pretrain",
-    metrics_path: str | os.PathLike = "metrics/prepare_pretrain.json",
-    raw_dir: str | os.PathLike = "data/raw",
-) -> dict:
-    d = cfg.data.pretrain
-    enc = load_tokenizer(cfg.tokenizer.path)
-    check_fits_uint16(enc, cfg.tokenizer.path)
-    source = d.source
-    if source.startswith("https://"):
-        from gptforge.data.sources import materialize
-
-        source = str(
-            materialize(
-                source,
-                param="data.pretrain.source",
-                sha256=d.sha256,
-                download=cfg.data.download,
-                steps=steps,
-                raw_dir=raw_dir,
-            )
-        )
-    corpus = steps(
-        find_corpus, source, name=d.name, split=d.split, text_field=d.text_field, param="data.pretrain.source"
-    )
-    with atomic_dir(out_dir) as tmp:
-        from gptforge.data.pretrain_pipeline import tokenize_with_datatrove
-
-        stats = steps(
-            tokenize_with_datatrove,
-            corpus,
-            tmp,
-            d,
-            tokenizer_path=cfg.tokenizer.path,
-            eot=enc.eot_token,
-            work_root=Path(out_dir).absolute().parent / f".{Path(out_dir).name}.work",
-        )
-        manifest = {
-            "source": d.source,
-            "name": d.name if d.source.startswith("hf://") else None,
-            "tokenizer": {"name": describe(cfg.tokenizer.path), "n_vocab": enc.n_vocab, "eot": enc.eot_token},
-            "dtype": "uint16",
-            "documents": stats.documents,
-            "tokens": stats.tokens,
-            "truncated_at_max_tokens": stats.truncated,
-            "tokens_per_sec": stats.total_tokens / stats.seconds,
-            "seconds": stats.seconds,
-            "shards": stats.shards,
-            "executor": {"kind": d.executor, "tasks": d.cluster.tasks},
-            "gptforge_version": gptforge.__version__,
-        }
-        write_json(Path(tmp) / "manifest.json", manifest)
-    metrics = {
-        "tokens": stats.total_tokens,
-        "train_tokens": stats.tokens["train"],
-        "val_tokens": stats.tokens["val"],
-        "documents": stats.documents["train"] + stats.documents["val"],
-        "tokens_per_sec": manifest["tokens_per_sec"],
-    }
-    log.info(
-        "wrote %d shards, %d tokens (%.2fM tokens/s) to %s",
-        len(stats.shards),
-        stats.total_tokens,
-        manifest["tokens_per_sec"] / 1e6,
-        out_dir,
-    )
-    publish_metrics(run, metrics, metrics_path)
-    run.log_artifact(Path(out_dir) / "manifest.json")
-    return metrics

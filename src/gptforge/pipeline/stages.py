@@ -48,7 +48,7 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage(
             "prepare_pretrain",
-            "gptforge.data.pretrain:prepare_pretrain",
+            "gptforge.data.pretrain_stage:prepare_pretrain",
             ("tokenizer", "data.download", "data.pretrain"),
             "tokenize a text corpus into uint16 shards (data/pretrain/)",
         ),
