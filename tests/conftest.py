@@ -57,9 +57,13 @@ from fixture_data import SMALL_MERGES, SMS_LINES, FakeJudge, write_tiktoken  # n
 from process_support import _SHARED_TMP, free_port, prefect_home, stop_process, wait_http  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
 def pytest_sessionfinish(session, exitstatus):
     """The recorders this session's tests started (one per test folder that ran a recorded
-    stage) leave with it rather than after their idle time, and so does the CLI fork server."""
+    stage) leave with it rather than after their idle time, and so does the CLI fork server.
+    A passing xdist worker removes its temporary folder: pyproject's tmp_path_retention_policy
+    ("failed") removes each passing test's tmp_path, but not the module and session fixtures'
+    folders under a base temp that xdist names (~1 GB a green suite)."""
     import cli_zygote
     import psutil
 
@@ -76,6 +80,8 @@ def pytest_sessionfinish(session, exitstatus):
                 proc.terminate()
         except (psutil.Error, OSError):
             pass
+    if base and exitstatus == 0 and hasattr(session.config, "workerinput"):
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
