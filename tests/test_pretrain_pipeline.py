@@ -212,14 +212,10 @@ def assert_plain_bytes(tmp_path: Path, folder: Path, out: Path) -> None:
     }
 
 
-@pytest.mark.slow
-def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
-    # three files, one per task, run one after another; the third is big (several tokenizer
-    # pieces): the run is held after the first piece of task 2 (piece 3 of the process) and killed
-    folder = three_files(tmp_path)
-    repo = stage_repo(tmp_path, folder, cluster={"tasks": 3, "workers": 1})
-    pause = tmp_path / "paused"
-    env = cli_env(GPTFORGE_PREFECT="0", GPTFORGE_PAUSE_AT_STEP="3", GPTFORGE_PAUSE_FILE=str(pause))
+def paused_stage(repo: Path, pause: Path, piece: int, **env: str) -> subprocess.Popen:
+    """`gptforge prepare pretrain` in `repo`, returned once a task holds after its tokenizer piece
+    `piece` (the pause point wrote `pause`: "paused at step N, pid P")."""
+    env = cli_env(GPTFORGE_PREFECT="0", GPTFORGE_PAUSE_AT_STEP=str(piece), GPTFORGE_PAUSE_FILE=str(pause), **env)
     proc = subprocess.Popen(
         [str(BIN / "gptforge"), "prepare", "pretrain"], cwd=repo, env=env, stderr=subprocess.PIPE, text=True
     )
@@ -227,6 +223,28 @@ def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
     while not pause.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
         time.sleep(0.05)
+    return proc
+
+
+def slurm_keys(slurm_cluster, tasks: int) -> dict:
+    """data.pretrain.cluster for the test cluster: small tasks, a quick poll."""
+    return {
+        "tasks": tasks,
+        "partition": slurm_cluster.partition,
+        "cpus_per_task": 1,
+        "mem_per_cpu_gb": 1,
+        "poll_seconds": 0.5,
+    }
+
+
+@pytest.mark.slow
+def test_a_killed_task_is_redone_alone_and_the_bytes_are_the_same(tmp_path):
+    # three files, one per task, run one after another; the third is big (several tokenizer
+    # pieces): the run is held after the first piece of task 2 (piece 3 of the process) and killed
+    folder = three_files(tmp_path)
+    repo = stage_repo(tmp_path, folder, cluster={"tasks": 3, "workers": 1})
+    pause = tmp_path / "paused"
+    proc = paused_stage(repo, pause, 3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     pause.unlink()
@@ -250,13 +268,7 @@ def test_on_a_slurm_cluster_under_dvc_repro_the_shards_are_the_local_ones(tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
 
     repo = stage_repo(tmp_path / "slurm", corpus_folder)
-    keys = {
-        "tasks": 3,
-        "partition": slurm_cluster.partition,
-        "cpus_per_task": 1,
-        "mem_per_cpu_gb": 1,
-        "poll_seconds": 0.5,
-    }
+    keys = slurm_keys(slurm_cluster, 3)
     params = json.loads((repo / "params.yaml").read_text())
     params["data"]["pretrain"].update(executor="slurm", cluster=keys)
     (repo / "params.yaml").write_text(json.dumps(params))
@@ -300,13 +312,7 @@ def test_a_failed_slurm_task_fails_the_stage_naming_it(tmp_path, corpus_folder, 
     for name in ("f0.jsonl", "f2.jsonl", "f3.jsonl"):
         os.link(corpus_folder / name, bad / name)
     (bad / "f1.jsonl").write_text('{"no_text": 1}\n')  # task 1 of 2 fails on it
-    keys = {
-        "tasks": 2,
-        "partition": slurm_cluster.partition,
-        "cpus_per_task": 1,
-        "mem_per_cpu_gb": 1,
-        "poll_seconds": 0.5,
-    }
+    keys = slurm_keys(slurm_cluster, 2)
     repo = stage_repo(tmp_path, bad, executor="slurm", cluster=keys)
     failed = run_cli(["prepare", "pretrain"], repo, cli_env(GPTFORGE_PREFECT="0", **slurm_cluster.env), fresh=True)
     assert failed.returncode == 1, failed.stderr[-2000:]
@@ -320,23 +326,10 @@ def test_a_slurm_task_killed_mid_part_is_redone_alone(tmp_path, slurm_cluster):
     # three files, one per Slurm task; each task is a process of its own, counting its pieces:
     # only the third (a big file) reaches piece 2, holds there, and its process is killed
     folder = three_files(tmp_path)
-    keys = {
-        "tasks": 3,
-        "partition": slurm_cluster.partition,
-        "cpus_per_task": 1,
-        "mem_per_cpu_gb": 1,
-        "poll_seconds": 0.5,
-    }
+    keys = slurm_keys(slurm_cluster, 3)
     repo = stage_repo(tmp_path, folder, executor="slurm", cluster=keys)
     pause = tmp_path / "paused"
-    env = cli_env(GPTFORGE_PREFECT="0", GPTFORGE_PAUSE_AT_STEP="2", GPTFORGE_PAUSE_FILE=str(pause), **slurm_cluster.env)
-    proc = subprocess.Popen(
-        [str(BIN / "gptforge"), "prepare", "pretrain"], cwd=repo, env=env, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 120
-    while not pause.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.05)
+    proc = paused_stage(repo, pause, 2, **slurm_cluster.env)
     task_pid = int(pause.read_text().split("pid ")[1])
     os.kill(task_pid, signal.SIGKILL)  # the Slurm task's process, not the stage
     _, stderr = proc.communicate(timeout=120)
