@@ -1,4 +1,8 @@
-"""`prepare pretrain`: a text corpus -> uint16 GPT-2 token shards + manifest.json.
+"""Pretraining tokens: reading a corpus's documents, encoding them on threads, and cutting the
+stream into the uint16 GPT-2 token shards the training loader reads. The stage (`prepare
+pretrain`, data/pretrain_stage.py) runs these pieces as datatrove tasks (data/pretrain_pipeline.py);
+`tokenize_to_shards` is the same work as one plain in-process pass: the reference the tasks are
+tested against, and bench_tokenize's loop.
 
 Each (non-empty) document is preceded by `<|endoftext|>` (as in build-nanogpt's fineweb.py), so the token
 stream reads `EOT doc0 EOT doc1 ...`. The first `val_tokens` tokens form the validation split,
@@ -433,7 +437,8 @@ def tokenize_to_shards(
     val_tokens: int,
     workers: int = 0,
 ) -> ShardStats:
-    """Read, tokenize and write the corpus into `out_dir` (which must exist). Timed end to end."""
+    """Read, tokenize and write the corpus into `out_dir` (which must exist) in one pass, here;
+    timed end to end. The stage's datatrove tasks write the same shards (the tests' reference)."""
     start = time.perf_counter()
     enc = load_tokenizer(tokenizer_path)
     workers = workers or default_workers()

@@ -176,7 +176,7 @@ class TokenizeParts(PipelineStep):
         pause = PausePoint.from_env()
         with open(tmp, "wb") as f:
             if not capped:
-                counted = _counting(docs)
+                counted = _CountedTexts(docs)
                 stream = encode_stream(iter_work(counted), enc, threads)
                 try:
                     for ids in stream:
@@ -198,7 +198,7 @@ class TokenizeParts(PipelineStep):
         return tokens
 
 
-class _counting:
+class _CountedTexts:
     """The documents' texts as `iter_work` takes them (each an iterator of blocks), counted."""
 
     def __init__(self, docs):
