@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptforge.errors import BadInput
+from gptforge.modeling.cpu_gemv import gemv_kernels
 from gptforge.modeling.gpt import GPT, CausalSelfAttention, KVCache, head_logits
 from gptforge.modeling.greedy_head import GreedyHead, _argmax, to_bf16  # noqa: F401 - re-exported
 
@@ -57,7 +58,8 @@ class Decoder:
     each plus the head's matrix-vector product; run through the nn.Module tree, the Python
     around those operations (module calls, hooks checks, shape bookkeeping, masks) costs about
     as much again. Here the weights are gathered once per `generate` call and each layer is a
-    straight run of functional calls; K and V are stored with one copy (KVCache.kv).
+    straight run of functional calls; K and V are stored with one copy (KVCache.kv). In bf16 on
+    the CPU, one or two rows take ATen's matrix-vector kernels (`cpu_gemv`).
     """
 
     def __init__(self, model: GPT, cache: KVCache):
@@ -122,9 +124,10 @@ class Decoder:
                 y = F.scaled_dot_product_attention(q, k, v)
             return y.view(B, 1, C)
 
-        x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
-        for w, kv in zip(self.layers, cache.kv):
-            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+        with gemv_kernels(B, self.wte.dtype, self.wte.device):
+            x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
+            for w, kv in zip(self.layers, cache.kv):
+                x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
         cache.pos = pos + 1
         return F.layer_norm(x.view(B, C), (C,), *self.ln_f)
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptforge.errors import BadInput
+from gptforge.modeling.cpu_gemv import gemv_kernels
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -240,7 +241,8 @@ class LlamaLayers:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states x (..., hidden), in the model's dtype."""
-        return self.head_linear(x, self.packed_head, None)
+        with gemv_kernels(x.numel() // x.size(-1), self.dtype, self.device):
+            return self.head_linear(x, self.packed_head, None)
 
     @staticmethod
     def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -260,7 +262,13 @@ class LlamaLayers:
         `self.cos`/`self.sin`); `attend(i, q, k, v)` stores layer i's new keys/values (B,
         kv_heads, T, head_dim) and returns the attention of the queries q (B, heads, T,
         head_dim) over everything the row holds. Returns (B, hidden) final hidden states of the
-        last position, or (B, T, hidden) of every position with `all_positions`."""
+        last position, or (B, T, hidden) of every position with `all_positions`. One or two
+        positions in all take ATen's matrix-vector kernels (`cpu_gemv`)."""
+        B, T = ids.shape
+        with gemv_kernels(B * T, self.dtype, self.device):
+            return self._forward(ids, cos, sin, attend, all_positions)
+
+    def _forward(self, ids, cos, sin, attend, all_positions):
         B, T = ids.shape
         nh, nkv, hd = self.n_head, self.n_kv, self.head_dim
         lin, rms, rotate = self.linear, self._rms, self._rotate
