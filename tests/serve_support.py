@@ -67,3 +67,28 @@ class Server:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def cli_generate(checkpoint, prompt: str, n: int, *extra: str) -> str:
+    """`gptforge generate`'s greedy answer of n tokens, as the command prints it."""
+    out = subprocess.run(
+        [
+            str(BIN / "gptforge"),
+            "generate",
+            prompt,
+            "--checkpoint",
+            str(checkpoint),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            str(n),
+            "--params",
+            str(PARAMS),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout[:-1]  # generate prints the answer and a newline

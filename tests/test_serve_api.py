@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 
 import httpx
 import openai
 import psutil
 import pytest
-from cli_support import BIN
 from hf_models import make_tiny_causal_lm
 from serve_api_support import PROMPT, folders, metric, running, wait_until  # noqa: F401  (folders: a fixture)
-from serve_support import PARAMS, Server
+from serve_support import PARAMS, Server, cli_generate
 
 pytestmark = pytest.mark.slow
 
@@ -58,30 +56,6 @@ def client(server):
 
 def auth() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
-
-
-def cli_generate(checkpoint, prompt: str, n: int, *extra: str) -> str:
-    out = subprocess.run(
-        [
-            str(BIN / "gptforge"),
-            "generate",
-            prompt,
-            "--checkpoint",
-            str(checkpoint),
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            str(n),
-            "--params",
-            str(PARAMS),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout[:-1]  # generate prints the answer and a newline
 
 
 def encode(text: str) -> list[int]:

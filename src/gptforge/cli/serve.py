@@ -88,6 +88,15 @@ def add_commands(sub) -> None:
         "--dtype auto the activations are bfloat16 on CUDA and on CPUs with native bf16 (default: %(default)s)",
     )
     s.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a lone greedy request drafts up to K tokens by prompt lookup in its prompt and answer and "
+        "verifies them in one forward (Llama-family models; pays where answers quote their context, as "
+        "RAG answers do); 0: off (default: %(default)s)",
+    )
+    s.add_argument(
         "--rag",
         default=None,
         metavar="INDEX",
@@ -118,6 +127,8 @@ def cmd_serve(args) -> int:
         raise BadInput(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise BadInput(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.speculate < 0:
+        raise BadInput(f"--speculate must be >= 0 (0 = off), got {args.speculate}")
     if args.prefix_cache_mb < 0:
         raise BadInput(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     api_key = args.api_key if args.api_key is not None else (os.environ.get("GPTFORGE_API_KEY") or None)
@@ -164,6 +175,7 @@ def cmd_serve(args) -> int:
                     engine_process=args.engine_process == "on",
                     dtype=args.dtype,
                     quantize=None if args.quantize == "none" else args.quantize,
+                    speculate=args.speculate,
                 )
             )
     except BaseException:

@@ -11,7 +11,9 @@ follow the model's distribution exactly.
 
 It pays where answers copy their context (a RAG answer quoting its chunks, code edits,
 summaries: several tokens per forward) and costs one lookup per token where nothing matches.
-`generate_llama(..., speculate=K)` uses it; `stats` counts drafted and accepted tokens.
+`generate_llama(..., speculate=K)` uses it; `stats` counts drafted and accepted tokens. `gptforge
+serve --speculate K` drafts the same way for a lone greedy row (`serve.scheduler`) and verifies
+in its backend (`serve.hf_backend.HFBackend.decode_greedy_draft`), with `greedy_kept`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
             if tokens[start : start + n] == tail:
                 return tokens[start + n : start + n + k]
     return []
+
+
+def greedy_kept(draft: list[int], greedy: list[int]) -> int:
+    """How many leading drafted tokens greedy decoding keeps: `greedy[i]` is the model's argmax
+    after the verified token and `draft[:i]`; the first mismatch ends the run."""
+    kept = 0
+    while kept < len(draft) and draft[kept] == greedy[kept]:
+        kept += 1
+    return kept
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
@@ -101,10 +112,11 @@ def speculative_decode(
         counts["drafted"] += len(draft)
         logits = decoder.logits(hidden)  # (1 + len(draft), V): row i follows draft[:i]
         greedy = _argmax(logits.float()).tolist() if temperature == 0 else None
+        agreed = greedy_kept(draft, greedy) if greedy is not None else len(draft)
         kept = 0
         for i, d in enumerate(draft):
             if greedy is not None:
-                ok, token = greedy[i] == d, greedy[i]
+                ok, token = i < agreed, greedy[i]
             else:
                 ok, token = accept_or_resample(filtered_probs(logits[i], temperature, top_k), d)
             if not ok:

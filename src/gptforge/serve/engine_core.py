@@ -42,8 +42,11 @@ def step(scheduler: Scheduler) -> list[tuple[Job, int]]:
 
 
 def execute(backend, plan: Plan) -> list[int]:
-    """The plan run on `backend`: the next token of each drawing job, in `plan.drawing`'s order."""
+    """The plan run on `backend`: the next token of each drawing job, in `plan.drawing`'s order
+    (a plan with a draft: its one job's verified tokens)."""
     if plan.lone_greedy_decode:  # one greedy row: no logits needed
+        if plan.draft:  # its drafted tokens verified in the same forward: one token or several
+            return backend.decode_greedy_draft(plan.segments[0][1][0], plan.draft)
         return [backend.decode_greedy(plan.segments[0][1][0])]
     logits = backend.forward(plan.segments)
     if not plan.drawing:
@@ -61,6 +64,8 @@ def stats_of(scheduler: Scheduler) -> Stats:
         cache.query_tokens if cache else 0,
         cache.hit_tokens if cache else 0,
         cache.nbytes if cache else 0,
+        scheduler.drafted_tokens,
+        scheduler.accepted_tokens,
     )
 
 

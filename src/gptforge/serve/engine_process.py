@@ -54,6 +54,7 @@ class EngineSpec:
     name: str = "model"
     dtype: str = "auto"  # Hugging Face models: hf_causal.inference_dtype
     quantize: str | None = None  # "int8" / "int4": the lean decode step's linears (Llama-family Hugging Face models)
+    speculate: int = 0  # a lone greedy row drafts up to this many tokens (serve.scheduler)
 
 
 def build_scheduler(spec: EngineSpec):
@@ -95,7 +96,10 @@ def build_scheduler(spec: EngineSpec):
         backend = HFBackend(model, spec.max_batch, context, weights=spec.quantize or "native")
         info = Ready(context, int(model.config.vocab_size), stop_ids(tok, model))
     cache = PrefixCache(int(spec.prefix_cache_mb * (1 << 20)))
-    return Scheduler(backend, prefill_chunk=spec.prefill_chunk, prefix_cache=cache), info
+    if spec.speculate and not getattr(backend, "verifies_drafts", False):
+        raise BadInput(f"--speculate runs in gptforge's lean Llama-family decoder, which does not serve {spec.path}")
+    scheduler = Scheduler(backend, prefill_chunk=spec.prefill_chunk, prefix_cache=cache, speculate=spec.speculate)
+    return scheduler, info
 
 
 def main(fd: int) -> int:

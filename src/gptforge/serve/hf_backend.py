@@ -43,6 +43,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from gptforge.errors import BadInput
 from gptforge.serve.backend import Backend
@@ -381,6 +382,52 @@ class HFBackend(Backend):
             return attend_one(q, keys, values, allowed)
 
         return w.logits(w.forward(ids, cos, sin, attend)).float()
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether `decode_greedy_draft` runs here: the lean Llama-family layers only."""
+        return self._lean is not None
+
+    @torch.inference_mode()
+    def decode_greedy_draft(self, token: int, draft: list[int]) -> list[int]:
+        """Speculative decoding's verify step for the lone row (`serve.scheduler`): `token` and
+        the `draft` after it through the lean layers in one forward, causally over the row's
+        keys; returns the drafted tokens greedy decoding keeps (`speculative.greedy_kept`) and
+        then the model's own next token. The row keeps `token` and the kept drafts; the
+        rejected drafts' keys and values are cut off again."""
+        from gptforge.modeling.greedy_head import _argmax
+        from gptforge.modeling.speculative import greedy_kept
+
+        if self._lean is None or len(self._rows) != 1:
+            raise ValueError("a draft is verified for one row of a lean-decoded model")
+        row = self._rows[0]
+        if not row.merged:
+            self._join([row])
+        w, T = self._lean, 1 + len(draft)
+        positions = torch.arange(row.length, row.length + T, device=self.device)
+        width = self.mask.size(1)
+        allowed = torch.ones(T, width + T, dtype=torch.bool, device=self.device)
+        allowed[:, :width] = self.mask.bool()
+        allowed[:, width:] = allowed[:, width:].tril()
+        layers = _layers(self.cache)
+
+        def attend(i, q, k, v):
+            layer = layers[i]
+            layer.keys = keys = torch.cat([layer.keys, k], dim=2)
+            layer.values = values = torch.cat([layer.values, v], dim=2)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=w.n_head != w.n_kv)
+
+        ids = torch.tensor([[token] + draft], device=self.device)
+        hidden = w.forward(ids, w.cos[positions], w.sin[positions], attend, all_positions=True)[0]
+        greedy = _argmax(w.logits(hidden).float()).tolist()
+        kept = greedy_kept(draft, greedy)
+        held = 1 + kept  # columns the row keeps of the T written
+        if held < T:
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[:, :, : width + held], layer.values[:, :, : width + held]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(1, held)], dim=1)
+        row.length += held
+        return draft[:kept] + [greedy[kept]]
 
 
 def _groups(items: list) -> list[list]:

@@ -119,11 +119,13 @@ def load_served(
     engine_process: bool = True,
     dtype: str = "auto",
     quantize: str | None = None,
+    speculate: int = 0,
 ) -> ServedLM | ServedClassifier:
     """Load one resolved model (`serve.sources.ModelSource`) for serving: a language model's
     engine in a process of its own (`serve.engine_process`; `engine_process=False`: in a thread
     of this one), its tokenizer here. `dtype`: a Hugging Face model's (hf_causal.inference_dtype);
-    `quantize` ("int8", "int4"): its decode step's linears (a Llama-family Hugging Face model only)."""
+    `quantize` ("int8", "int4"): its decode step's linears (a Llama-family Hugging Face model only);
+    `speculate` K: a lone greedy request drafts up to K tokens by prompt lookup (Llama-family)."""
     import time
 
     from gptforge.finetune.templates import prompt_template
@@ -154,6 +156,7 @@ def load_served(
         source.name,
         dtype,
         quantize,
+        speculate,
     )
     ready = _start_engine(spec, engine_process)
     try:

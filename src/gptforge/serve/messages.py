@@ -43,6 +43,8 @@ class Stats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cache_bytes: int = 0
+    drafted_tokens: int = 0  # speculative decoding (`--speculate`): tokens drafted
+    accepted_tokens: int = 0  # and those the model kept
 
 
 @dataclass(frozen=True)

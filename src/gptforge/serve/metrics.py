@@ -11,7 +11,9 @@ engine's prefill and prefix-cache counts: `gptforge_prefill_tokens_total{model}`
 computed), `gptforge_prefix_cache_query_tokens_total{model}` and
 `gptforge_prefix_cache_hit_tokens_total{model}` (prompt tokens looked up, and found cached: their
 ratio is the hit rate), `gptforge_prefix_cache_hit_rate{model}` and
-`gptforge_prefix_cache_bytes{model}`.
+`gptforge_prefix_cache_bytes{model}`; with `--speculate K`,
+`gptforge_speculative_drafted_tokens_total{model}` and
+`gptforge_speculative_accepted_tokens_total{model}` (their ratio is the acceptance rate).
 
 With `--rag` (`serve.rag`): `gptforge_rag_requests_total{model}` (chat requests augmented),
 histograms `gptforge_rag_retrieval_seconds{model}` (the index search) and
@@ -66,6 +68,12 @@ class ServeMetrics:
             "gptforge_prefix_cache_hit_rate", "hit tokens / query tokens so far", ["model"], registry=r
         )
         self.prefix_bytes = Gauge("gptforge_prefix_cache_bytes", "bytes the prefix cache holds", ["model"], registry=r)
+        self.drafted = Counter(
+            "gptforge_speculative_drafted_tokens", "tokens drafted by prompt lookup", ["model"], registry=r
+        )
+        self.accepted = Counter(
+            "gptforge_speculative_accepted_tokens", "drafted tokens the model kept", ["model"], registry=r
+        )
         self.rag_requests = Counter(
             "gptforge_rag_requests", "chat requests augmented with retrieved chunks", ["model"], registry=r
         )
@@ -117,9 +125,16 @@ class ServeMetrics:
             self.running.labels(name).set(engine.busy_slots)
             self.waiting.labels(name).set(engine.waiting)
             st = engine.stats  # totals since the engine started: the counters grow by the difference
-            now = (st.prefilled_tokens, st.prefix_query_tokens, st.prefix_hit_tokens)
-            before = self._seen.get(name, (0, 0, 0))
-            for counter, a, b in zip((self.prefilled, self.prefix_queries, self.prefix_hits), now, before):
+            now = (
+                st.prefilled_tokens,
+                st.prefix_query_tokens,
+                st.prefix_hit_tokens,
+                st.drafted_tokens,
+                st.accepted_tokens,
+            )
+            before = self._seen.get(name, (0,) * len(now))
+            counters = (self.prefilled, self.prefix_queries, self.prefix_hits, self.drafted, self.accepted)
+            for counter, a, b in zip(counters, now, before):
                 if a > b:
                     counter.labels(name).inc(a - b)
             self._seen[name] = now

@@ -19,11 +19,18 @@ One step is one `backend.forward` over the plan's segments of rows (vLLM's chunk
    temperature, top-k, top-p, its own seeded generator); a row still prefilling draws none.
 
 A finished prompt's full blocks go into the prefix cache (copied out of the row) in `update`.
+
+With `speculate=K` a lone greedy row (nothing else running or waiting) drafts up to K tokens by
+prompt lookup over its prompt and answer (`modeling.speculative.prompt_lookup`), and the
+backend verifies them in the same forward as its last token (`decode_greedy_draft`): the step
+then gives the row one token or several, each taken in by `update` in turn (a stop id among
+them ends the job there). Only backends that can verify a draft speculate (`HFBackend` over the
+lean Llama-family decoder).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,16 +73,27 @@ class Plan:
     drawing: list[Job]
     drawing_segments: list[int]
     lone_greedy_decode: bool = False  # one row, decoding, greedy: `Backend.decode_greedy`
+    draft: list[int] = field(default_factory=list)  # the lone greedy row's drafted tokens, to verify
 
 
 class Scheduler:
     """Rows of `backend` (`serve.gpt_backend`, `serve.hf_backend`), stepped together."""
 
     def __init__(
-        self, backend: Backend, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: PrefixCache | None = None
+        self,
+        backend: Backend,
+        *,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache: PrefixCache | None = None,
+        speculate: int = 0,
     ):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if speculate < 0:
+            raise ValueError("speculate must be >= 0")
+        # drafts only for a backend that verifies them
+        self.speculate = speculate if getattr(backend, "verifies_drafts", False) else 0
+        self.drafted_tokens = self.accepted_tokens = 0
         self.backend = backend
         self.max_batch, self.context = backend.max_batch, backend.context
         self.prefill_chunk = prefill_chunk
@@ -147,16 +165,34 @@ class Scheduler:
             and len(self.rows) == 1
         )
         at = [i for i, (row, _) in enumerate(segments) if not self.rows[row].prefilling]
-        return Plan(segments, drawing, at, lone)
+        draft = self._draft(drawing[0]) if lone and self.speculate and not self.waiting else []
+        return Plan(segments, drawing, at, lone, draft)
+
+    def _draft(self, job: Job) -> list[int]:
+        """Up to `speculate` tokens for the lone greedy row to verify: as many as its answer
+        (max_tokens) and the context still take after the token this step draws anyway."""
+        from gptforge.modeling.speculative import prompt_lookup
+
+        used = len(job.prompt_ids) + len(job.fed)
+        room = min(self.speculate, job.sampling.max_tokens - len(job.fed) - 1, self.context - used - 1)
+        return prompt_lookup(job.prompt_ids + job.fed, room) if room > 0 else []
 
     def update(self, plan: Plan, tokens: list[int]) -> list[tuple[Job, int]]:
         """Each drawing job's token (in `plan.drawing`'s order) taken in: the job grows, ends at a
         stop id, max_tokens or the context, and a prompt completed by the step goes into the
-        prefix cache. Returns the (job, token) pairs."""
+        prefix cache. Returns the (job, token) pairs. A plan with a draft gives its one job every
+        token the backend verified (the kept drafts, then the model's own), taken in up to the
+        first that ends the job."""
         drawing = plan.drawing
         self.steps += 1
+        if plan.draft:
+            self.drafted_tokens += len(plan.draft)
+            self.accepted_tokens += len(tokens) - 1
+            drawing = drawing * len(tokens)
         out = []
         for job, token in zip(drawing, tokens):
+            if plan.draft and job.ended:  # a verified token after the one that ended the answer
+                break
             job.fed.append(token)
             job.ended = (
                 token in job.stop_ids
@@ -165,7 +201,7 @@ class Scheduler:
             )
             out.append((job, token))
         if self.prefix_cache is not None:
-            self._cache_prompts(drawing)
+            self._cache_prompts(plan.drawing)
         return out
 
     def _open(self, job: Job) -> None:
