@@ -10,7 +10,8 @@ else the base checkpoints/base/smollm2) is exported by gptforge to GGUF f16, q8_
 
 - gptforge serve on the folder, `--dtype bfloat16` (16-bit weights: on a CPU with native bf16
   the fastest dtype it has), `--quantize int8` and `--quantize int4` (weight-only int8, and
-  groupwise int4 with an int8 head, bf16 activations);
+  groupwise int4 with an int8 head, bf16 activations), bf16 and int4 again with `--speculate 4`
+  (a lone greedy request drafts by prompt lookup: what it costs or gains on plain chat);
 - llama.cpp's server on the f16, the q8_0 and the q4_1 file, `--n_threads` and `--n_threads_batch` the
   core count, requests with `repeat_penalty` 1.0 (its default 1.1 changes greedy answers).
 
@@ -43,6 +44,8 @@ SIDES = (  # label, server kind, what it serves, gptforge serve flags
     ("gptforge bf16", "gptforge", "folder", ("--dtype", "bfloat16")),
     ("gptforge int8", "gptforge", "folder", ("--quantize", "int8")),
     ("gptforge int4", "gptforge", "folder", ("--quantize", "int4")),
+    ("gptforge bf16 speculate 4", "gptforge", "folder", ("--dtype", "bfloat16", "--speculate", "4")),
+    ("gptforge int4 speculate 4", "gptforge", "folder", ("--quantize", "int4", "--speculate", "4")),
     ("llama.cpp f16", "llama_cpp", "f16", ()),
     ("llama.cpp q8_0", "llama_cpp", "q8_0", ()),
     ("llama.cpp q4_1", "llama_cpp", "q4_1", ()),

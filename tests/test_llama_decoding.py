@@ -276,6 +276,15 @@ def test_quantize_int8_decodes_through_generate_and_is_refused_where_it_cannot_r
     save_model(
         GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, n_vocab=50257)), tmp_path / "gpt"
     )
-    rc = main(["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8"])
+    # a gptforge checkpoint decodes with packed weights too (tests/test_weight_only_gpt.py), within its context
+    from serve_support import PARAMS  # the embedded GPT-2 tokenizer
+
+    gpt = ["generate", "The fox", "--checkpoint", str(tmp_path / "gpt"), "--quantize", "int8", "--params", str(PARAMS)]
+    assert main([*gpt, "--max-new-tokens", "5"]) == 0
+    assert "gptforge: 5 tokens in" in capsys.readouterr().err
+    rc = main(gpt)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and "--quantize int8 applies to Hugging Face Llama-family folders" in lines[-1]
+    assert (
+        rc == 2
+        and "int8 weights decode within the model's context: 2 prompt + 64 new tokens > block_size 16" in lines[-1]
+    )

@@ -58,16 +58,17 @@ def add_commands(sub) -> None:
         "--dtype",
         choices=INFERENCE_DTYPES,
         default="auto",
-        help="weights of a Hugging Face folder: auto = bfloat16 on CUDA, float32 on the CPU (default: %(default)s)",
+        help="weights: auto = a Hugging Face folder in bfloat16 on CUDA and float32 on the CPU, a gptforge "
+        "checkpoint in its own dtype; bfloat16 on a CPU with native bf16 decodes faster (default: %(default)s)",
     )
     g.add_argument(
         "--quantize",
         choices=("none", "int8", "int4"),
         default="none",
-        help="int8 / int4: weight-only int8 / groupwise int4 linears in the lean decoder of a Hugging Face "
-        "Llama-family folder (Llama, SmolLM2, Qwen2, Mistral): a quarter / an eighth of float32's bytes per "
-        "token (int4 on the CPU only); with --dtype auto the activations are bfloat16 on CUDA and on CPUs "
-        "with native bf16 (docs/hf-models.md) (default: %(default)s)",
+        help="int8 / int4: weight-only int8 / groupwise int4 linears in the lean decoder of a gptforge GPT-2 "
+        "checkpoint or a Hugging Face Llama-family folder (Llama, SmolLM2, Qwen2, Mistral): a quarter / an "
+        "eighth of float32's bytes per token (int4 on the CPU only); with --dtype auto the activations are "
+        "bfloat16 on CUDA and on CPUs with native bf16 (docs/hf-models.md) (default: %(default)s)",
     )
     g.add_argument(
         "--speculate",
@@ -104,9 +105,9 @@ def cmd_generate(args) -> int:
         return _generate_hf(args)
     from pathlib import Path
 
-    # Options of the Hugging Face decoder, refused for a gptforge checkpoint that is there (a
+    # An option of the Hugging Face decoder, refused for a gptforge checkpoint that is there (a
     # path that is not there is the loader's one line: "model folder not found").
-    hf_only = ["--speculate"] * bool(args.speculate) + [f"--quantize {args.quantize}"] * (args.quantize != "none")
+    hf_only = ["--speculate"] * bool(args.speculate)
     if hf_only and Path(args.checkpoint).exists():
         raise BadInput(
             f"{hf_only[0]} applies to Hugging Face Llama-family folders; {args.checkpoint} is a gptforge "
@@ -118,11 +119,16 @@ def cmd_generate(args) -> int:
             f"{args.checkpoint} is a gptforge checkpoint (leave out --chat to continue PROMPT as text)"
         )
     from gptforge.config.load import load_config
+    from gptforge.modeling.hf_causal import inference_dtype
 
     cfg = load_config(params_file(args), args.set)
     enc = load_tokenizer(cfg.tokenizer.path)
     device = pick_device(args.device)
+    quantize = None if args.quantize == "none" else args.quantize
+    dtype = inference_dtype(args.dtype, device.type, quantize)
     model = load_model(args.checkpoint, map_location=device)
+    if args.dtype != "auto" or quantize:  # auto alone: the checkpoint's own dtype, as before
+        model.to(dtype)
     if model.config.n_vocab != enc.n_vocab:
         raise BadInput(
             f"{args.checkpoint} has a vocabulary of {model.config.n_vocab}, the tokenizer "
@@ -143,6 +149,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k or None,
         eot_id=enc.eot_token,
         generator=gen,
+        weights=quantize or "native",
     )
     if device.type == "cuda":
         torch.cuda.synchronize()

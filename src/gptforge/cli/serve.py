@@ -76,15 +76,17 @@ def add_commands(sub) -> None:
         "--dtype",
         choices=INFERENCE_DTYPES,
         default="auto",
-        help="weights of Hugging Face models: auto = bfloat16 on CUDA, float32 on the CPU; bfloat16 "
-        "on a CPU with native bf16 (AVX-512 BF16, AMX) decodes faster (default: %(default)s)",
+        help="weights: auto = Hugging Face models in bfloat16 on CUDA and float32 on the CPU, gptforge "
+        "checkpoints in their own dtype; bfloat16 on a CPU with native bf16 (AVX-512 BF16, AMX) decodes "
+        "faster (default: %(default)s)",
     )
     s.add_argument(
         "--quantize",
         choices=("none", "int8", "int4"),
         default="none",
-        help="int8 / int4: weight-only int8 / groupwise int4 linears in the decode step of Hugging Face "
-        "Llama-family models (int4 on the CPU only; prefill runs over the same rounded weights); with "
+        help="int8 / int4: weight-only int8 / groupwise int4 linears (an int8 head) in the decode step of "
+        "gptforge checkpoints and Hugging Face Llama-family models (int4 on the CPU only; prefill runs over "
+        "the same rounded weights); with "
         "--dtype auto the activations are bfloat16 on CUDA and on CPUs with native bf16 (default: %(default)s)",
     )
     s.add_argument(

@@ -36,17 +36,18 @@ _HF_NEUTRAL = dict(
 )
 
 
-def gpt2_block(x: torch.Tensor, w: tuple, attend) -> torch.Tensor:
+def gpt2_block(x: torch.Tensor, w: tuple, attend, linear=F.linear) -> torch.Tensor:
     """One GPT-2 block as functional calls over its 14 weights `w` (a `Decoder.layers` entry), in
     `Block.forward`'s order: ln_1, the q/k/v projection, `attend(qkv)` -> the heads' output in x's
     shape, the output projection and residual, ln_2, the tanh-GELU MLP and residual. The one copy
     of the block that every lean caller runs (`Decoder`, serve's ragged and mixed batches), each
-    with its own `attend`: where its keys and values go and how its rows are masked."""
+    with its own `attend`: where its keys and values go and how its rows are masked. `linear`:
+    F.linear, or `Decoder.linear` (its weight-only int8 / int4 product)."""
     l1w, l1b, eps1, aw, ab, pw, pb, l2w, l2b, eps2, fw, fb, mw, mb = w
     shape = (x.size(-1),)
-    qkv = F.linear(F.layer_norm(x, shape, l1w, l1b, eps1), aw, ab)
-    x = x + F.linear(attend(qkv), pw, pb)
-    return x + F.linear(F.gelu(F.linear(F.layer_norm(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
+    qkv = linear(F.layer_norm(x, shape, l1w, l1b, eps1), aw, ab)
+    x = x + linear(attend(qkv), pw, pb)
+    return x + linear(F.gelu(linear(F.layer_norm(x, shape, l2w, l2b, eps2), fw, fb), approximate="tanh"), mw, mb)
 
 
 class Decoder:
@@ -62,33 +63,54 @@ class Decoder:
     the CPU, one or two rows take ATen's matrix-vector kernels (`cpu_gemv`).
     """
 
-    def __init__(self, model: GPT, cache: KVCache):
+    def __init__(self, model: GPT, cache: KVCache, weights: str = "native"):
+        from gptforge.modeling.weight_only import HEAD_WEIGHTS, PACKED, WEIGHT_FORMATS
+
+        if weights not in WEIGHT_FORMATS:
+            raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         cfg = model.config
         tr = model.transformer
         self.cache = cache
         self.n_embd, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.math = cfg.attention == "math"  # triton models decode with sdpa (see generate)
+        dtype = tr.wte.weight.dtype
+        packer, self.linear = PACKED.get(weights, (None, F.linear))
+        pack = (lambda w: packer(w, dtype)) if packer is not None else (lambda w: w)
         self.layers = [
             (
                 b.ln_1.weight,
                 b.ln_1.bias,
                 b.ln_1.eps,
-                b.attn.c_attn.weight,
+                pack(b.attn.c_attn.weight),
                 b.attn.c_attn.bias,
-                b.attn.c_proj.weight,
+                pack(b.attn.c_proj.weight),
                 b.attn.c_proj.bias,
                 b.ln_2.weight,
                 b.ln_2.bias,
                 b.ln_2.eps,
-                b.mlp.c_fc.weight,
+                pack(b.mlp.c_fc.weight),
                 b.mlp.c_fc.bias,
-                b.mlp.c_proj.weight,
+                pack(b.mlp.c_proj.weight),
                 b.mlp.c_proj.bias,
             )
             for b in tr.h
         ]
         self.wte, self.wpe = tr.wte.weight, tr.wpe.weight
         self.ln_f = (tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
+        self.weights = weights
+        self.head = model.lm_head.weight[: cfg.n_vocab]
+        self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
+        if packer is not None:
+            head_packer, self.head_linear = PACKED[HEAD_WEIGHTS]
+            self.packed_head = head_packer(self.head, dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, n_embd) final hidden states -> (B, n_vocab) logits: `head_logits`, or the head in
+        `HEAD_WEIGHTS` when the layers are packed."""
+        if self.weights == "native":
+            return head_logits(x, self.head)
+        with gemv_kernels(x.size(0), x.dtype, x.device):
+            return self.head_linear(x, self.packed_head, None)
 
     @staticmethod
     def supports(model: GPT) -> bool:
@@ -103,6 +125,28 @@ class Decoder:
         if any(type(m) is not nn.Linear for m in linears) or any(type(m) is not nn.LayerNorm for m in norms):
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T), the first T positions, into the cache at once -> (B, n_embd) final hidden
+        states of the last one: the prompt of a packed-weights decode (`generate(weights=...)`),
+        whose every product must be the packed one."""
+        B, T = ids.shape
+        C, nh, hd = self.n_embd, self.n_head, self.head_dim
+        if T > self.cache.max_len:
+            raise BadInput(f"KV cache holds {self.cache.max_len} positions, {T} needed")
+
+        def attend(qkv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            qkv = qkv.view(B, T, 3, nh, hd).permute(0, 2, 3, 1, 4)  # (B, 3, nh, T, hd)
+            kv[:, :, :, :T] = qkv[:, 1:]
+            y = F.scaled_dot_product_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], is_causal=True)
+            return y.transpose(1, 2).reshape(B, T, C)
+
+        with gemv_kernels(B * T, self.wte.dtype, self.wte.device):
+            x = self.wte[ids] + self.wpe[:T]
+            for w, kv in zip(self.layers, self.cache.kv):
+                x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv), self.linear)
+        self.cache.pos = T
+        return F.layer_norm(x[:, -1], (C,), *self.ln_f)
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         """tok (B,) int64, the token at position cache.pos -> (B, n_embd) final hidden states,
@@ -127,7 +171,7 @@ class Decoder:
         with gemv_kernels(B, self.wte.dtype, self.wte.device):
             x = (self.wte[tok] + self.wpe[pos : pos + 1]).view(B, 1, C)
             for w, kv in zip(self.layers, cache.kv):
-                x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+                x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv), self.linear)
         cache.pos = pos + 1
         return F.layer_norm(x.view(B, C), (C,), *self.ln_f)
 
@@ -143,6 +187,7 @@ def generate(
     eot_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    weights: str = "native",
 ) -> torch.Tensor:
     """Continue `idx` (B, T) by up to `max_new_tokens` tokens; returns (B, T + n_new).
 
@@ -156,6 +201,10 @@ def generate(
     through the KV cache. Once the sequence no longer fits in block_size, it falls back to
     nanoGPT's crop: recompute from the last block_size tokens without the cache (positions
     shift, so cached keys are no longer valid). Cached and uncached runs give the same tokens.
+
+    `weights="int8"` / `"int4"`: the prompt and every step through `Decoder`'s weight-only int8 /
+    groupwise int4 linears and int8 head (`weight_only`), within the model's context (no crop),
+    for a plain GPT-2 checkpoint; fewer bytes a token, no longer the model's own tokens.
     """
     if idx.dim() != 2 or idx.size(1) == 0:
         raise BadInput(f"generate needs a (batch, tokens) prompt of at least one token, got shape {tuple(idx.shape)}")
@@ -177,6 +226,14 @@ def generate(
         if max_new_tokens <= 0:
             return out[:, :T0]
         block = cfg.block_size
+        if weights != "native":
+            if not Decoder.supports(model):
+                raise BadInput(f"{weights} weights decode plain GPT-2 checkpoints (no adapters or hooks)")
+            if T0 + max_new_tokens > block:
+                raise BadInput(
+                    f"{weights} weights decode within the model's context: {T0} prompt + {max_new_tokens} "
+                    f"new tokens > block_size {block}"
+                )
         cache = None
         if use_cache and T0 < block:
             dtype = model.transformer.wte.weight.dtype
@@ -189,12 +246,16 @@ def generate(
         # int8 copy costs about what 10 tokens save: not made for fewer new tokens than that.
         screen = (
             GreedyHead.for_model(model, build=max_new_tokens >= 16)
-            if temperature == 0 and B == 1 and not torch.is_autocast_enabled(idx.device.type)
+            if temperature == 0 and B == 1 and weights == "native" and not torch.is_autocast_enabled(idx.device.type)
             else None
         )
         n = T0
-        x = model.hidden_states(out[:, max(0, n - block) : n], cache)[:, -1, :]
-        step = Decoder(model, cache) if cache is not None and Decoder.supports(model) else None
+        step = Decoder(model, cache, weights) if cache is not None and Decoder.supports(model) else None
+        logits_of = step.logits if step is not None else (lambda h: head_logits(h, head))
+        if weights != "native":
+            x = step.prefill(out[:, :n])
+        else:
+            x = model.hidden_states(out[:, max(0, n - block) : n], cache)[:, -1, :]
         if step is None and cache is not None:
 
             def step(tok):
@@ -205,9 +266,9 @@ def generate(
             if best is not None:
                 nxt = torch.tensor([best], device=idx.device)
             elif temperature == 0:
-                nxt = _argmax(head_logits(x, head))
+                nxt = _argmax(logits_of(x).float())
             else:
-                logits = head_logits(x, head) / temperature
+                logits = logits_of(x).float() / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

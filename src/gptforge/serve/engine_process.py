@@ -66,24 +66,22 @@ def build_scheduler(spec: EngineSpec):
 
     device = torch.device(spec.device)
     if spec.kind == "gptforge":
+        from gptforge.modeling.hf_causal import inference_dtype
         from gptforge.modeling.weights import load_model
-
-        if spec.quantize:
-            raise BadInput(
-                f"--quantize {spec.quantize} applies to Hugging Face Llama-family models; "
-                f"{spec.path} is a gptforge checkpoint"
-            )
         from gptforge.serve.gpt_backend import GPTBackend
 
         model = load_model(spec.path, map_location=device)
+        if spec.dtype != "auto" or spec.quantize:  # auto alone: the checkpoint's own dtype
+            model.to(inference_dtype(spec.dtype, device.type, spec.quantize))
+        weights = spec.quantize or "native"
         if model.config.arch == "llama":  # served as its LlamaForCausalLM, through the lean Llama decoder
             from gptforge.modeling.hf_convert import to_hf
             from gptforge.serve.hf_backend import HFBackend
 
-            backend = HFBackend(to_hf(model), spec.max_batch, model.config.block_size)
+            backend = HFBackend(to_hf(model), spec.max_batch, model.config.block_size, weights=weights)
             info = Ready(model.config.block_size, model.config.n_vocab, [])
         else:
-            backend = GPTBackend(model, spec.max_batch)
+            backend = GPTBackend(model, spec.max_batch, weights)
             info = Ready(backend.context, model.config.n_vocab, [])
     else:
         from gptforge.modeling.hf_causal import inference_dtype, load_causal_lm, stop_ids

@@ -37,7 +37,7 @@ from gptforge.serve.backend import Backend
 class GPTBackend(Backend):
     """Rows of gptforge GPT decoding, each in its own slot of one KV buffer."""
 
-    def __init__(self, model: GPT, max_batch: int):
+    def __init__(self, model: GPT, max_batch: int, weights: str = "native"):
         if not Decoder.supports(model):
             raise BadInput(
                 "the served model has adapter or hooked layers; serve a merged checkpoint "
@@ -50,9 +50,11 @@ class GPTBackend(Backend):
         self.max_batch = max_batch
         device, dtype = model.transformer.wte.weight.device, model.transformer.wte.weight.dtype
         self.cache = KVCache(cfg, max_batch, cfg.block_size, device=device, dtype=dtype)
-        self.step = Decoder(model, self.cache)  # its weights, gathered once
+        self.step = Decoder(model, self.cache, weights)  # its weights, gathered once (int8/int4: packed)
         self.head = model.lm_head.weight[: cfg.n_vocab]
-        self.screen = GreedyHead.for_model(model)  # one greedy row: generate's exact int8 screen
+        self.weights = weights
+        # one greedy row: generate's exact int8 screen of the float32 head (not of a packed one)
+        self.screen = GreedyHead.for_model(model) if weights == "native" else None
         self.positions: list[int] = []  # per live row: positions written so far
         self.device = device
 
@@ -102,6 +104,8 @@ class GPTBackend(Backend):
         through F.linear, but 1.9 ms for two rows and 4.2 ms for 16 written head @ x.T, and
         2.1 ms for one row computed as two (benchmarks/bench_head.py, medians of 50). So one
         row is computed as two."""
+        if self.weights != "native":  # the packed head
+            return self.step.logits(x)
         rows = x.size(0)
         if rows == 1:
             x = torch.cat([x, x])
@@ -153,7 +157,7 @@ class GPTBackend(Backend):
 
         x = (step.wte[tok] + step.wpe[pos]).view(B, 1, C)
         for w, kv in zip(step.layers, self.cache.kv):
-            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv), step.linear)
         return F.layer_norm(x.view(B, C), (C,), *step.ln_f)
 
     def _mixed(self, segments: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -202,7 +206,7 @@ class GPTBackend(Backend):
 
         x = step.wte[torch.tensor(toks, device=dev)] + step.wpe[pos_i]  # (T, C)
         for w, kv in zip(step.layers, self.cache.kv):
-            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv))
+            x = gpt2_block(x, w, lambda qkv, kv=kv: attend(qkv, kv), step.linear)
         return F.layer_norm(x[ends], (C,), *step.ln_f)
 
 
