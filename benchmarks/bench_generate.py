@@ -17,6 +17,14 @@ int8 copy of the head whose candidates are then checked exactly (`GreedyHead`), 
 reads ~40 MB of head instead of 154 MB at GPT-2 124M. `ours_full_head` is the same run with
 that screen off (the float32 head read at every token), to show what each part brings.
 
+`--dtypes float32,bfloat16` adds bf16 sides (the default where the CPU has native bf16): ours
+in bf16 (`ours_bf16`; one- and two-row products through ATen's matrix-vector kernels,
+gptforge.modeling.cpu_gemv), with weight-only int8 and int4 linears and an int8 head
+(`ours_int8`, `ours_int4`: `generate(weights=...)`, bf16 activations, packing included in each
+call as `gptforge generate --quantize` pays it once per process), and Hugging Face's `generate`
+on the same weights in bf16 (`hf_bf16`); `speedup_over_fastest_hf` divides each of ours by the
+faster Hugging Face dtype.
+
 Configs: `tiny` is the CPU default shape (4 layers x 4 heads x 128) but with block_size 256
 instead of 64, so that prompt + 128 new tokens fit in the context and neither side crops
 (cropping recomputes the whole window every step, which is another benchmark). `gpt2` is the
@@ -26,6 +34,7 @@ instead of 64, so that prompt + 128 new tokens fit in the context and neither si
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -72,7 +81,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--dtypes", default=None, help="float32[,bfloat16] (default: bfloat16 too on native-bf16 CPUs)")
     args = ap.parse_args()
+    if args.dtypes is None:
+        from gptforge.modeling.hf_causal import cpu_has_native_bf16
+
+        args.dtypes = "float32,bfloat16" if cpu_has_native_bf16() else "float32"
 
     if args.repeats is None:
         args.repeats = 15 if args.config == "tiny" else 5
@@ -87,23 +101,35 @@ def main() -> int:
     def ours():
         return generate(model, prompt, n, temperature=0)
 
-    def theirs():  # generate() runs under torch.no_grad itself
-        return hf.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=eos,
-            eos_token_id=eos,
-        )
+    def hf_generate(m):
+        def run():  # generate() runs under torch.no_grad itself
+            return m.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=eos,
+                eos_token_id=eos,
+            )
+
+        return run
+
+    theirs = hf_generate(hf)
 
     def ours_full_head():  # the same, with the greedy int8 head screen switched off
         with mock.patch.object(GreedyHead, "for_model", classmethod(lambda cls, m, build=True: None)):
             return generate(model, prompt, n, temperature=0)
 
     screen_used = GreedyHead.for_model(model) is not None
-    res = timed_interleaved({"ours": ours, "ours_full_head": ours_full_head, "hf": theirs}, args.repeats)
+    sides = {"ours": ours, "ours_full_head": ours_full_head, "hf": theirs}
+    if "bfloat16" in args.dtypes.split(","):
+        model16, hf16 = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(hf).to(torch.bfloat16)
+        sides["ours_bf16"] = lambda: generate(model16, prompt, n, temperature=0)
+        sides["ours_int8"] = lambda: generate(model16, prompt, n, temperature=0, weights="int8")
+        sides["ours_int4"] = lambda: generate(model16, prompt, n, temperature=0, weights="int4")
+        sides["hf_bf16"] = hf_generate(hf16)
+    res = timed_interleaved(sides, args.repeats)
     (t_ours, all_ours, out_ours), (t_hf, all_hf, out_hf) = res["ours"], res["hf"]
     t_full, _, out_full = res["ours_full_head"]
     same = out_ours.shape == out_hf.shape and torch.equal(out_ours, out_hf)
@@ -141,6 +167,19 @@ def main() -> int:
     }
     if first_diff is not None:
         result["first_different_new_token"] = first_diff
+    if "hf_bf16" in res:
+        fastest_hf = min(t_hf, res["hf_bf16"][0])
+        result["bf16"] = {
+            name: {
+                "tokens_per_sec": round(n / res[name][0], 2),
+                "times_s": [round(t, 4) for t in res[name][1]],
+                "same_tokens_as_ours_float32": bool(torch.equal(res[name][2], out_ours)),
+            }
+            for name in ("ours_bf16", "ours_int8", "ours_int4", "hf_bf16")
+        }
+        result["speedup_over_fastest_hf"] = {
+            name: round(fastest_hf / res[name][0], 3) for name in ("ours", "ours_bf16", "ours_int8", "ours_int4")
+        }
     print(json.dumps(result, indent=2))
     return 0
 

@@ -6,6 +6,7 @@ model of a few hundred thousand parameters (hidden 64, 2 layers) with the GPT-2 
 vocab.json + merges.txt) and a ChatML chat template whose turns end in `<|endoftext|>`, the
 tokenizer's eos: the shape of Qwen's and SmolLM's templates on a vocabulary we have here.
 `make_tiny_encoder(folder)` writes a BERT folder: a model that is not a causal LM.
+`tiny_llama_config(vocab)` is the config of a tiny in-memory Llama with grouped-query attention.
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def make_tokenizer(folder: Path, chat_template: str | None = CHATML):
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(folder))
     return tok
+
+
+def tiny_llama_config(vocab: int, attn: str = "sdpa", **changes):
+    """A tiny Llama config with grouped-query attention (4 heads, 2 key/value heads, hidden 64,
+    2 layers, 256 positions) over `vocab` tokens."""
+    from transformers import LlamaConfig
+
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaConfig(**{**shape, **changes}, attn_implementation=attn)
 
 
 def make_tiny_causal_lm(

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 import transformers
+from hf_models import tiny_llama_config
 
 from gptforge.errors import BadInput
 from gptforge.serve.hf_backend import HFBackend
@@ -47,16 +48,7 @@ def model(request):
 
 def llama_config(attn: str = "sdpa", **changes) -> transformers.LlamaConfig:
     """A tiny Llama with grouped-query attention (4 heads, 2 key/value heads)."""
-    shape = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return transformers.LlamaConfig(**shape, attn_implementation=attn, **changes)
+    return tiny_llama_config(VOCAB, attn, **changes)
 
 
 def prompt(n: int, seed: int) -> list[int]:

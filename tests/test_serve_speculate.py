@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_models import tiny_llama_config
 
 from gptforge.errors import BadInput
 from gptforge.serve.engine_core import execute, stats_of, step
@@ -24,16 +25,7 @@ VOCAB = 64
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return transformers.LlamaForCausalLM(config).float().eval()
+    return transformers.LlamaForCausalLM(tiny_llama_config(VOCAB)).float().eval()
 
 
 @torch.inference_mode()
@@ -139,7 +131,7 @@ def test_a_stop_id_among_kept_drafts_ends_the_answer():
     answer = [5, 6, 7, 8, 9, 10, 11, 12]
     backend = Scripted(answer)
     scheduler = Scheduler(backend, speculate=6)
-    job = Job(0, [1, 5, 6, 7, 8, 9, 10, 11, 12, 2], Sampling(temperature=0.0, max_tokens=20), {9})
+    job = Job(0, [1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 3, 2], Sampling(temperature=0.0, max_tokens=20), {9})
     scheduler.add(job)
     drawn = []
     while scheduler.has_work:

@@ -23,14 +23,21 @@ import torch.nn.functional as F
 
 from gptforge.modeling.greedy_head import _argmax
 
-MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried in turn, down to one token
+MAX_NGRAM = 3  # the longest suffix looked up; shorter ones are tried in turn, down to MIN_NGRAM
+# A one-token match drafts too often in plain chat: with a step of one row twice as fast as a
+# verify forward of five (cpu_gemv), SmolLM2 bf16 at K=4 answered the 10 plain questions at 44.0
+# tokens/s with one-token matches, 50.3 without, 48.7 without drafting; the 10 RAG answers at
+# 25.9 and 27.9 (one round, 2026-11-29, docs/hf-models.md).
+MIN_NGRAM = 2
 
 
-def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int | None = None) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `tokens`, for the longest n <= `max_ngram` that occurs earlier; [] when none does."""
+    `tokens`, for the longest n <= `max_ngram` (and >= `min_ngram`, default `MIN_NGRAM`) that
+    occurs earlier; [] when none does."""
+    min_ngram = MIN_NGRAM if min_ngram is None else min_ngram
     end = len(tokens)
-    for n in range(min(max_ngram, end - 1), 0, -1):
+    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
         tail = tokens[end - n :]
         for start in range(end - n - 1, -1, -1):  # latest first; the tail itself excluded
             if tokens[start : start + n] == tail:
