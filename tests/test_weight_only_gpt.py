@@ -132,3 +132,21 @@ def test_served_answers_are_generates_alone_and_among_other_rows(weights):
             break
         step(scheduler)
     assert [j.fed for j in jobs] == alone
+
+
+def test_packed_copies_are_kept_on_the_model_until_a_weight_changes():
+    """`weight_only.pack_all`: a second decoder of the same model reuses the packed copies (no
+    second 0.4-s packing of SmolLM2 per `generate` call); an in-place update packs again."""
+    model = tiny()
+    first = Decoder(model, KVCache(model.config, 1, 8), "int8")
+    again = Decoder(model, KVCache(model.config, 1, 8), "int8")
+    assert again.layers[0][3] is first.layers[0][3] and again.packed_head is first.packed_head
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(2)
+    changed = Decoder(model, KVCache(model.config, 1, 8), "int8")
+    assert changed.layers[0][3] is not first.layers[0][3]
+    torch.testing.assert_close(changed.layers[1][10].scale, 2 * first.layers[1][10].scale)
+    assert changed.packed_head is first.packed_head  # the head's own entry: unchanged
+    int4 = Decoder(model, KVCache(model.config, 1, 8), "int4")  # another format: its own entry
+    assert Decoder(model, KVCache(model.config, 1, 8), "int8").layers[0][3] is changed.layers[0][3]
+    assert int4.layers[0][3] is not changed.layers[0][3]

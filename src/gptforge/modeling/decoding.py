@@ -64,7 +64,7 @@ class Decoder:
     """
 
     def __init__(self, model: GPT, cache: KVCache, weights: str = "native"):
-        from gptforge.modeling.weight_only import HEAD_WEIGHTS, PACKED, WEIGHT_FORMATS
+        from gptforge.modeling.weight_only import HEAD_WEIGHTS, PACKED, WEIGHT_FORMATS, pack_all
 
         if weights not in WEIGHT_FORMATS:
             raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
@@ -75,7 +75,12 @@ class Decoder:
         self.math = cfg.attention == "math"  # triton models decode with sdpa (see generate)
         dtype = tr.wte.weight.dtype
         packer, self.linear = PACKED.get(weights, (None, F.linear))
-        pack = (lambda w: packer(w, dtype)) if packer is not None else (lambda w: w)
+        linears = [m.weight for b in tr.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+        table = dict(zip(map(id, linears), pack_all(model, linears, weights, dtype))) if packer else {}
+
+        def pack(w: torch.Tensor):  # native: the weight itself; int8/int4: its packed copy
+            return table[id(w)] if packer is not None else w
+
         self.layers = [
             (
                 b.ln_1.weight,
@@ -101,8 +106,8 @@ class Decoder:
         self.head = model.lm_head.weight[: cfg.n_vocab]
         self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
         if packer is not None:
-            head_packer, self.head_linear = PACKED[HEAD_WEIGHTS]
-            self.packed_head = head_packer(self.head, dtype)
+            self.head_linear = PACKED[HEAD_WEIGHTS][1]
+            self.packed_head = pack_all(model, [self.head], HEAD_WEIGHTS, dtype, "head")[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, n_embd) final hidden states -> (B, n_vocab) logits: `head_logits`, or the head in

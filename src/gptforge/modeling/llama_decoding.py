@@ -33,6 +33,7 @@ from gptforge.modeling.weight_only import (  # noqa: F401 - Int8Weight, Int4Weig
     int4_groups,
     int4_linear,
     int8_linear,
+    pack_all,
     round_linears,
 )
 
@@ -109,7 +110,12 @@ class LlamaLayers:
         self.embed = inner.embed_tokens.weight
         dtype = self.embed.dtype
         packer, self.linear = PACKED.get(weights, (None, F.linear))
-        pack = (lambda w: packer(w, dtype)) if packer is not None else (lambda w: w)
+        linears = [m.weight for m in decoder_linears(model)]
+        table = dict(zip(map(id, linears), pack_all(model, linears, weights, dtype))) if packer else {}
+
+        def pack(w: torch.Tensor):  # native: the weight itself; int8/int4: its packed copy
+            return table[id(w)] if packer is not None else w
+
         self.layers = [
             (
                 layer.input_layernorm.weight,
@@ -138,8 +144,8 @@ class LlamaLayers:
         self.head = model.lm_head.weight
         self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
         if packer is not None:
-            head_packer, self.head_linear = PACKED[HEAD_WEIGHTS]
-            self.packed_head = head_packer(self.head, dtype)
+            self.head_linear = PACKED[HEAD_WEIGHTS][1]
+            self.packed_head = pack_all(model, [self.head], HEAD_WEIGHTS, dtype, "head")[0]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # cos/sin of every position, as LlamaRotaryEmbedding computes them (float32, then the
         # model's dtype), once rather than per step.

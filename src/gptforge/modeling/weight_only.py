@@ -2,7 +2,8 @@
 decoders (`llama_decoding.LlamaLayers` of Llama-family models, `decoding.Decoder` of gptforge's
 GPT): `Int8Weight` (one scale per output row, torch's `_weight_int8pack_mm`), `Int4Weight`
 (16 levels per group of 32 inputs, torch's CPU int4 kernel), the functional `int8_linear` /
-`int4_linear` that take them in F.linear's place, `PACKED` by format name, and `round_linears`,
+`int4_linear` that take them in F.linear's place, `PACKED` by format name, `pack_all` (the
+packed copies of a model's weights, kept on the model until they change), and `round_linears`,
 which rounds a model's own weights in place so that its module forward (a prefill) computes what
 the packed step computes. At batch 1 each token reads every weight once, so fewer bytes are a
 faster token; the accuracy each costs is measured in docs/hf-models.md.
@@ -104,6 +105,20 @@ PACKED = {"int8": (Int8Weight, int8_linear), "int4": (Int4Weight, int4_linear)}
 # more bits: an int4 head raised SmolLM2's perplexity on FineWeb-Edu 6.5% (int4 layers, int8
 # head: 0.6%), for 1.5 ms a token saved (benchmarks/quantized_accuracy.py, docs/hf-models.md).
 HEAD_WEIGHTS = "int8"
+
+
+def pack_all(owner: nn.Module, weights: list[torch.Tensor], fmt: str, dtype: torch.dtype, role: str = "layers"):
+    """The `PACKED[fmt]` packing of each of `weights`, in their order, kept on `owner` (the model)
+    until one of them changes (another tensor, or an in-place update: its version counter), as
+    `GreedyHead` keeps its screen: a second `generate` on the same model does not pack again
+    (SmolLM2's 210 linears: 0.4 s on 2 cores). One entry per `role`, format and dtype."""
+    key = tuple((w.data_ptr(), tuple(w.shape), w._version) for w in weights)
+    cache = owner.__dict__.setdefault("_packed_weights", {})
+    hit = cache.get((role, fmt, dtype))
+    if hit is None or hit[0] != key:
+        packer = PACKED[fmt][0]
+        hit = cache[(role, fmt, dtype)] = (key, [packer(w, dtype) for w in weights])
+    return hit[1]
 
 
 @torch.no_grad()
