@@ -17,8 +17,10 @@ in bf16), medians of 7:
 
 A whole SmolLM2 decode step went from 29 to 58 tokens/s with the same greedy tokens (both
 accumulate in float32). float32 products do not go through oneDNN and are left alone; fp16
-gains less (10.6 -> 8.7 ms). The flag is process-wide: a step holds it for its own duration, and
-the serve engine runs its steps in one thread.
+gains less (10.6 -> 8.7 ms). The flag is process-wide: a step holds it for its own duration. Each
+engine of `gptforge serve` runs in a process of its own by default; with `--engine-process off`
+and several models, one engine's one-row step can send another engine's concurrent many-row
+step to ATen's kernels too: slower for that step, the same products rounded by another kernel.
 """
 
 from __future__ import annotations
