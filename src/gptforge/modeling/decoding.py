@@ -64,22 +64,19 @@ class Decoder:
     """
 
     def __init__(self, model: GPT, cache: KVCache, weights: str = "native"):
-        from gptforge.modeling.weight_only import HEAD_WEIGHTS, PACKED, WEIGHT_FORMATS, pack_all
+        from gptforge.modeling.weight_only import packing
 
-        if weights not in WEIGHT_FORMATS:
-            raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         cfg = model.config
         tr = model.transformer
         self.cache = cache
         self.n_embd, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.math = cfg.attention == "math"  # triton models decode with sdpa (see generate)
-        dtype = tr.wte.weight.dtype
-        packer, self.linear = PACKED.get(weights, (None, F.linear))
+        self.head = model.lm_head.weight[: cfg.n_vocab]
         linears = [m.weight for b in tr.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-        table = dict(zip(map(id, linears), pack_all(model, linears, weights, dtype))) if packer else {}
-
-        def pack(w: torch.Tensor):  # native: the weight itself; int8/int4: its packed copy
-            return table[id(w)] if packer is not None else w
+        # what the block and `logits` multiply by
+        pack, self.linear, self.packed_head, self.head_linear = packing(
+            model, linears, self.head, weights, tr.wte.weight.dtype
+        )
 
         self.layers = [
             (
@@ -103,11 +100,6 @@ class Decoder:
         self.wte, self.wpe = tr.wte.weight, tr.wpe.weight
         self.ln_f = (tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps)
         self.weights = weights
-        self.head = model.lm_head.weight[: cfg.n_vocab]
-        self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
-        if packer is not None:
-            self.head_linear = PACKED[HEAD_WEIGHTS][1]
-            self.packed_head = pack_all(model, [self.head], HEAD_WEIGHTS, dtype, "head")[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, n_embd) final hidden states -> (B, n_vocab) logits: `head_logits`, or the head in

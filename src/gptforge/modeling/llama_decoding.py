@@ -33,7 +33,7 @@ from gptforge.modeling.weight_only import (  # noqa: F401 - Int8Weight, Int4Weig
     int4_groups,
     int4_linear,
     int8_linear,
-    pack_all,
+    packing,
     round_linears,
 )
 
@@ -101,21 +101,17 @@ class LlamaLayers:
     2.5 in int8, 1.0 in int4). `logits(x)` applies the head."""
 
     def __init__(self, model, max_len: int, weights: str = "native"):
-        if weights not in WEIGHT_FORMATS:
-            raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         cfg = model.config
         inner = model.model
         self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed = inner.embed_tokens.weight
-        dtype = self.embed.dtype
-        packer, self.linear = PACKED.get(weights, (None, F.linear))
+        self.head = model.lm_head.weight
         linears = [m.weight for m in decoder_linears(model)]
-        table = dict(zip(map(id, linears), pack_all(model, linears, weights, dtype))) if packer else {}
-
-        def pack(w: torch.Tensor):  # native: the weight itself; int8/int4: its packed copy
-            return table[id(w)] if packer is not None else w
-
+        # what `forward` and `logits` multiply by
+        pack, self.linear, self.packed_head, self.head_linear = packing(
+            model, linears, self.head, weights, self.embed.dtype
+        )
         self.layers = [
             (
                 layer.input_layernorm.weight,
@@ -141,11 +137,6 @@ class LlamaLayers:
             for a, m in [(layer.self_attn, layer.mlp)]
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = model.lm_head.weight
-        self.packed_head, self.head_linear = self.head, F.linear  # what `logits` multiplies by
-        if packer is not None:
-            self.head_linear = PACKED[HEAD_WEIGHTS][1]
-            self.packed_head = pack_all(model, [self.head], HEAD_WEIGHTS, dtype, "head")[0]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         # cos/sin of every position, as LlamaRotaryEmbedding computes them (float32, then the
         # model's dtype), once rather than per step.

@@ -3,7 +3,8 @@ decoders (`llama_decoding.LlamaLayers` of Llama-family models, `decoding.Decoder
 GPT): `Int8Weight` (one scale per output row, torch's `_weight_int8pack_mm`), `Int4Weight`
 (16 levels per group of 32 inputs, torch's CPU int4 kernel), the functional `int8_linear` /
 `int4_linear` that take them in F.linear's place, `PACKED` by format name, `pack_all` (the
-packed copies of a model's weights, kept on the model until they change), and `round_linears`,
+packed copies of a model's weights, kept on the model until they change), `packing` (what a
+decoder multiplies by under a format), and `round_linears`,
 which rounds a model's own weights in place so that its module forward (a prefill) computes what
 the packed step computes. At batch 1 each token reads every weight once, so fewer bytes are a
 faster token; the accuracy each costs is measured in docs/hf-models.md.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gptforge.errors import BadInput
 
@@ -119,6 +121,20 @@ def pack_all(owner: nn.Module, weights: list[torch.Tensor], fmt: str, dtype: tor
         packer = PACKED[fmt][0]
         hit = cache[(role, fmt, dtype)] = (key, [packer(w, dtype) for w in weights])
     return hit[1]
+
+
+def packing(owner: nn.Module, linears: list[torch.Tensor], head: torch.Tensor, fmt: str, dtype: torch.dtype):
+    """What a lean decoder multiplies by under `fmt` ("native", "int8", "int4"): (pack, linear,
+    packed_head, head_linear), where `pack(w)` gives each of `linears` as `linear` takes it (the
+    weight itself and F.linear for native; the `pack_all` copy and its product otherwise) and the
+    head is packed in `HEAD_WEIGHTS` under both formats. `dtype`: the activations'."""
+    if fmt not in WEIGHT_FORMATS:
+        raise BadInput(f"weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt == "native":
+        return (lambda w: w), F.linear, head, F.linear
+    table = dict(zip(map(id, linears), pack_all(owner, linears, fmt, dtype)))
+    packed_head = pack_all(owner, [head], HEAD_WEIGHTS, dtype, "head")[0]
+    return (lambda w: table[id(w)]), PACKED[fmt][1], packed_head, PACKED[HEAD_WEIGHTS][1]
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptforge.modeling.speculative import prompt_lookup
 from gptforge.serve.backend import Backend
 from gptforge.serve.prefix_cache import PrefixCache
 from gptforge.serve.sampling import Sampling
@@ -171,8 +172,6 @@ class Scheduler:
     def _draft(self, job: Job) -> list[int]:
         """Up to `speculate` tokens for the lone greedy row to verify: as many as its answer
         (max_tokens) and the context still take after the token this step draws anyway."""
-        from gptforge.modeling.speculative import prompt_lookup
-
         used = len(job.prompt_ids) + len(job.fed)
         room = min(self.speculate, job.sampling.max_tokens - len(job.fed) - 1, self.context - used - 1)
         return prompt_lookup(job.prompt_ids + job.fed, room) if room > 0 else []
